@@ -1,0 +1,54 @@
+"""Input validation shared by the whole package.
+
+Every check raises ``ValueError`` with one line that names the parameter, what was expected and
+what was given, so a user (or the CLI, which prints the line) knows what to fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def require(condition: bool, name: str, expected: str, got: object) -> None:
+    """Raise ``ValueError("<name>: expected <expected>, got <got>")`` unless ``condition``."""
+    if not condition:
+        raise ValueError(f"{name}: expected {expected}, got {got!r}")
+
+
+def check_positive_int(value: object, name: str) -> int:
+    require(isinstance(value, int) and not isinstance(value, bool) and value > 0, name, "a positive integer", value)
+    return value  # type: ignore[return-value]
+
+
+def check_int_list(values: object, name: str, min_len: int = 1) -> tuple[int, ...]:
+    """A non-empty sequence of positive integers, returned as a tuple."""
+    ok = (
+        isinstance(values, Sequence)
+        and not isinstance(values, str)
+        and len(values) >= min_len
+        and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values)
+    )
+    require(ok, name, f"a sequence of at least {min_len} positive integers", values)
+    return tuple(values)  # type: ignore[arg-type]
+
+
+def check_divides(divisor: int, total: int, divisor_name: str, total_name: str) -> None:
+    require(total % divisor == 0, divisor_name, f"a divisor of {total_name}={total}", divisor)
+
+
+def check_tensor(x: object, name: str, ndim: int | None = None) -> torch.Tensor:
+    require(isinstance(x, torch.Tensor), name, "a torch.Tensor", type(x).__name__)
+    assert isinstance(x, torch.Tensor)
+    if ndim is not None:
+        require(x.dim() == ndim, name, f"a {ndim}-dimensional tensor", tuple(x.shape))
+    return x
+
+
+def check_same_dtype_device(tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+    """All tensors share the first one's dtype and device."""
+    first_name, first = tensors[0]
+    for name, t in tensors[1:]:
+        require(t.dtype == first.dtype, f"{name}.dtype", f"{first.dtype} (the dtype of {first_name})", t.dtype)
+        require(t.device == first.device, f"{name}.device", f"{first.device} (the device of {first_name})", t.device)
