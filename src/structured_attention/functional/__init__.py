@@ -1,0 +1,17 @@
+"""Functional (stateless) attention primitives."""
+
+from structured_attention.functional.mlr import (
+    mlr_attention,
+    mlr_block_sizes,
+    mlr_depth,
+    mlr_pair_counts,
+    mlr_score_flops,
+)
+
+__all__ = [
+    "mlr_attention",
+    "mlr_block_sizes",
+    "mlr_depth",
+    "mlr_pair_counts",
+    "mlr_score_flops",
+]
