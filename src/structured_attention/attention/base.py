@@ -1,0 +1,218 @@
+"""The interface every attention kind implements, the registry that picks one by name, and the
+masked-softmax helper the kinds share."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, TypeVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .._checks import require
+from .cache import KVCache, TokenBuffer
+from .config import AttentionConfig, config_from_spec
+
+
+@dataclass(frozen=True)
+class AttentionCost:
+    """Costs of one layer over a sequence of ``seq_len`` tokens, all heads, batch 1.
+
+    FLOPs are multiply-adds, as in ``structured_attention.matrices``. Element-wise work (softmax,
+    LayerNorm, masks) is not counted.
+    """
+
+    seq_len: int
+    params: int
+    projection_flops: int  # query/key/value/output projections
+    score_flops: int  # forming the scores of the attended pairs
+    mix_flops: int  # attention weights times values
+    kv_cache_numel: int  # numbers held by the KV cache after seq_len tokens
+
+    @property
+    def total_flops(self) -> int:
+        return self.projection_flops + self.score_flops + self.mix_flops
+
+    @property
+    def score_flops_per_token(self) -> float:
+        return self.score_flops / self.seq_len
+
+    def kv_cache_bytes_per_token(self, element_size: int) -> float:
+        return self.kv_cache_numel * element_size / self.seq_len
+
+
+def causal_pairs(seq_len: int, causal: bool) -> int:
+    """Number of (query, key) pairs full attention scores."""
+    return seq_len * (seq_len + 1) // 2 if causal else seq_len * seq_len
+
+
+def window_pairs(seq_len: int, window: int, causal: bool) -> int:
+    """Number of pairs with ``|i - j| <= window`` (and ``j <= i`` when causal)."""
+    w = min(window, seq_len - 1)
+    one_side = w * seq_len - w * (w + 1) // 2  # pairs with 1 <= i - j <= w
+    return seq_len + one_side * (1 if causal else 2)
+
+
+def position_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, window: int | None) -> torch.Tensor:
+    """Boolean ``(t_q, t_k)`` mask of the pairs a query may attend to."""
+    diff = q_pos[:, None] - k_pos[None, :]
+    keep = diff >= 0 if causal else torch.ones_like(diff, dtype=torch.bool)
+    if window is not None:
+        keep &= diff.abs() <= window
+    return keep
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    *,
+    causal: bool,
+    window: int | None = None,
+    q_start: int = 0,
+    k_start: int = 0,
+    dropout: float = 0.0,
+) -> torch.Tensor:
+    """Softmax attention of queries at positions ``q_start + [0, t_q)`` over keys at
+    ``k_start + [0, t_k)``; GQA when ``k``/``v`` have fewer heads than ``q``."""
+    t_q, t_k = q.shape[2], k.shape[2]
+    gqa = k.shape[1] != q.shape[1]
+    if window is None and (not causal or (q_start == k_start and t_q == t_k) or t_q == 1):
+        # The plain causal or full pattern: no explicit mask, so SDPA can take a fused kernel.
+        is_causal = causal and t_q > 1
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=is_causal, scale=scale, enable_gqa=gqa)
+    q_pos = torch.arange(q_start, q_start + t_q, device=q.device)
+    k_pos = torch.arange(k_start, k_start + t_k, device=q.device)
+    mask = position_mask(q_pos, k_pos, causal, window)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scale, enable_gqa=gqa)
+
+
+class Attention(nn.Module):
+    """Base class: ``(B, T, D) -> (B, T, D)`` for any ``T <= max_seq_len``.
+
+    ``forward(x, cache)`` with a cache from :meth:`new_cache` treats ``x`` as the next tokens of a
+    causal sequence (a prompt to prefill or one token to decode) and returns their outputs.
+    Subclasses set ``self.v_proj``-style layers and implement ``_forward`` and ``_forward_cached``.
+    """
+
+    kind: str = ""
+
+    def __init__(self, config: AttentionConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.d_model = config.d_model
+        self.n_heads = config.n_heads
+        self.n_kv_heads = config.kv_heads
+        self.head_dim = config.dim_head
+        self.v_proj = nn.Linear(config.d_model, self.n_kv_heads * self.head_dim, bias=config.bias)
+        self.out_proj = nn.Linear(config.n_heads * self.head_dim, config.d_model, bias=config.bias)
+
+    # -- helpers for subclasses ------------------------------------------------------------
+    def split_heads(self, x: torch.Tensor, heads: int) -> torch.Tensor:
+        """``(B, T, heads * d) -> (B, heads, T, d)``."""
+        b, t, _ = x.shape
+        return x.view(b, t, heads, -1).transpose(1, 2)
+
+    def merge_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, H, T, d) -> (B, T, H * d)`` and the output projection."""
+        b, h, t, d = x.shape
+        return self.out_proj(x.transpose(1, 2).reshape(b, t, h * d))
+
+    def values(self, x: torch.Tensor) -> torch.Tensor:
+        return self.split_heads(self.v_proj(x), self.n_kv_heads)
+
+    @property
+    def attn_dropout(self) -> float:
+        return self.config.dropout if self.training else 0.0
+
+    def _full_buffer(self, batch: int, dim: int, heads: int, dtype: torch.dtype, device: Any) -> TokenBuffer:
+        return TokenBuffer(batch, heads, dim, self.config.max_seq_len, dtype, device)
+
+    # -- interface --------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        require(isinstance(x, torch.Tensor) and x.dim() == 3, "x", "a (batch, seq_len, d_model) tensor",
+                tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__)
+        require(x.shape[-1] == self.d_model, "x", f"last dimension d_model={self.d_model}", tuple(x.shape))
+        weight = self.out_proj.weight
+        require(x.dtype == weight.dtype, "x.dtype", f"{weight.dtype} (the dtype of the layer's parameters)", x.dtype)
+        require(x.device == weight.device, "x.device", f"{weight.device} (the device of the layer's parameters)", x.device)
+        start = 0 if cache is None else cache.length
+        require(x.shape[1] >= 1 and start + x.shape[1] <= self.config.max_seq_len, "seq_len",
+                f"1 <= cached + new tokens <= max_seq_len={self.config.max_seq_len}", start + x.shape[1])
+        if cache is None:
+            return self._forward(x)
+        require(self.config.causal, "cache", "a causal layer (incremental decoding needs causal=True)", "causal=False")
+        out = self._forward_cached(x, cache)
+        cache.length += x.shape[1]
+        return out
+
+    def new_cache(self, batch_size: int, dtype: torch.dtype | None = None, device: Any = None) -> KVCache:
+        """An empty cache for this layer; dtype and device default to the layer's parameters'."""
+        dtype = dtype or self.out_proj.weight.dtype
+        device = device or self.out_proj.weight.device
+        return KVCache(self._cache_buffers(batch_size, dtype, device))
+
+    def cost(self, seq_len: int) -> AttentionCost:
+        """Parameters, FLOPs and cache size for a ``seq_len``-token sequence (see AttentionCost)."""
+        pairs = causal_pairs(seq_len, self.config.causal)
+        projections = sum(m.in_features * m.out_features for m in self.modules() if isinstance(m, nn.Linear))
+        return AttentionCost(
+            seq_len=seq_len,
+            params=sum(p.numel() for p in self.parameters()),
+            projection_flops=seq_len * (projections + self._structured_projection_flops()),
+            score_flops=self.score_flops(seq_len),
+            mix_flops=self.n_heads * self.head_dim * self._mixed_pairs(seq_len, pairs),
+            kv_cache_numel=self.kv_cache_numel(seq_len),
+        )
+
+    # -- per kind ---------------------------------------------------------------------------
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _forward_cached(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _cache_buffers(self, batch: int, dtype: torch.dtype, device: Any) -> dict[str, TokenBuffer]:
+        raise NotImplementedError
+
+    def score_flops(self, seq_len: int) -> int:
+        """Multiply-adds that form the scores of a ``seq_len``-token sequence, all heads."""
+        raise NotImplementedError
+
+    def kv_cache_numel(self, seq_len: int) -> int:
+        """Numbers the cache holds (batch 1) after ``seq_len`` tokens; equals ``new_cache`` usage."""
+        raise NotImplementedError
+
+    def _mixed_pairs(self, seq_len: int, pairs: int) -> int:
+        """Pairs whose weight multiplies a value vector (full attention: all attended pairs)."""
+        return pairs
+
+    def _structured_projection_flops(self) -> int:
+        """Per-token multiply-adds of projections that are not ``nn.Linear``."""
+        return 0
+
+
+ATTENTION_KINDS: dict[str, type[Attention]] = {}
+_A = TypeVar("_A", bound=type[Attention])
+
+
+def register_attention(name: str) -> Callable[[_A], _A]:
+    """Class decorator adding an attention kind to the registry under ``name``."""
+
+    def add(cls: _A) -> _A:
+        cls.kind = name
+        ATTENTION_KINDS[name] = cls
+        return cls
+
+    return add
+
+
+def build_attention(config: AttentionConfig | str, **base: Any) -> Attention:
+    """An attention layer from a config, or from a spec string plus shared settings
+    (``build_attention('mlr:48|16', d_model=512, n_heads=8, max_seq_len=1024)``)."""
+    if isinstance(config, str):
+        config = config_from_spec(config, **base)
+    require(config.kind in ATTENTION_KINDS, "kind", f"one of {sorted(ATTENTION_KINDS)}", config.kind)
+    return ATTENTION_KINDS[config.kind](config)

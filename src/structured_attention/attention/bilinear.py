@@ -1,0 +1,117 @@
+"""Bilinear scoring with a structured, high-rank matrix per head: ``score_h(i, j) = x_i^T M_h x_j``.
+
+Standard attention's ``W_Q W_K^T`` has rank at most ``head_dim``; these kinds replace it by a
+BTT or MLR matrix whose rank can reach ``d_model`` at a fraction of a dense matrix's cost.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .._checks import require
+from ..matrices import BTT, BlockDiag
+from .base import Attention, attend, causal_pairs, register_attention
+from .cache import KVCache, TokenBuffer
+from .config import AttentionConfig, default_scale
+
+
+class _BilinearAttention(Attention):
+    """Shared parts: subclasses return per-head queries and keys of ``score_dims`` dims."""
+
+    score_dims: int
+    scale: float
+
+    def qk(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k = self.qk(x)
+        out = attend(q, k, self.values(x), self.scale, causal=self.config.causal, dropout=self.attn_dropout)
+        return self.merge_heads(out)
+
+    def _forward_cached(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        q, k = self.qk(x)
+        k, v = cache["k"].append(k), cache["v"].append(self.values(x))
+        return self.merge_heads(attend(q, k, v, self.scale, causal=True, q_start=cache.length))
+
+    def _cache_buffers(self, batch: int, dtype: torch.dtype, device: Any) -> dict[str, TokenBuffer]:
+        return {
+            "k": self._full_buffer(batch, self.score_dims, self.n_kv_heads, dtype, device),
+            "v": self._full_buffer(batch, self.head_dim, self.n_kv_heads, dtype, device),
+        }
+
+    def score_flops(self, seq_len: int) -> int:
+        return self.n_heads * self.score_dims * causal_pairs(seq_len, self.config.causal)
+
+    def kv_cache_numel(self, seq_len: int) -> int:
+        return seq_len * self.n_kv_heads * (self.score_dims + self.head_dim)
+
+
+@register_attention("bilinear_btt")
+class BilinearBTTAttention(_BilinearAttention):
+    """``score_h(i, j) = x_i^T M_h x_j / tau`` with ``M_h`` a (full-rank) BTT matrix, computed as
+    queries ``x_i`` and keys ``LN(M_h x_j)``; a learned gain per head and dim follows the LayerNorm."""
+
+    def __init__(self, config: AttentionConfig) -> None:
+        super().__init__(config)
+        require(config.kv_heads == config.n_heads, "n_kv_heads",
+                f"n_heads={config.n_heads} (GQA does not apply: every head's query is x itself)", config.n_kv_heads)
+        d = config.d_model
+        self.key_map = BTT(d, self.n_heads * d, tt_rank=config.btt_rank)
+        self.key_gain = nn.Parameter(torch.ones(self.n_heads, 1, d))
+        self.q_norm = nn.LayerNorm(d) if config.qk_norm else nn.Identity()
+        self.score_dims = d
+        self.scale = default_scale(config.attn_scale, d)
+
+    def qk(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        b, t, d = x.shape
+        q = self.q_norm(x).unsqueeze(1).expand(b, self.n_heads, t, d)
+        k = F.layer_norm(self.split_heads(self.key_map(x), self.n_heads), (d,)) * self.key_gain
+        return q, k
+
+    def _structured_projection_flops(self) -> int:
+        return self.key_map.flops(1)
+
+
+@register_attention("bilinear_mlr")
+class BilinearMLRAttention(_BilinearAttention):
+    """``M_h`` multi-level low-rank over the feature axis: level ``l`` splits ``x`` into ``p_l``
+    chunks and projects each to ``r_l`` dims for queries and for keys; each level's features get
+    a LayerNorm and a learned scale. Per-head score dims: ``sum_l p_l r_l``."""
+
+    def __init__(self, config: AttentionConfig) -> None:
+        super().__init__(config)
+        d = config.d_model
+        ranks = config.ranks or (max(self.head_dim // 2, 1), max(self.head_dim // 4, 1), max(self.head_dim // 8, 1))
+        n_blocks = config.n_blocks or tuple(2**level for level in range(len(ranks)))
+        require(all(isinstance(r, int) and r > 0 for r in ranks), "ranks", "positive integers", ranks)
+        require(len(n_blocks) == len(ranks), "n_blocks", f"one chunk count per level ({len(ranks)} levels)", n_blocks)
+        for p in n_blocks:
+            require(isinstance(p, int) and p > 0 and d % p == 0, "n_blocks", f"positive divisors of d_model={d}", n_blocks)
+        self.ranks, self.n_blocks = tuple(ranks), tuple(n_blocks)
+        self.q_maps = nn.ModuleList(BlockDiag(d, p * self.n_heads * r, n_blocks=p) for p, r in zip(n_blocks, ranks))
+        self.k_maps = nn.ModuleList(BlockDiag(d, p * self.n_kv_heads * r, n_blocks=p) for p, r in zip(n_blocks, ranks))
+        self.level_scale = nn.Parameter(torch.ones(len(ranks)))
+        self.score_dims = sum(p * r for p, r in zip(n_blocks, ranks))
+        self.scale = default_scale(config.attn_scale, self.score_dims)
+
+    def _levels(self, maps: nn.ModuleList, x: torch.Tensor, heads: int) -> list[torch.Tensor]:
+        b, t, _ = x.shape
+        out = []
+        for m, p, r in zip(maps, self.n_blocks, self.ranks):
+            y = m(x).view(b, t, p, heads, r).permute(0, 3, 1, 2, 4).reshape(b, heads, t, p * r)
+            out.append(F.layer_norm(y, (p * r,)))
+        return out
+
+    def qk(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q_levels = self._levels(self.q_maps, x, self.n_heads)
+        q = torch.cat([g * ql for g, ql in zip(self.level_scale, q_levels)], dim=-1)
+        k = torch.cat(self._levels(self.k_maps, x, self.n_kv_heads), dim=-1)
+        return q, k
+
+    def _structured_projection_flops(self) -> int:
+        return sum(m.flops(1) for m in (*self.q_maps, *self.k_maps))

@@ -1,0 +1,136 @@
+"""MLR attention: the ``T x T`` score matrix is multi-level low-rank over positions.
+
+Query and key dims split by level, ``q = [q_1 | ... | q_L]``; pair ``(i, j)`` is scored with the
+levels whose block (size ``s_l``, fixed by ``max_seq_len``) holds both positions, so near pairs
+get a higher-rank score than far ones (SPEC section 3). Decoding keeps level-1 keys for every
+token but keys of level ``l > 1`` only for the current level-``l`` block.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._checks import require
+from ..functional import mlr_attention, mlr_block_sizes, mlr_score_flops
+from .base import Attention, register_attention
+from .cache import KVCache, TokenBuffer
+from .config import AttentionConfig, default_scale
+
+
+def _grouped_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a: (B, H, t, n) @ b: (B, Hk, n, m)`` with query head ``h`` reading ``b``'s head ``h // (H/Hk)``."""
+    bsz, h, t, n = a.shape
+    hk = b.shape[1]
+    return (a.view(bsz, hk, h // hk, t, n) @ b.unsqueeze(2)).view(bsz, h, t, b.shape[-1])
+
+
+@register_attention("mlr")
+class MLRAttention(Attention):
+    """Multi-level low-rank attention over positions, with GQA, per-level scales and KV cache."""
+
+    def __init__(self, config: AttentionConfig) -> None:
+        super().__init__(config)
+        hd = self.head_dim
+        ranks = config.ranks or ((hd // 4,) * 4 if hd % 4 == 0 else (hd,))
+        require(
+            all(isinstance(r, int) and r > 0 for r in ranks) and sum(ranks) == hd,
+            "ranks",
+            f"positive integers summing to head_dim={hd}",
+            ranks,
+        )
+        self.ranks = tuple(ranks)
+        self.block_sizes = mlr_block_sizes(self.ranks, config.max_seq_len, config.block_sizes)
+        self.q_proj = nn.Linear(config.d_model, self.n_heads * hd, bias=config.bias)
+        self.k_proj = nn.Linear(config.d_model, self.n_kv_heads * hd, bias=config.bias)
+        self.level_scale = nn.Parameter(torch.ones(len(self.ranks)))
+        self.q_norms = nn.ModuleList(nn.LayerNorm(r) for r in self.ranks) if config.qk_norm else None
+        self.k_norms = nn.ModuleList(nn.LayerNorm(r) for r in self.ranks) if config.qk_norm else None
+        self.scale = default_scale(config.attn_scale, hd)
+        self.register_buffer("_level_index", torch.repeat_interleave(torch.arange(len(self.ranks)), torch.tensor(self.ranks)), persistent=False)
+
+    def _per_level_norm(self, x: torch.Tensor, norms: nn.ModuleList | None) -> torch.Tensor:
+        if norms is None:
+            return x
+        return torch.cat([norm(part) for norm, part in zip(norms, x.split(self.ranks, dim=-1))], dim=-1)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q = self._per_level_norm(self.split_heads(self.q_proj(x), self.n_heads), self.q_norms)
+        q = q * self.level_scale[self._level_index]  # per-level scales folded into the queries
+        k = self._per_level_norm(self.split_heads(self.k_proj(x), self.n_kv_heads), self.k_norms)
+        return q, k, self.values(x)
+
+    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+        out = mlr_attention(q, k, v, self.ranks, block_sizes=self.block_sizes, causal=causal, scale=self.scale,
+                            depth_normalize=self.config.depth_normalize)
+        return torch.nn.functional.dropout(out, self.attn_dropout) if self.attn_dropout else out
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.project(x)
+        return self.merge_heads(self._attention(q, k, v, self.config.causal))
+
+    def _forward_cached(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        q, k, v = self.project(x)
+        start, t = cache.length, x.shape[1]
+        end = start + t
+        k_levels = k.split(self.ranks, dim=-1)
+        if start == 0:
+            # A prompt from position 0 is scored exactly as in training: block sizes are fixed.
+            out = self._attention(q, k, v, causal=True)
+            for level, k_l in enumerate(k_levels):
+                cache[f"k{level}"].append(k_l)
+            cache["v"].append(v)
+        else:
+            out = self._attend_to_cache(q.split(self.ranks, dim=-1), k_levels, v, cache, start)
+        for level, s in enumerate(self.block_sizes[1:], start=1):
+            cache[f"k{level}"].drop_before(end - end % s)  # the next token's level block starts here
+        return self.merge_heads(out)
+
+    def _attend_to_cache(
+        self, q_levels: tuple[torch.Tensor, ...], k_levels: tuple[torch.Tensor, ...], v: torch.Tensor,
+        cache: KVCache, start: int,
+    ) -> torch.Tensor:
+        """New queries at positions ``start + [0, t)`` against every cached key: level ``l`` scores
+        only the keys held for it (the current level-``l`` block), the compressed-cache read."""
+        device, acc = v.device, torch.promote_types(v.dtype, torch.float32)
+        end = start + v.shape[2]
+        q_pos = torch.arange(start, end, device=device)
+        scores = depth = None
+        for level, (q_l, k_l, s) in enumerate(zip(q_levels, k_levels, self.block_sizes)):
+            buffer = cache[f"k{level}"]
+            k_start = buffer.start
+            part = _grouped_matmul(q_l, buffer.append(k_l).transpose(-1, -2)).to(acc)
+            if level == 0:  # level 1 covers the whole context: every key, from position 0
+                scores = part
+                depth = torch.ones(part.shape[-2:], dtype=acc, device=device)
+                continue
+            k_pos = torch.arange(k_start, end, device=device)
+            same = (q_pos[:, None] // s) == (k_pos[None, :] // s)
+            scores[..., k_start:] += part * same
+            depth[:, k_start:] += same
+        assert scores is not None and depth is not None
+        scores = scores * self.scale
+        if self.config.depth_normalize:
+            scores = scores / depth
+        future = torch.arange(end, device=device)[None, :] > q_pos[:, None]
+        weights = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1).to(v.dtype)
+        return _grouped_matmul(weights, cache["v"].append(v))
+
+    def _cache_buffers(self, batch: int, dtype: torch.dtype, device: Any) -> dict[str, TokenBuffer]:
+        kv = self.n_kv_heads
+        buffers = {
+            f"k{level}": TokenBuffer(batch, kv, r, s if level else self.config.max_seq_len, dtype, device)
+            for level, (r, s) in enumerate(zip(self.ranks, self.block_sizes))
+        }
+        buffers["v"] = self._full_buffer(batch, self.head_dim, kv, dtype, device)
+        return buffers
+
+    def score_flops(self, seq_len: int) -> int:
+        return self.n_heads * mlr_score_flops(seq_len, self.ranks, self.block_sizes, self.config.causal)
+
+    def kv_cache_numel(self, seq_len: int) -> int:
+        """``T (r_1 + Dv)`` plus, for each level ``l > 1``, ``r_l`` times the tokens of the current block."""
+        held = sum(r * (seq_len % s) for r, s in zip(self.ranks[1:], self.block_sizes[1:]))
+        return self.n_kv_heads * (seq_len * (self.ranks[0] + self.head_dim) + held)

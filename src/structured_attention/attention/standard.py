@@ -1,0 +1,171 @@
+"""Standard scoring: multi-head attention (with GQA), sliding-window attention and the
+Global+SWA split of the head dimensions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._checks import require
+from .base import Attention, attend, causal_pairs, register_attention, window_pairs
+from .cache import KVCache, TokenBuffer
+from .config import AttentionConfig, default_scale
+
+
+class _QKAttention(Attention):
+    """Shared parts of the kinds that project queries and keys to ``head_dim`` dims per head."""
+
+    def __init__(self, config: AttentionConfig) -> None:
+        super().__init__(config)
+        self.q_proj = nn.Linear(config.d_model, self.n_heads * self.head_dim, bias=config.bias)
+        self.k_proj = nn.Linear(config.d_model, self.n_kv_heads * self.head_dim, bias=config.bias)
+        self.q_norm = nn.LayerNorm(self.head_dim) if config.qk_norm else nn.Identity()
+        self.k_norm = nn.LayerNorm(self.head_dim) if config.qk_norm else nn.Identity()
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q = self.q_norm(self.split_heads(self.q_proj(x), self.n_heads))
+        k = self.k_norm(self.split_heads(self.k_proj(x), self.n_kv_heads))
+        return q, k, self.values(x)
+
+
+@register_attention("mha")
+class MultiHeadAttention(_QKAttention):
+    """Softmax attention with scores ``q_h(i) . k_h(j)``; GQA when ``n_kv_heads < n_heads``."""
+
+    def __init__(self, config: AttentionConfig) -> None:
+        super().__init__(config)
+        self.scale = default_scale(config.attn_scale, self.head_dim)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.project(x)
+        return self.merge_heads(attend(q, k, v, self.scale, causal=self.config.causal, dropout=self.attn_dropout))
+
+    def _forward_cached(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        q, k, v = self.project(x)
+        k, v = cache["k"].append(k), cache["v"].append(v)
+        out = attend(q, k, v, self.scale, causal=True, q_start=cache.length)
+        return self.merge_heads(out)
+
+    def _cache_buffers(self, batch: int, dtype: torch.dtype, device: Any) -> dict[str, TokenBuffer]:
+        return {
+            "k": self._full_buffer(batch, self.head_dim, self.n_kv_heads, dtype, device),
+            "v": self._full_buffer(batch, self.head_dim, self.n_kv_heads, dtype, device),
+        }
+
+    def score_flops(self, seq_len: int) -> int:
+        return self.n_heads * self.head_dim * causal_pairs(seq_len, self.config.causal)
+
+    def kv_cache_numel(self, seq_len: int) -> int:
+        return seq_len * self.n_kv_heads * 2 * self.head_dim
+
+
+@register_attention("swa")
+class SlidingWindowAttention(_QKAttention):
+    """Query ``i`` sees keys ``i - window <= j <= i`` (``|i - j| <= window`` when bidirectional)."""
+
+    def __init__(self, config: AttentionConfig) -> None:
+        super().__init__(config)
+        require(isinstance(config.window, int) and config.window >= 0, "window", "a non-negative integer", config.window)
+        self.window = config.window
+        self.scale = default_scale(config.attn_scale, self.head_dim)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.project(x)
+        out = attend(q, k, v, self.scale, causal=self.config.causal, window=self.window, dropout=self.attn_dropout)
+        return self.merge_heads(out)
+
+    def _forward_cached(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        q, k, v = self.project(x)
+        start, k_start = cache.length, cache["k"].start
+        k, v = cache["k"].append(k), cache["v"].append(v)
+        out = attend(q, k, v, self.scale, causal=True, window=self.window, q_start=start, k_start=k_start)
+        for name in ("k", "v"):
+            cache[name].drop_before(start + x.shape[1] - self.window)
+        return self.merge_heads(out)
+
+    def _cache_buffers(self, batch: int, dtype: torch.dtype, device: Any) -> dict[str, TokenBuffer]:
+        size = min(self.window + 1, self.config.max_seq_len)  # the window plus the token being decoded
+        return {
+            name: TokenBuffer(batch, self.n_kv_heads, self.head_dim, size, dtype, device) for name in ("k", "v")
+        }
+
+    def score_flops(self, seq_len: int) -> int:
+        return self.n_heads * self.head_dim * window_pairs(seq_len, self.window, self.config.causal)
+
+    def _mixed_pairs(self, seq_len: int, pairs: int) -> int:
+        return window_pairs(seq_len, self.window, self.config.causal)
+
+    def kv_cache_numel(self, seq_len: int) -> int:
+        return min(seq_len, self.window) * self.n_kv_heads * 2 * self.head_dim
+
+
+@register_attention("global_swa")
+class GlobalSlidingWindowAttention(_QKAttention):
+    """Head dims split ``global | windowed``: a full map on the first dims and a windowed map on
+    the rest; the two softmax maps are added before multiplying the values (as the authors did)."""
+
+    def __init__(self, config: AttentionConfig) -> None:
+        super().__init__(config)
+        split = config.split or (self.head_dim // 2, self.head_dim - self.head_dim // 2)
+        require(
+            len(split) == 2 and min(split) > 0 and sum(split) == self.head_dim,
+            "split",
+            f"two positive dims (global|windowed) summing to head_dim={self.head_dim}",
+            split,
+        )
+        require(isinstance(config.window, int) and config.window >= 0, "window", "a non-negative integer", config.window)
+        self.global_dims, self.window_dims = split
+        self.window = config.window
+        self.global_scale = default_scale(config.attn_scale, self.global_dims)
+        self.window_scale = default_scale(config.attn_scale, self.window_dims)
+
+    def _both_maps(
+        self, q: torch.Tensor, k_global: torch.Tensor, k_window: torch.Tensor, v: torch.Tensor,
+        v_window: torch.Tensor, q_start: int, k_window_start: int,
+    ) -> torch.Tensor:
+        g = self.global_dims
+        causal, dropout = self.config.causal, self.attn_dropout
+        full = attend(q[..., :g], k_global, v, self.global_scale, causal=causal, q_start=q_start, dropout=dropout)
+        local = attend(q[..., g:], k_window, v_window, self.window_scale, causal=causal, window=self.window,
+                       q_start=q_start, k_start=k_window_start, dropout=dropout)
+        return self.merge_heads(full + local)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.project(x)
+        g = self.global_dims
+        return self._both_maps(q, k[..., :g], k[..., g:], v, v, 0, 0)
+
+    def _forward_cached(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        q, k, v = self.project(x)
+        g, start = self.global_dims, cache.length
+        k_window_start = cache["k_window"].start
+        k_window = cache["k_window"].append(k[..., g:])
+        k_global = cache["k_global"].append(k[..., :g])
+        v = cache["v"].append(v)
+        out = self._both_maps(q, k_global, k_window, v, v[:, :, k_window_start:], start, k_window_start)
+        cache["k_window"].drop_before(start + x.shape[1] - self.window)
+        return out
+
+    def _cache_buffers(self, batch: int, dtype: torch.dtype, device: Any) -> dict[str, TokenBuffer]:
+        kv = self.n_kv_heads
+        return {
+            "k_global": self._full_buffer(batch, self.global_dims, kv, dtype, device),
+            "k_window": TokenBuffer(batch, kv, self.window_dims, self.window + 1, dtype, device),
+            "v": self._full_buffer(batch, self.head_dim, kv, dtype, device),
+        }
+
+    def score_flops(self, seq_len: int) -> int:
+        causal = self.config.causal
+        return self.n_heads * (
+            self.global_dims * causal_pairs(seq_len, causal)
+            + self.window_dims * window_pairs(seq_len, self.window, causal)
+        )
+
+    def _mixed_pairs(self, seq_len: int, pairs: int) -> int:
+        return pairs + window_pairs(seq_len, self.window, self.config.causal)
+
+    def kv_cache_numel(self, seq_len: int) -> int:
+        kv = self.n_kv_heads
+        return seq_len * kv * (self.global_dims + self.head_dim) + min(seq_len, self.window) * kv * self.window_dims

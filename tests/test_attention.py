@@ -1,0 +1,292 @@
+"""Attention layers against dense references, decoding against the full forward, caches against
+their size formulas, and the registry and validation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from structured_attention.attention import (
+    ATTENTION_KINDS,
+    AttentionConfig,
+    build_attention,
+    parse_attention_pattern,
+    parse_attention_spec,
+)
+from structured_attention.functional import mlr_depth
+
+D, H, CTX = 32, 4, 64
+
+# One spec per kind, with GQA where it applies; small block sizes so decoding crosses blocks.
+SPECS = {
+    "mha": "mha",
+    "gqa": "mha:n_kv_heads=2",
+    "swa": "swa:5",
+    "swa_gqa": "swa:3:n_kv_heads=1",
+    "global_swa": "global_swa:4|4:window=6",
+    "global_swa_gqa": "global_swa:6|2:window=3:n_kv_heads=2",
+    "bilinear_btt": "bilinear_btt:2",
+    "bilinear_mlr": "bilinear_mlr:4|2|1",
+    "bilinear_mlr_gqa": "bilinear_mlr:4|2:n_kv_heads=2",
+    "mlr": "mlr:4|2|1|1",
+    "mlr_gqa": "mlr:5|3:n_kv_heads=2:block_sizes=64|8",
+    "mlr_depth_norm": "mlr:2|2|2|2:depth_normalize=true:block_sizes=64|16|8|4",
+    "mlr_qk_norm_mup": "mlr:4|4:qk_norm=true:attn_scale=mup",
+    "mha_qk_norm_mup": "mha:qk_norm=true:attn_scale=mup",
+}
+
+
+def make(spec: str, dtype: torch.dtype = torch.float32, **kw) -> torch.nn.Module:
+    torch.manual_seed(0)
+    base = dict(d_model=D, n_heads=H, max_seq_len=CTX)
+    base.update(kw)
+    return build_attention(spec, **base).to(dtype).eval()
+
+
+def test_registry_has_every_kind():
+    assert set(ATTENTION_KINDS) == {"mha", "swa", "global_swa", "bilinear_btt", "bilinear_mlr", "mlr"}
+
+
+def test_spec_parsing():
+    assert parse_attention_spec("mlr:48|16:depth_normalize=true:block_sizes=1024|64") == {
+        "kind": "mlr", "ranks": (48, 16), "depth_normalize": True, "block_sizes": (1024, 64)}
+    assert parse_attention_spec("swa:128") == {"kind": "swa", "window": 128}
+    assert parse_attention_spec("bilinear_mlr:8") == {"kind": "bilinear_mlr", "ranks": (8,)}
+    kinds = [s["kind"] for s in parse_attention_pattern("mha,swa:128,swa:128", 6)]
+    assert kinds == ["mha", "swa", "swa", "mha", "swa", "swa"]
+
+
+def naive_attention(q, k, v, scale, mask):
+    """Dense softmax attention with explicit GQA copies and a boolean (Tq, Tk) mask."""
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    s = (q @ k.transpose(-1, -2)) * scale
+    return torch.softmax(s.masked_fill(~mask, float("-inf")), -1) @ v
+
+
+def band(t, causal, window=None):
+    i = torch.arange(t)[:, None]
+    j = torch.arange(t)[None, :]
+    keep = (j <= i) if causal else torch.ones(t, t, dtype=torch.bool)
+    if window is not None:
+        keep &= (i - j).abs() <= window
+    return keep
+
+
+def heads(x, n):
+    b, t, _ = x.shape
+    return x.view(b, t, n, -1).transpose(1, 2)
+
+
+def reference_forward(layer, x, causal):
+    """Each kind's definition written out densely from its parameters."""
+    cfg, t = layer.config, x.shape[1]
+    v = heads(layer.v_proj(x), layer.n_kv_heads)
+    kind = layer.kind
+    if kind in ("mha", "swa", "global_swa"):
+        q, k = layer.q_norm(heads(layer.q_proj(x), layer.n_heads)), layer.k_norm(heads(layer.k_proj(x), layer.n_kv_heads))
+        if kind == "mha":
+            out = naive_attention(q, k, v, layer.scale, band(t, causal))
+        elif kind == "swa":
+            out = naive_attention(q, k, v, layer.scale, band(t, causal, layer.window))
+        else:
+            g = layer.global_dims
+            out = naive_attention(q[..., :g], k[..., :g], v, 1 / math.sqrt(g), band(t, causal)) + naive_attention(
+                q[..., g:], k[..., g:], v, 1 / math.sqrt(layer.window_dims), band(t, causal, layer.window))
+    elif kind == "bilinear_btt":
+        m = layer.key_map.to_dense().view(layer.n_heads, D, D)  # M_h: rows of head h's keys
+        keys = torch.einsum("hed,btd->bhte", m, x)
+        keys = torch.nn.functional.layer_norm(keys, (D,)) * layer.key_gain
+        q = x.unsqueeze(1).expand(-1, layer.n_heads, -1, -1)
+        out = naive_attention(q, keys, v, 1 / math.sqrt(D), band(t, causal))
+    elif kind == "bilinear_mlr":
+        qs, ks = [], []
+        for lvl, (p, r) in enumerate(zip(layer.n_blocks, layer.ranks)):
+            for maps, lst, nh in ((layer.q_maps, qs, layer.n_heads), (layer.k_maps, ks, layer.n_kv_heads)):
+                dense = maps[lvl].to_dense()  # (p*nh*r, D), block-diagonal over p chunks
+                y = (x @ dense.T).view(*x.shape[:2], p, nh, r).permute(0, 3, 1, 2, 4).flatten(-2)
+                y = torch.nn.functional.layer_norm(y, (p * r,))
+                lst.append(y * layer.level_scale[lvl] if lst is qs else y)
+        out = naive_attention(torch.cat(qs, -1), torch.cat(ks, -1), v, layer.scale, band(t, causal))
+    else:  # mlr: dense per-level masks
+        q, k = layer.project(x)[:2]
+        g = layer.n_heads // layer.n_kv_heads
+        k = k.repeat_interleave(g, 1)
+        scores, depth, off = 0, 0, 0
+        dep = mlr_depth(t, layer.block_sizes)
+        for lvl, r in enumerate(layer.ranks):
+            within = dep > lvl
+            scores = scores + (q[..., off:off + r] @ k[..., off:off + r].transpose(-1, -2)) * within
+            off += r
+        scores = scores * layer.scale
+        if cfg.depth_normalize:
+            scores = scores / dep
+        a = torch.softmax(scores.masked_fill(~band(t, causal), float("-inf")), -1)
+        out = a @ v.repeat_interleave(g, 1)
+    b, h, tt, dv = out.shape
+    return layer.out_proj(out.transpose(1, 2).reshape(b, tt, h * dv))
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+@pytest.mark.parametrize("causal", [True, False])
+def test_forward_matches_dense_reference(name, causal):
+    layer = make(SPECS[name], torch.float64, causal=causal)
+    for t in (1, 7, 24, CTX):
+        x = torch.randn(2, t, D, dtype=torch.float64)
+        torch.testing.assert_close(layer(x), reference_forward(layer, x, causal), rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_causal_output_ignores_future_tokens(name):
+    layer = make(SPECS[name])
+    x = torch.randn(1, 40, D)
+    y = x.clone()
+    y[:, 25:] = torch.randn(1, 15, D)
+    torch.testing.assert_close(layer(x)[:, :25], layer(y)[:, :25], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_decoding_token_by_token_matches_full_forward(name):
+    layer = make(SPECS[name])
+    x = torch.randn(2, CTX, D)
+    full = layer(x)
+    cache = layer.new_cache(batch_size=2)
+    steps = [layer(x[:, i:i + 1], cache) for i in range(CTX)]
+    assert (torch.cat(steps, 1) - full).abs().max().item() <= 1e-5
+    assert cache.length == CTX
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_prefill_then_chunks_matches_full_forward(name):
+    layer = make(SPECS[name])
+    x = torch.randn(1, 50, D)
+    full = layer(x)
+    cache = layer.new_cache(batch_size=1)
+    pieces, i = [], 0
+    for n in (13, 1, 9, 1, 1, 20, 5):  # a prompt, then chunks that straddle level blocks and windows
+        pieces.append(layer(x[:, i:i + n], cache))
+        i += n
+    assert (torch.cat(pieces, 1) - full).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_cache_size_equals_formula(name):
+    layer = make(SPECS[name])
+    cache = layer.new_cache(batch_size=1)
+    x = torch.randn(1, CTX, D)
+    for t in range(1, CTX + 1):
+        layer(x[:, t - 1:t], cache)
+        assert cache.nbytes == layer.kv_cache_numel(t) * 4, t
+
+
+def test_mlr_cache_keeps_only_current_block_above_level_one():
+    layer = make("mlr:5|3:block_sizes=64|8:n_kv_heads=2")
+    cache = layer.new_cache(batch_size=3)
+    x = torch.randn(3, 29, D)
+    layer(x[:, :20], cache)
+    for t in range(20, 29):
+        layer(x[:, t:t + 1], cache)
+    level2 = cache["k1"]
+    assert (level2.start, level2.end) == (24, 29)  # block [24, 32) of size 8
+    assert level2.data.shape[2] <= 20  # the level-2 buffer never holds the whole context
+    # T r_1 + sum_{l>1} (T mod s_l) r_l numbers per kv head for keys, T * Dv for values
+    assert cache.nbytes == 3 * 2 * (29 * 5 + (29 % 8) * 3 + 29 * 8) * 4
+    # and never more than the bound of SPEC section 3: T r_1 + sum s_l r_l
+    assert layer.kv_cache_numel(29) <= 2 * (29 * 5 + 8 * 3 + 29 * 8)
+
+
+SMALL_SPECS = [
+    "mha:n_kv_heads=1", "swa:2", "global_swa:2|2:window=2", "bilinear_btt:1", "bilinear_mlr:2|1",
+    "mlr:2|1|1:block_sizes=16|4|2:n_kv_heads=1", "mlr:2|1|1:block_sizes=16|4|2:depth_normalize=true:qk_norm=true",
+]
+
+
+@pytest.mark.parametrize("spec", SMALL_SPECS)
+@pytest.mark.parametrize("causal", [True, False])
+def test_gradcheck(spec, causal):
+    torch.manual_seed(0)
+    layer = build_attention(spec, d_model=8, n_heads=2, max_seq_len=16, causal=causal).double()
+    x = torch.randn(1, 6, 8, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(layer, (x,))
+
+
+def test_score_flops_match_counted_pairs():
+    t = 40
+    mlr = make("mlr:4|2|1|1:block_sizes=64|16|8|4")
+    dep = mlr_depth(t, mlr.block_sizes)
+    causal = band(t, True)
+    counted = sum(r * int(((dep > lvl) & causal).sum()) for lvl, r in enumerate(mlr.ranks))
+    assert mlr.score_flops(t) == H * counted
+    swa = make("swa:5")
+    assert swa.score_flops(t) == H * swa.head_dim * int(band(t, True, 5).sum())
+    swa_bi = make("swa:5", causal=False)
+    assert swa_bi.score_flops(t) == H * swa.head_dim * int(band(t, False, 5).sum())
+    mha = make("mha")
+    assert mha.score_flops(t) == H * mha.head_dim * t * (t + 1) // 2
+    # MLR scores fewer numbers than MHA at equal head dims
+    assert mlr.score_flops(CTX) < mha.score_flops(CTX)
+
+
+def test_cost_counts_parameters_and_flops():
+    for spec in SPECS.values():
+        layer = make(spec)
+        c = layer.cost(CTX)
+        assert c.params == sum(p.numel() for p in layer.parameters())
+        assert c.total_flops == c.projection_flops + c.score_flops + c.mix_flops > 0
+        assert c.kv_cache_numel == layer.kv_cache_numel(CTX)
+
+
+@pytest.mark.parametrize(
+    "kwargs, param",
+    [
+        (dict(spec="mha", d_model=30, n_heads=4), "n_heads"),
+        (dict(spec="mha:n_kv_heads=3"), "n_kv_heads"),
+        (dict(spec="mlr:4|2"), "ranks"),
+        (dict(spec="mlr:4|2|1|1:block_sizes=64|24|8|4"), "block_sizes"),
+        (dict(spec="mlr:4|4:block_sizes=32|16"), "block_sizes"),
+        (dict(spec="mlr:4|4:block_sizes=64|64"), "block_sizes"),
+        (dict(spec="global_swa:4|2"), "split"),
+        (dict(spec="swa:-1"), "window"),
+        (dict(spec="bilinear_btt:n_kv_heads=2"), "n_kv_heads"),
+        (dict(spec="bilinear_mlr:4|2:n_blocks=1|3"), "n_blocks"),
+        (dict(spec="mha:attn_scale=xp"), "attn_scale"),
+        (dict(spec="nope"), "kind"),
+        (dict(spec="mha:colour=red"), "attention spec key"),
+    ],
+)
+def test_bad_configuration_names_the_parameter(kwargs, param):
+    base = dict(d_model=D, n_heads=H, max_seq_len=CTX)
+    spec = kwargs.pop("spec")
+    base.update(kwargs)
+    with pytest.raises(ValueError, match=param):
+        build_attention(spec, **base)
+
+
+def test_bad_inputs_name_the_parameter():
+    layer = make("mlr:4|2|1|1")
+    with pytest.raises(ValueError, match="seq_len"):
+        layer(torch.randn(1, CTX + 1, D))
+    with pytest.raises(ValueError, match="x"):
+        layer(torch.randn(CTX, D))
+    with pytest.raises(ValueError, match="x"):
+        layer(torch.randn(1, 4, D + 1))
+    with pytest.raises(ValueError, match="x.dtype"):
+        layer(torch.randn(1, 4, D, dtype=torch.float64))
+    with pytest.raises(ValueError, match="x.device"):
+        layer(torch.randn(1, 4, D, device="meta"))
+    cache = layer.new_cache(1)
+    layer(torch.randn(1, CTX - 1, D), cache)
+    with pytest.raises(ValueError, match="seq_len"):
+        layer(torch.randn(1, 2, D), cache)
+    bidirectional = make("mha", causal=False)
+    with pytest.raises(ValueError, match="cache"):
+        bidirectional(torch.randn(1, 2, D), bidirectional.new_cache(1))
+
+
+def test_config_is_typed_and_validated():
+    cfg = AttentionConfig(d_model=64, n_heads=4, max_seq_len=128, kind="mlr", ranks=(8, 8))
+    assert cfg.dim_head == 16 and cfg.kv_heads == 4
+    with pytest.raises(ValueError, match="dropout"):
+        AttentionConfig(d_model=64, n_heads=4, max_seq_len=128, dropout=1.5)
