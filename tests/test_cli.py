@@ -1,0 +1,41 @@
+"""The sattn command: the describe table and one-line errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from structured_attention.attention import build_attention
+from structured_attention.cli.main import main
+
+
+def test_describe_prints_a_row_per_kind_from_the_layers_costs(capsys):
+    assert main(["describe", "--d-model", "64", "--n-heads", "4", "--context", "128", "--kinds", "mha,mlr:8|4|2|2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = {line.split()[0]: line.split() for line in lines[3:]}
+    assert set(rows) == {"mha", "mlr:8|4|2|2"}
+    mha = build_attention("mha", d_model=64, n_heads=4, max_seq_len=128).cost(128)
+    mlr = build_attention("mlr:8|4|2|2", d_model=64, n_heads=4, max_seq_len=128).cost(128)
+    assert rows["mha"][1] == f"{mha.params / 1e3:.2f}K"
+    # KV bytes per token at 2 bytes a number: MHA holds k and v for every token and head
+    assert float(rows["mha"][4]) == 4 * 2 * 16 * 2
+    assert float(rows["mlr:8|4|2|2"][4]) == pytest.approx(mlr.kv_cache_bytes_per_token(2))
+    assert float(rows["mlr:8|4|2|2"][4]) < float(rows["mha"][4])
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["describe", "--kinds", "mlr:3|3"], "ranks"),
+        (["describe", "--kinds", "unknown"], "kind"),
+        (["describe", "--n-heads", "7"], "n_heads"),
+        (["describe", "--context", "1000", "--kinds", "mlr:8|8|8|8|8|8|8|8"], "block_sizes"),
+    ],
+)
+def test_bad_input_exits_nonzero_with_one_line(args, needle):
+    proc = subprocess.run([sys.executable, "-m", "structured_attention.cli.main", *args], capture_output=True, text=True)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in proc.stderr
