@@ -12,6 +12,7 @@ from structured_attention.attention import (
     ATTENTION_KINDS,
     AttentionConfig,
     build_attention,
+    build_attention_layers,
     parse_attention_pattern,
     parse_attention_spec,
 )
@@ -290,3 +291,22 @@ def test_config_is_typed_and_validated():
     assert cfg.dim_head == 16 and cfg.kv_heads == 4
     with pytest.raises(ValueError, match="dropout"):
         AttentionConfig(d_model=64, n_heads=4, max_seq_len=128, dropout=1.5)
+
+
+def test_per_layer_mix_builds_each_kind_and_decodes():
+    torch.manual_seed(0)
+    layers = build_attention_layers("mha,swa:4,swa:4", 6, d_model=D, n_heads=H, max_seq_len=CTX).eval()
+    assert [layer.kind for layer in layers] == ["mha", "swa", "swa", "mha", "swa", "swa"]
+    assert [layer.window for layer in layers if layer.kind == "swa"] == [4] * 4
+    x = torch.randn(1, 12, D)
+    full, h = x, x
+    for layer in layers:
+        full = full + layer(full)
+    caches = [layer.new_cache(1) for layer in layers]
+    steps = []
+    for t in range(12):
+        h = x[:, t:t + 1]
+        for layer, cache in zip(layers, caches):
+            h = h + layer(h, cache)
+        steps.append(h)
+    assert (torch.cat(steps, 1) - full).abs().max().item() <= 1e-5

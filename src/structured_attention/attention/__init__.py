@@ -1,6 +1,14 @@
 """Attention variants behind one interface: pick one by name with :func:`build_attention`."""
 
-from .base import ATTENTION_KINDS, Attention, AttentionCost, build_attention, register_attention
+from .base import (
+    ATTENTION_KINDS,
+    Attention,
+    AttentionCost,
+    FullScoreAttention,
+    build_attention,
+    build_attention_layers,
+    register_attention,
+)
 from .bilinear import BilinearBTTAttention, BilinearMLRAttention
 from .cache import KVCache, TokenBuffer
 from .config import AttentionConfig, config_from_spec, parse_attention_pattern, parse_attention_spec
@@ -21,6 +29,8 @@ __all__ = [
     "SlidingWindowAttention",
     "TokenBuffer",
     "build_attention",
+    "build_attention_layers",
+    "FullScoreAttention",
     "config_from_spec",
     "parse_attention_pattern",
     "parse_attention_spec",

@@ -12,7 +12,7 @@ from torch import nn
 
 from .._checks import require
 from .cache import KVCache, TokenBuffer
-from .config import AttentionConfig, config_from_spec
+from .config import AttentionConfig, config_from_spec, parse_attention_pattern
 
 
 @dataclass(frozen=True)
@@ -194,6 +194,39 @@ class Attention(nn.Module):
         return 0
 
 
+class FullScoreAttention(Attention):
+    """Kinds that score every pair with per-head queries and keys of ``score_dims`` dims and cache
+    all keys and values; subclasses define ``qk`` and set ``score_dims`` and ``scale``."""
+
+    score_dims: int
+    scale: float
+
+    def qk(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k = self.qk(x)
+        out = attend(q, k, self.values(x), self.scale, causal=self.config.causal, dropout=self.attn_dropout)
+        return self.merge_heads(out)
+
+    def _forward_cached(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        q, k = self.qk(x)
+        k, v = cache["k"].append(k), cache["v"].append(self.values(x))
+        return self.merge_heads(attend(q, k, v, self.scale, causal=True, q_start=cache.length))
+
+    def _cache_buffers(self, batch: int, dtype: torch.dtype, device: Any) -> dict[str, TokenBuffer]:
+        return {
+            "k": self._full_buffer(batch, self.score_dims, self.n_kv_heads, dtype, device),
+            "v": self._full_buffer(batch, self.head_dim, self.n_kv_heads, dtype, device),
+        }
+
+    def score_flops(self, seq_len: int) -> int:
+        return self.n_heads * self.score_dims * causal_pairs(seq_len, self.config.causal)
+
+    def kv_cache_numel(self, seq_len: int) -> int:
+        return seq_len * self.n_kv_heads * (self.score_dims + self.head_dim)
+
+
 ATTENTION_KINDS: dict[str, type[Attention]] = {}
 _A = TypeVar("_A", bound=type[Attention])
 
@@ -216,3 +249,12 @@ def build_attention(config: AttentionConfig | str, **base: Any) -> Attention:
         config = config_from_spec(config, **base)
     require(config.kind in ATTENTION_KINDS, "kind", f"one of {sorted(ATTENTION_KINDS)}", config.kind)
     return ATTENTION_KINDS[config.kind](config)
+
+
+def build_attention_layers(pattern: str, n_layers: int, **base: Any) -> nn.ModuleList:
+    """One layer per spec of a comma-separated pattern repeated over ``n_layers`` layers, e.g. the
+    per-layer mix ``'mha,swa:128,swa:128'`` gives MHA|SWA|SWA|MHA|SWA|SWA for six layers."""
+    require(isinstance(n_layers, int) and n_layers > 0, "n_layers", "a positive integer", n_layers)
+    return nn.ModuleList(
+        build_attention(AttentionConfig(**{**base, **spec})) for spec in parse_attention_pattern(pattern, n_layers)
+    )

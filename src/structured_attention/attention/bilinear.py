@@ -6,53 +6,18 @@ BTT or MLR matrix whose rank can reach ``d_model`` at a fraction of a dense matr
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .._checks import require
 from ..matrices import BTT, BlockDiag
-from .base import Attention, attend, causal_pairs, register_attention
-from .cache import KVCache, TokenBuffer
+from .base import FullScoreAttention, register_attention
 from .config import AttentionConfig, default_scale
 
 
-class _BilinearAttention(Attention):
-    """Shared parts: subclasses return per-head queries and keys of ``score_dims`` dims."""
-
-    score_dims: int
-    scale: float
-
-    def qk(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError
-
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k = self.qk(x)
-        out = attend(q, k, self.values(x), self.scale, causal=self.config.causal, dropout=self.attn_dropout)
-        return self.merge_heads(out)
-
-    def _forward_cached(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        q, k = self.qk(x)
-        k, v = cache["k"].append(k), cache["v"].append(self.values(x))
-        return self.merge_heads(attend(q, k, v, self.scale, causal=True, q_start=cache.length))
-
-    def _cache_buffers(self, batch: int, dtype: torch.dtype, device: Any) -> dict[str, TokenBuffer]:
-        return {
-            "k": self._full_buffer(batch, self.score_dims, self.n_kv_heads, dtype, device),
-            "v": self._full_buffer(batch, self.head_dim, self.n_kv_heads, dtype, device),
-        }
-
-    def score_flops(self, seq_len: int) -> int:
-        return self.n_heads * self.score_dims * causal_pairs(seq_len, self.config.causal)
-
-    def kv_cache_numel(self, seq_len: int) -> int:
-        return seq_len * self.n_kv_heads * (self.score_dims + self.head_dim)
-
-
 @register_attention("bilinear_btt")
-class BilinearBTTAttention(_BilinearAttention):
+class BilinearBTTAttention(FullScoreAttention):
     """``score_h(i, j) = x_i^T M_h x_j / tau`` with ``M_h`` a (full-rank) BTT matrix, computed as
     queries ``x_i`` and keys ``LN(M_h x_j)``; a learned gain per head and dim follows the LayerNorm."""
 
@@ -78,7 +43,7 @@ class BilinearBTTAttention(_BilinearAttention):
 
 
 @register_attention("bilinear_mlr")
-class BilinearMLRAttention(_BilinearAttention):
+class BilinearMLRAttention(FullScoreAttention):
     """``M_h`` multi-level low-rank over the feature axis: level ``l`` splits ``x`` into ``p_l``
     chunks and projects each to ``r_l`` dims for queries and for keys; each level's features get
     a LayerNorm and a learned scale. Per-head score dims: ``sum_l p_l r_l``."""

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from .._checks import require
-from .base import Attention, attend, causal_pairs, register_attention, window_pairs
+from .base import Attention, FullScoreAttention, attend, causal_pairs, register_attention, window_pairs
 from .cache import KVCache, TokenBuffer
 from .config import AttentionConfig, default_scale
 
@@ -24,41 +24,20 @@ class _QKAttention(Attention):
         self.q_norm = nn.LayerNorm(self.head_dim) if config.qk_norm else nn.Identity()
         self.k_norm = nn.LayerNorm(self.head_dim) if config.qk_norm else nn.Identity()
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def qk(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         q = self.q_norm(self.split_heads(self.q_proj(x), self.n_heads))
         k = self.k_norm(self.split_heads(self.k_proj(x), self.n_kv_heads))
-        return q, k, self.values(x)
+        return q, k
 
 
 @register_attention("mha")
-class MultiHeadAttention(_QKAttention):
+class MultiHeadAttention(_QKAttention, FullScoreAttention):
     """Softmax attention with scores ``q_h(i) . k_h(j)``; GQA when ``n_kv_heads < n_heads``."""
 
     def __init__(self, config: AttentionConfig) -> None:
         super().__init__(config)
+        self.score_dims = self.head_dim
         self.scale = default_scale(config.attn_scale, self.head_dim)
-
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.project(x)
-        return self.merge_heads(attend(q, k, v, self.scale, causal=self.config.causal, dropout=self.attn_dropout))
-
-    def _forward_cached(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        q, k, v = self.project(x)
-        k, v = cache["k"].append(k), cache["v"].append(v)
-        out = attend(q, k, v, self.scale, causal=True, q_start=cache.length)
-        return self.merge_heads(out)
-
-    def _cache_buffers(self, batch: int, dtype: torch.dtype, device: Any) -> dict[str, TokenBuffer]:
-        return {
-            "k": self._full_buffer(batch, self.head_dim, self.n_kv_heads, dtype, device),
-            "v": self._full_buffer(batch, self.head_dim, self.n_kv_heads, dtype, device),
-        }
-
-    def score_flops(self, seq_len: int) -> int:
-        return self.n_heads * self.head_dim * causal_pairs(seq_len, self.config.causal)
-
-    def kv_cache_numel(self, seq_len: int) -> int:
-        return seq_len * self.n_kv_heads * 2 * self.head_dim
 
 
 @register_attention("swa")
@@ -72,12 +51,12 @@ class SlidingWindowAttention(_QKAttention):
         self.scale = default_scale(config.attn_scale, self.head_dim)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.project(x)
+        (q, k), v = self.qk(x), self.values(x)
         out = attend(q, k, v, self.scale, causal=self.config.causal, window=self.window, dropout=self.attn_dropout)
         return self.merge_heads(out)
 
     def _forward_cached(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        q, k, v = self.project(x)
+        (q, k), v = self.qk(x), self.values(x)
         start, k_start = cache.length, cache["k"].start
         k, v = cache["k"].append(k), cache["v"].append(v)
         out = attend(q, k, v, self.scale, causal=True, window=self.window, q_start=start, k_start=k_start)
@@ -133,12 +112,12 @@ class GlobalSlidingWindowAttention(_QKAttention):
         return self.merge_heads(full + local)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.project(x)
+        (q, k), v = self.qk(x), self.values(x)
         g = self.global_dims
         return self._both_maps(q, k[..., :g], k[..., g:], v, v, 0, 0)
 
     def _forward_cached(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        q, k, v = self.project(x)
+        (q, k), v = self.qk(x), self.values(x)
         g, start = self.global_dims, cache.length
         k_window_start = cache["k_window"].start
         k_window = cache["k_window"].append(k[..., g:])
