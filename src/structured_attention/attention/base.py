@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._checks import require
+from ..functional import sliding_window_attention
 from .cache import KVCache, TokenBuffer
 from .config import AttentionConfig, config_from_spec, parse_attention_pattern
 
@@ -79,6 +80,8 @@ def attend(
     ``k_start + [0, t_k)``; GQA when ``k``/``v`` have fewer heads than ``q``."""
     t_q, t_k = q.shape[2], k.shape[2]
     gqa = k.shape[1] != q.shape[1]
+    if window is not None and q_start == k_start and t_q == t_k:
+        return sliding_window_attention(q, k, v, window, causal=causal, scale=scale, dropout_p=dropout)
     if window is None and (not causal or (q_start == k_start and t_q == t_k) or t_q == 1):
         # The plain causal or full pattern: no explicit mask, so SDPA can take a fused kernel.
         is_causal = causal and t_q > 1

@@ -7,6 +7,7 @@ from structured_attention.functional.mlr import (
     mlr_pair_counts,
     mlr_score_flops,
 )
+from structured_attention.functional.windowed import sliding_window_attention
 
 __all__ = [
     "mlr_attention",
@@ -14,4 +15,5 @@ __all__ = [
     "mlr_depth",
     "mlr_pair_counts",
     "mlr_score_flops",
+    "sliding_window_attention",
 ]

@@ -1,0 +1,102 @@
+"""Sliding-window attention that never forms the ``T x T`` score matrix.
+
+Query ``i`` sees keys ``i - window <= j <= i`` (``|i - j| <= window`` when bidirectional). On
+CUDA the pattern goes to FlexAttention with a block mask, which skips the blocks outside the band;
+elsewhere queries are cut into tiles of ``tile`` rows, each scored against the ``tile + window``
+keys (``+ window`` more when bidirectional) around it, so memory grows as ``T * (tile + window)``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .._checks import check_same_dtype_device, check_tensor, require
+
+
+def sliding_window_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window: int,
+    causal: bool = True,
+    scale: float | None = None,
+    dropout_p: float = 0.0,
+    tile: int = 64,
+) -> torch.Tensor:
+    """Banded softmax attention. ``q: (B, H, T, E)``, ``k: (B, Hk, T, E)``, ``v: (B, Hk, T, Dv)``,
+    ``Hk`` dividing ``H`` (GQA); returns ``(B, H, T, Dv)``."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_tensor(t, name, 4)
+    check_same_dtype_device([("q", q), ("k", k), ("v", v)])
+    require(k.shape[2] == q.shape[2] == v.shape[2], "k", f"the same sequence length as q ({q.shape[2]})", tuple(k.shape))
+    require(q.shape[1] % k.shape[1] == 0, "k", f"a head count dividing q's {q.shape[1]}", tuple(k.shape))
+    require(isinstance(window, int) and window >= 0, "window", "a non-negative integer", window)
+    require(isinstance(tile, int) and tile > 0, "tile", "a positive integer", tile)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if q.is_cuda and dropout_p == 0.0:
+        return _flex_window(q, k, v, window, causal, scale)
+    return _tiled_window(q, k, v, window, causal, scale, dropout_p, tile)
+
+
+def _tiled_window(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, causal: bool, scale: float,
+    dropout_p: float, tile: int,
+) -> torch.Tensor:
+    b, h, t, _ = q.shape
+    tile = min(tile, t)
+    n_tiles = -(-t // tile)
+    left, right = window, (0 if causal else window)
+    span = tile + left + right
+    pad = n_tiles * tile - t
+
+    def key_tiles(x: torch.Tensor) -> torch.Tensor:
+        # (B, Hk, T, E) -> (B, n_tiles, Hk, span, E): the keys around each query tile.
+        x = F.pad(x, (0, 0, left, pad + right)).unfold(2, span, tile)
+        return x.permute(0, 2, 1, 4, 3)
+
+    q_tiles = F.pad(q, (0, 0, 0, pad)).view(b, h, n_tiles, tile, -1).transpose(1, 2)
+    i = torch.arange(n_tiles * tile, device=q.device).view(n_tiles, tile, 1)
+    j = (torch.arange(n_tiles, device=q.device) * tile - left).view(n_tiles, 1, 1) + torch.arange(span, device=q.device)
+    allowed = (j >= 0) & (j < t) & (i - j <= left) & (j - i <= right)
+    allowed |= i >= t  # padding queries (discarded) see everything, so no row is empty
+    out = F.scaled_dot_product_attention(
+        q_tiles, key_tiles(k), key_tiles(v), attn_mask=allowed.unsqueeze(1), dropout_p=dropout_p, scale=scale,
+        enable_gqa=k.shape[1] != h,
+    )
+    return out.transpose(1, 2).reshape(b, h, n_tiles * tile, -1)[:, :, :t]
+
+
+@functools.lru_cache(maxsize=32)
+def _window_block_mask(t: int, window: int, causal: bool, device: str) -> object:
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    right = 0 if causal else window
+
+    def in_band(b: torch.Tensor, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+        return (i - j <= window) & (j - i <= right)
+
+    return create_block_mask(in_band, None, None, t, t, device=device)
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled_flex() -> Callable[..., torch.Tensor]:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _flex_window(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, causal: bool, scale: float) -> torch.Tensor:
+    mask = _window_block_mask(q.shape[2], window, causal, str(q.device))
+    flex = _compiled_flex() if q.is_cuda else _eager_flex()
+    return flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+
+
+def _eager_flex() -> Callable[..., torch.Tensor]:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention
