@@ -6,13 +6,14 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from . import describe
+from . import bench, describe
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sattn", description="structured attention: costs, training and benchmarks")
     sub = parser.add_subparsers(dest="command", required=True)
     describe.add_parser(sub)
+    bench.add_parser(sub)
     return parser
 
 
