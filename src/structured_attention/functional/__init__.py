@@ -2,6 +2,7 @@
 
 from structured_attention.functional.mlr import (
     mlr_attention,
+    mlr_attention_reference,
     mlr_block_sizes,
     mlr_depth,
     mlr_pair_counts,
@@ -11,6 +12,7 @@ from structured_attention.functional.windowed import sliding_window_attention
 
 __all__ = [
     "mlr_attention",
+    "mlr_attention_reference",
     "mlr_block_sizes",
     "mlr_depth",
     "mlr_pair_counts",

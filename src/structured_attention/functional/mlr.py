@@ -9,8 +9,9 @@ Level ``l`` has block size ``s_l`` (``s_1 > ... > s_L``, ``s_{l+1} | s_l``, ``s_
 
 Because the blocks are nested, ``l <= d(i, j)`` is the same as "i and j share a level-``l`` block",
 so ``S`` is the level-1 score ``q_1 k_1^T`` plus, for each finer level, ``q_l k_l^T`` restricted to
-that level's diagonal blocks. :func:`mlr_attention` is built exactly that way and is the reference
-path every fast kernel is checked against.
+that level's diagonal blocks. :func:`mlr_attention_reference` is built exactly that way and is the
+reference every fast path is checked against; :func:`mlr_attention` dispatches to the fastest
+correct path for its inputs.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from structured_attention._checks import (
 
 __all__ = [
     "mlr_attention",
+    "mlr_attention_reference",
+    "check_mlr_arguments",
     "mlr_block_sizes",
     "mlr_depth",
     "mlr_pair_counts",
@@ -147,6 +150,52 @@ def mlr_score_flops(T: int, ranks: Sequence[int], block_sizes: Sequence[int], ca
 # --------------------------------------------------------------------------------------------------
 
 
+def check_mlr_arguments(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ranks: Sequence[int],
+    block_sizes: Sequence[int] | None,
+    causal: bool,
+    scale: float | None,
+    depth_normalize: bool,
+) -> tuple[tuple[int, ...], tuple[int, ...], float]:
+    """Validate the arguments of the MLR attention contract (shared by every path); return the
+    ranks, the block sizes and the scale (default ``1/sqrt(R)``)."""
+    q = check_tensor(q, "q", 4)
+    k = check_tensor(k, "k", 4)
+    v = check_tensor(v, "v", 4)
+    check_same_dtype_device([("q", q), ("k", k), ("v", v)])
+    require(q.is_floating_point(), "q.dtype", "a floating-point dtype", q.dtype)
+
+    B, H, T, R = q.shape
+    Bk, Hk, Tk, Rk = k.shape
+    require(T > 0, "q", "a non-empty sequence (T >= 1) in shape (B, H, T, R)", tuple(q.shape))
+    require(R > 0, "q", "a non-empty head dim (R >= 1) in shape (B, H, T, R)", tuple(q.shape))
+    require(Bk == B and Tk == T and Rk == R, "k",
+            f"shape (B={B}, Hk, T={T}, R={R}) matching q", tuple(k.shape))
+    require(Hk > 0 and H % Hk == 0, "k",
+            f"a head count Hk (dim 1) dividing q's H={H}", tuple(k.shape))
+    require(v.shape[0] == B and v.shape[1] == Hk and v.shape[2] == T, "v",
+            f"shape (B={B}, Hk={Hk}, T={T}, Dv) matching k", tuple(v.shape))
+
+    ranks = check_int_list(ranks, "ranks")
+    if sum(ranks) != R:
+        raise ValueError(f"ranks: expected values summing to R={R} (the last dim of q and k), "
+                         f"got {ranks!r} (sum {sum(ranks)})")
+    sizes = mlr_block_sizes(ranks, T, block_sizes) if block_sizes is None else _check_block_sizes(
+        block_sizes, T, len(ranks))
+    _check_bool(causal, "causal")
+    _check_bool(depth_normalize, "depth_normalize")
+    if scale is None:
+        scale = 1.0 / math.sqrt(R)
+    else:
+        require(isinstance(scale, (int, float)) and not isinstance(scale, bool)
+                and math.isfinite(scale) and scale > 0, "scale", "a finite positive number or None", scale)
+
+    return ranks, sizes, float(scale)
+
+
 def _add_on_diagonal_blocks(S: torch.Tensor, block: torch.Tensor, s: int, n_full: int) -> None:
     """In place: ``S[..., b*s:(b+1)*s, b*s:(b+1)*s] += block[..., b, :, :]`` for ``b < n_full``.
 
@@ -160,7 +209,7 @@ def _add_on_diagonal_blocks(S: torch.Tensor, block: torch.Tensor, s: int, n_full
     diag.add_(block.movedim(-3, -1))
 
 
-def mlr_attention(
+def mlr_attention_reference(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -193,36 +242,9 @@ def mlr_attention(
     Raises:
         ValueError: naming the offending parameter.
     """
-    q = check_tensor(q, "q", 4)
-    k = check_tensor(k, "k", 4)
-    v = check_tensor(v, "v", 4)
-    check_same_dtype_device([("q", q), ("k", k), ("v", v)])
-    require(q.is_floating_point(), "q.dtype", "a floating-point dtype", q.dtype)
-
+    ranks, sizes, scale = check_mlr_arguments(q, k, v, ranks, block_sizes, causal, scale, depth_normalize)
     B, H, T, R = q.shape
-    Bk, Hk, Tk, Rk = k.shape
-    require(T > 0, "q", "a non-empty sequence (T >= 1) in shape (B, H, T, R)", tuple(q.shape))
-    require(R > 0, "q", "a non-empty head dim (R >= 1) in shape (B, H, T, R)", tuple(q.shape))
-    require(Bk == B and Tk == T and Rk == R, "k",
-            f"shape (B={B}, Hk, T={T}, R={R}) matching q", tuple(k.shape))
-    require(Hk > 0 and H % Hk == 0, "k",
-            f"a head count Hk (dim 1) dividing q's H={H}", tuple(k.shape))
-    require(v.shape[0] == B and v.shape[1] == Hk and v.shape[2] == T, "v",
-            f"shape (B={B}, Hk={Hk}, T={T}, Dv) matching k", tuple(v.shape))
-
-    ranks = check_int_list(ranks, "ranks")
-    if sum(ranks) != R:
-        raise ValueError(f"ranks: expected values summing to R={R} (the last dim of q and k), "
-                         f"got {ranks!r} (sum {sum(ranks)})")
-    sizes = mlr_block_sizes(ranks, T, block_sizes) if block_sizes is None else _check_block_sizes(
-        block_sizes, T, len(ranks))
-    causal = _check_bool(causal, "causal")
-    depth_normalize = _check_bool(depth_normalize, "depth_normalize")
-    if scale is None:
-        scale = 1.0 / math.sqrt(R)
-    else:
-        require(isinstance(scale, (int, float)) and not isinstance(scale, bool)
-                and math.isfinite(scale) and scale > 0, "scale", "a finite positive number or None", scale)
+    Hk = k.shape[1]
 
     compute_dtype = torch.float32 if q.dtype in _HALF_DTYPES else q.dtype
     G = H // Hk
@@ -262,3 +284,26 @@ def mlr_attention(
     A = torch.softmax(S, dim=-1)
     out = torch.einsum("bhgij,bhjd->bhgid", A, vc)  # (B, Hk, G, T, Dv)
     return out.reshape(B, H, T, v.shape[-1]).to(q.dtype)
+
+
+_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def mlr_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ranks: Sequence[int],
+    block_sizes: Sequence[int] | None = None,
+    causal: bool = True,
+    scale: float | None = None,
+    depth_normalize: bool = False,
+) -> torch.Tensor:
+    """MLR attention with the contract of :func:`mlr_attention_reference`, on the fastest correct path:
+    the Triton kernel for CUDA tensors when Triton is installed, the exact reference otherwise."""
+    if isinstance(q, torch.Tensor) and q.is_cuda and q.dtype in _TRITON_DTYPES:
+        from structured_attention.kernels import HAS_TRITON, mlr_attention_triton  # imports Triton lazily
+
+        if HAS_TRITON:
+            return mlr_attention_triton(q, k, v, ranks, block_sizes, causal, scale, depth_normalize)
+    return mlr_attention_reference(q, k, v, ranks, block_sizes, causal, scale, depth_normalize)

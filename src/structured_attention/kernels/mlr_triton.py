@@ -1,0 +1,534 @@
+"""Flash-style Triton kernels for exact MLR attention (SPEC section 3, "MLR attention, exactly").
+
+:func:`mlr_attention_triton` has the contract of
+:func:`structured_attention.functional.mlr_attention` (same arguments, same result up to float
+rounding) and is differentiable in ``q``, ``k`` and ``v`` through a :class:`torch.autograd.Function`.
+
+Design
+------
+* Forward: one program per (query tile of ``BLOCK_M`` rows, batch * query head); online softmax over
+  key tiles of ``BLOCK_N`` columns; with ``causal`` no key tile past the diagonal is visited. The
+  row log-sum-exp is stored for the backward. Everything accumulates in float32.
+* Depth: tiles are *not* tied to the block sizes. A tile's score is split into
+  - level 1 (dims ``[0, r_1)``), which covers the whole context: one 2-D ``tl.dot`` per tile;
+  - the finer levels ``2..L``, handled together as one *batched* (3-D) ``tl.dot`` over a level axis of
+    ``LP = next_pow2(L - 1)`` entries, each level's slice of the head dims loaded (masked) into a
+    ``RLP``-wide slot. Level ``l``'s partial score is added only where row and column share the
+    level-``l`` block (``i // s_l == j // s_l``), which also gives the depth for ``depth_normalize``.
+  The fine-level work is skipped at run time for every tile that does not meet a level-2 diagonal
+  block (since blocks are nested, such a tile has depth 1 everywhere), so away from the diagonal a
+  tile costs one ``r_1``-wide matmul: the score FLOPs follow the structure at level-2 granularity.
+  Mixed-depth tiles (straddling block boundaries, partial trailing blocks, T not a multiple of
+  anything) are exact because of the per-level masks.
+* Backward: the standard flash-attention backward: ``delta = rowsum(dO * O)`` in PyTorch, one kernel
+  for ``dK, dV`` (one program per key tile and *kv* head, looping over the ``G`` query heads of its
+  group and their query tiles, so GQA gradients are summed without atomics) and one kernel for
+  ``dQ`` (looping over key tiles). Both recompute the scores with the same depth structure.
+* Head dims are padded to powers of two ``>= 16`` with masked loads/stores, so the code obeys
+  ``tl.dot``'s GPU shape rules; on CPU it runs under ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from structured_attention.functional.mlr import check_mlr_arguments
+
+__all__ = ["mlr_attention_triton"]
+
+_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+# --------------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _dot(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """``tl.dot`` (2-D or batched 3-D) with a float32 result.
+
+    ``UPCAST`` (interpreter only) multiplies in float32: Triton's CPU interpreter mishandles
+    bfloat16 ``tl.dot`` operands. bf16 products are exact in float32, so the result matches the GPU.
+    """
+    if UPCAST:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        out = tl.dot(a, b, input_precision=PREC)
+    return out
+
+
+@triton.jit
+def _mlr_fwd_kernel(
+    Q, K, V, O, LSE, FOFF, FRANK, FSIZE,
+    stride_qb, stride_qh, stride_qt,
+    stride_kb, stride_kh, stride_kt,
+    stride_vb, stride_vh, stride_vt,
+    stride_ob, stride_oh, stride_ot,
+    H, G, T, R1, DV, S2, scale,
+    CAUSAL: tl.constexpr, DEPTH_NORM: tl.constexpr, HAS_FINE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    R1P: tl.constexpr, RLP: tl.constexpr, LP: tl.constexpr, DVP: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    hk = h // G
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < T
+    m_last = tl.minimum(m0 + BLOCK_M, T) - 1
+    d1 = tl.arange(0, R1P)
+    dv = tl.arange(0, DVP)
+    q_base = Q + b * stride_qb + h * stride_qh
+    k_base = K + b * stride_kb + hk * stride_kh
+    v_base = V + b * stride_vb + hk * stride_vh
+
+    q1 = tl.load(q_base + offs_m[:, None] * stride_qt + d1[None, :],
+                 mask=m_ok[:, None] & (d1 < R1)[None, :], other=0.0)
+    if HAS_FINE:
+        lv = tl.arange(0, LP)
+        dl = tl.arange(0, RLP)
+        foff = tl.load(FOFF + lv)
+        frank = tl.load(FRANK + lv)
+        fsize = tl.load(FSIZE + lv)
+        fcol = foff[:, None, None] + dl[None, None, :]          # (LP, 1, RLP)
+        fcol_ok = dl[None, None, :] < frank[:, None, None]      # (LP, 1, RLP)
+        lvl_ok = (frank > 0)[:, None, None]                     # (LP, 1, 1)
+        row_blk = offs_m[None, :, None] // fsize[:, None, None]  # (LP, BM, 1)
+        q3 = tl.load(q_base + offs_m[None, :, None] * stride_qt + fcol,
+                     mask=m_ok[None, :, None] & fcol_ok, other=0.0)  # (LP, BM, RLP)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DVP], tl.float32)
+
+    hi = T
+    if CAUSAL:
+        hi = tl.minimum(m0 + BLOCK_M, T)
+    for n0 in range(0, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < T
+        k1 = tl.load(k_base + offs_n[:, None] * stride_kt + d1[None, :],
+                     mask=n_ok[:, None] & (d1 < R1)[None, :], other=0.0)
+        s = _dot(q1, tl.trans(k1), PREC, UPCAST)
+        dep = tl.full([BLOCK_M, BLOCK_N], 1.0, tl.float32)
+        if HAS_FINE:
+            n_last = tl.minimum(n0 + BLOCK_N, T) - 1
+            if (n0 // S2 <= m_last // S2) & (m0 // S2 <= n_last // S2):
+                k3 = tl.load(k_base + offs_n[None, :, None] * stride_kt + fcol,
+                             mask=n_ok[None, :, None] & fcol_ok, other=0.0)  # (LP, BN, RLP)
+                s3 = _dot(q3, tl.permute(k3, (0, 2, 1)), PREC, UPCAST)  # (LP, BM, BN)
+                in3 = lvl_ok & (row_blk == offs_n[None, None, :] // fsize[:, None, None])
+                s += tl.sum(tl.where(in3, s3, 0.0), axis=0)
+                if DEPTH_NORM:
+                    dep += tl.sum(in3.to(tl.float32), axis=0)
+        ok = n_ok[None, :] & (offs_m[:, None] >= 0)
+        if CAUSAL:
+            ok = ok & (offs_m[:, None] >= offs_n[None, :])
+        if DEPTH_NORM:
+            s = s * (scale / dep)
+        else:
+            s = s * scale
+        s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        vt = tl.load(v_base + offs_n[:, None] * stride_vt + dv[None, :],
+                     mask=n_ok[:, None] & (dv < DV)[None, :], other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), vt, PREC, UPCAST)
+        m_i = m_new
+
+    acc = acc / l_i[:, None]
+    o_ptr = O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_ot + dv[None, :]
+    tl.store(o_ptr, acc.to(O.dtype.element_ty), mask=m_ok[:, None] & (dv < DV)[None, :])
+    tl.store(LSE + pid_bh * T + offs_m, m_i + tl.log(l_i), mask=m_ok)
+
+
+@triton.jit
+def _mlr_bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV_, FOFF, FRANK, FSIZE,
+    stride_qb, stride_qh, stride_qt,
+    stride_kb, stride_kh, stride_kt,
+    stride_vb, stride_vh, stride_vt,
+    stride_dob, stride_doh, stride_dot,
+    H, HK, G, T, R1, DV, S2, scale,
+    CAUSAL: tl.constexpr, DEPTH_NORM: tl.constexpr, HAS_FINE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    R1P: tl.constexpr, RLP: tl.constexpr, LP: tl.constexpr, DVP: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    # DK has k's strides and DV_ has v's strides (all contiguous, same shapes).
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // HK
+    hk = pid_bh % HK
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < T
+    n_last = tl.minimum(n0 + BLOCK_N, T) - 1
+    d1 = tl.arange(0, R1P)
+    dv = tl.arange(0, DVP)
+    k_off = b * stride_kb + hk * stride_kh
+    v_off = b * stride_vb + hk * stride_vh
+
+    k1 = tl.load(K + k_off + offs_n[:, None] * stride_kt + d1[None, :],
+                 mask=n_ok[:, None] & (d1 < R1)[None, :], other=0.0)
+    vt = tl.load(V + v_off + offs_n[:, None] * stride_vt + dv[None, :],
+                 mask=n_ok[:, None] & (dv < DV)[None, :], other=0.0)
+    dk1 = tl.zeros([BLOCK_N, R1P], tl.float32)
+    dv_acc = tl.zeros([BLOCK_N, DVP], tl.float32)
+    if HAS_FINE:
+        lv = tl.arange(0, LP)
+        dl = tl.arange(0, RLP)
+        foff = tl.load(FOFF + lv)
+        frank = tl.load(FRANK + lv)
+        fsize = tl.load(FSIZE + lv)
+        fcol = foff[:, None, None] + dl[None, None, :]
+        fcol_ok = dl[None, None, :] < frank[:, None, None]
+        lvl_ok = (frank > 0)[:, None, None]
+        col_blk = offs_n[None, None, :] // fsize[:, None, None]  # (LP, 1, BN)
+        k3 = tl.load(K + k_off + offs_n[None, :, None] * stride_kt + fcol,
+                     mask=n_ok[None, :, None] & fcol_ok, other=0.0)  # (LP, BN, RLP)
+        dk3 = tl.zeros([LP, BLOCK_N, RLP], tl.float32)
+
+    lo = 0
+    if CAUSAL:
+        lo = (n0 // BLOCK_M) * BLOCK_M
+    for g in range(0, G):
+        h = hk * G + g
+        q_base = Q + b * stride_qb + h * stride_qh
+        do_base = DO + b * stride_dob + h * stride_doh
+        row_base = (b * H + h) * T
+        for m0 in range(lo, T, BLOCK_M):
+            offs_m = m0 + tl.arange(0, BLOCK_M)
+            m_ok = offs_m < T
+            m_last = tl.minimum(m0 + BLOCK_M, T) - 1
+            q1 = tl.load(q_base + offs_m[:, None] * stride_qt + d1[None, :],
+                         mask=m_ok[:, None] & (d1 < R1)[None, :], other=0.0)
+            do = tl.load(do_base + offs_m[:, None] * stride_dot + dv[None, :],
+                         mask=m_ok[:, None] & (dv < DV)[None, :], other=0.0)
+            lse = tl.load(LSE + row_base + offs_m, mask=m_ok, other=0.0)
+            delta = tl.load(DELTA + row_base + offs_m, mask=m_ok, other=0.0)
+            s = _dot(q1, tl.trans(k1), PREC, UPCAST)
+            dep = tl.full([BLOCK_M, BLOCK_N], 1.0, tl.float32)
+            need_fine = (n0 // S2 <= m_last // S2) & (m0 // S2 <= n_last // S2)
+            if HAS_FINE:
+                if need_fine:
+                    q3 = tl.load(q_base + offs_m[None, :, None] * stride_qt + fcol,
+                                 mask=m_ok[None, :, None] & fcol_ok, other=0.0)
+                    s3 = _dot(q3, tl.permute(k3, (0, 2, 1)), PREC, UPCAST)
+                    in3 = lvl_ok & ((offs_m[None, :, None] // fsize[:, None, None]) == col_blk)
+                    s += tl.sum(tl.where(in3, s3, 0.0), axis=0)
+                    if DEPTH_NORM:
+                        dep += tl.sum(in3.to(tl.float32), axis=0)
+            ok = n_ok[None, :] & m_ok[:, None]
+            if CAUSAL:
+                ok = ok & (offs_m[:, None] >= offs_n[None, :])
+            if DEPTH_NORM:
+                c = scale / dep
+            else:
+                c = tl.full([BLOCK_M, BLOCK_N], 1.0, tl.float32) * scale
+            p = tl.where(ok, tl.exp(s * c - lse[:, None]), 0.0)
+            dv_acc += _dot(tl.trans(p.to(do.dtype)), do, PREC, UPCAST)
+            dp = _dot(do, tl.trans(vt), PREC, UPCAST)
+            ds = p * (dp - delta[:, None]) * c  # gradient w.r.t. the unscaled partial-dot sum
+            dk1 += _dot(tl.trans(ds.to(q1.dtype)), q1, PREC, UPCAST)
+            if HAS_FINE:
+                if need_fine:
+                    q3 = tl.load(q_base + offs_m[None, :, None] * stride_qt + fcol,
+                                 mask=m_ok[None, :, None] & fcol_ok, other=0.0)
+                    in3 = lvl_ok & ((offs_m[None, :, None] // fsize[:, None, None]) == col_blk)
+                    ds3 = tl.where(in3, ds[None, :, :], 0.0).to(q3.dtype)  # (LP, BM, BN)
+                    dk3 += _dot(tl.permute(ds3, (0, 2, 1)), q3, PREC, UPCAST)
+
+    tl.store(DK + k_off + offs_n[:, None] * stride_kt + d1[None, :], dk1.to(DK.dtype.element_ty),
+             mask=n_ok[:, None] & (d1 < R1)[None, :])
+    tl.store(DV_ + v_off + offs_n[:, None] * stride_vt + dv[None, :], dv_acc.to(DV_.dtype.element_ty),
+             mask=n_ok[:, None] & (dv < DV)[None, :])
+    if HAS_FINE:
+        tl.store(DK + k_off + offs_n[None, :, None] * stride_kt + fcol, dk3.to(DK.dtype.element_ty),
+                 mask=n_ok[None, :, None] & fcol_ok)
+
+
+@triton.jit
+def _mlr_bwd_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ, FOFF, FRANK, FSIZE,
+    stride_qb, stride_qh, stride_qt,
+    stride_kb, stride_kh, stride_kt,
+    stride_vb, stride_vh, stride_vt,
+    stride_dob, stride_doh, stride_dot,
+    H, G, T, R1, DV, S2, scale,
+    CAUSAL: tl.constexpr, DEPTH_NORM: tl.constexpr, HAS_FINE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    R1P: tl.constexpr, RLP: tl.constexpr, LP: tl.constexpr, DVP: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    # DQ has q's strides.
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    hk = h // G
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < T
+    m_last = tl.minimum(m0 + BLOCK_M, T) - 1
+    d1 = tl.arange(0, R1P)
+    dv = tl.arange(0, DVP)
+    q_base = Q + b * stride_qb + h * stride_qh
+    k_base = K + b * stride_kb + hk * stride_kh
+    v_base = V + b * stride_vb + hk * stride_vh
+
+    q1 = tl.load(q_base + offs_m[:, None] * stride_qt + d1[None, :],
+                 mask=m_ok[:, None] & (d1 < R1)[None, :], other=0.0)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dot + dv[None, :],
+                 mask=m_ok[:, None] & (dv < DV)[None, :], other=0.0)
+    lse = tl.load(LSE + pid_bh * T + offs_m, mask=m_ok, other=0.0)
+    delta = tl.load(DELTA + pid_bh * T + offs_m, mask=m_ok, other=0.0)
+    dq1 = tl.zeros([BLOCK_M, R1P], tl.float32)
+    if HAS_FINE:
+        lv = tl.arange(0, LP)
+        dl = tl.arange(0, RLP)
+        foff = tl.load(FOFF + lv)
+        frank = tl.load(FRANK + lv)
+        fsize = tl.load(FSIZE + lv)
+        fcol = foff[:, None, None] + dl[None, None, :]
+        fcol_ok = dl[None, None, :] < frank[:, None, None]
+        lvl_ok = (frank > 0)[:, None, None]
+        row_blk = offs_m[None, :, None] // fsize[:, None, None]
+        q3 = tl.load(q_base + offs_m[None, :, None] * stride_qt + fcol,
+                     mask=m_ok[None, :, None] & fcol_ok, other=0.0)
+        dq3 = tl.zeros([LP, BLOCK_M, RLP], tl.float32)
+
+    hi = T
+    if CAUSAL:
+        hi = tl.minimum(m0 + BLOCK_M, T)
+    for n0 in range(0, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < T
+        n_last = tl.minimum(n0 + BLOCK_N, T) - 1
+        k1 = tl.load(k_base + offs_n[:, None] * stride_kt + d1[None, :],
+                     mask=n_ok[:, None] & (d1 < R1)[None, :], other=0.0)
+        vt = tl.load(v_base + offs_n[:, None] * stride_vt + dv[None, :],
+                     mask=n_ok[:, None] & (dv < DV)[None, :], other=0.0)
+        s = _dot(q1, tl.trans(k1), PREC, UPCAST)
+        dep = tl.full([BLOCK_M, BLOCK_N], 1.0, tl.float32)
+        need_fine = (n0 // S2 <= m_last // S2) & (m0 // S2 <= n_last // S2)
+        if HAS_FINE:
+            if need_fine:
+                k3 = tl.load(k_base + offs_n[None, :, None] * stride_kt + fcol,
+                             mask=n_ok[None, :, None] & fcol_ok, other=0.0)
+                s3 = _dot(q3, tl.permute(k3, (0, 2, 1)), PREC, UPCAST)
+                in3 = lvl_ok & (row_blk == offs_n[None, None, :] // fsize[:, None, None])
+                s += tl.sum(tl.where(in3, s3, 0.0), axis=0)
+                if DEPTH_NORM:
+                    dep += tl.sum(in3.to(tl.float32), axis=0)
+        ok = n_ok[None, :] & m_ok[:, None]
+        if CAUSAL:
+            ok = ok & (offs_m[:, None] >= offs_n[None, :])
+        if DEPTH_NORM:
+            c = scale / dep
+        else:
+            c = tl.full([BLOCK_M, BLOCK_N], 1.0, tl.float32) * scale
+        p = tl.where(ok, tl.exp(s * c - lse[:, None]), 0.0)
+        dp = _dot(do, tl.trans(vt), PREC, UPCAST)
+        ds = p * (dp - delta[:, None]) * c
+        dq1 += _dot(ds.to(k1.dtype), k1, PREC, UPCAST)
+        if HAS_FINE:
+            if need_fine:
+                k3 = tl.load(k_base + offs_n[None, :, None] * stride_kt + fcol,
+                             mask=n_ok[None, :, None] & fcol_ok, other=0.0)
+                in3 = lvl_ok & (row_blk == offs_n[None, None, :] // fsize[:, None, None])
+                ds3 = tl.where(in3, ds[None, :, :], 0.0).to(k3.dtype)
+                dq3 += _dot(ds3, k3, PREC, UPCAST)
+
+    tl.store(DQ + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qt + d1[None, :],
+             dq1.to(DQ.dtype.element_ty), mask=m_ok[:, None] & (d1 < R1)[None, :])
+    if HAS_FINE:
+        tl.store(DQ + b * stride_qb + h * stride_qh + offs_m[None, :, None] * stride_qt + fcol,
+                 dq3.to(DQ.dtype.element_ty), mask=m_ok[None, :, None] & fcol_ok)
+
+
+# --------------------------------------------------------------------------------------------------
+# Launch helpers
+# --------------------------------------------------------------------------------------------------
+
+
+# Triton's interpreter (TRITON_INTERPRET=1 when triton.jit ran) swaps kernels for interpreted ones.
+_INTERPRETED = "interpret" in type(_mlr_fwd_kernel).__name__.lower()
+
+
+def _pow2_at_least_16(n: int) -> int:
+    return max(16, triton.next_power_of_2(max(int(n), 1)))
+
+
+class _Plan:
+    """Compile-time shape parameters and the fine-level metadata of one call."""
+
+    def __init__(self, q: torch.Tensor, v: torch.Tensor, ranks: tuple[int, ...], sizes: tuple[int, ...],
+                 block_m: int, block_n: int) -> None:
+        L = len(ranks)
+        fine = ranks[1:]
+        self.has_fine = L > 1
+        self.R1 = ranks[0]
+        self.R1P = _pow2_at_least_16(ranks[0])
+        self.RLP = _pow2_at_least_16(max(fine)) if fine else 16
+        self.LP = triton.next_power_of_2(max(len(fine), 1))
+        self.DV = v.shape[-1]
+        self.DVP = _pow2_at_least_16(self.DV)
+        self.S2 = sizes[1] if self.has_fine else 1
+        offs, acc = [], ranks[0]
+        for r in fine:
+            offs.append(acc)
+            acc += r
+        pad = self.LP - len(fine)
+        meta = torch.tensor(
+            [offs + [0] * pad, list(fine) + [0] * pad, list(sizes[1:]) + [1] * pad],
+            dtype=torch.int32, device=q.device,
+        )
+        self.foff, self.frank, self.fsize = meta[0].contiguous(), meta[1].contiguous(), meta[2].contiguous()
+        self.block_m = block_m
+        self.block_n = block_n
+        self.prec = "ieee" if q.dtype == torch.float32 else "tf32"
+        self.upcast = _INTERPRETED and q.dtype == torch.bfloat16
+
+    def constexprs(self, causal: bool, depth_normalize: bool) -> dict:
+        return dict(
+            CAUSAL=causal, DEPTH_NORM=depth_normalize, HAS_FINE=self.has_fine,
+            BLOCK_M=self.block_m, BLOCK_N=self.block_n,
+            R1P=self.R1P, RLP=self.RLP, LP=self.LP, DVP=self.DVP, PREC=self.prec,
+            UPCAST=self.upcast,
+        )
+
+
+def _forward(q, k, v, plan: _Plan, causal: bool, scale: float, depth_normalize: bool):
+    B, H, T, _ = q.shape
+    Hk = k.shape[1]
+    o = torch.empty(B, H, T, plan.DV, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
+    grid = (triton.cdiv(T, plan.block_m), B * H)
+    _mlr_fwd_kernel[grid](
+        q, k, v, o, lse, plan.foff, plan.frank, plan.fsize,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        o.stride(0), o.stride(1), o.stride(2),
+        H, H // Hk, T, plan.R1, plan.DV, plan.S2, float(scale),
+        **plan.constexprs(causal, depth_normalize),
+    )
+    return o, lse
+
+
+def _backward(q, k, v, o, lse, do, plan: _Plan, causal: bool, scale: float, depth_normalize: bool):
+    B, H, T, _ = q.shape
+    Hk = k.shape[1]
+    G = H // Hk
+    do = do.contiguous()
+    delta = (do.float() * o.float()).sum(-1).contiguous()  # (B, H, T)
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    common_strides = (
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        do.stride(0), do.stride(1), do.stride(2),
+    )
+    cx = plan.constexprs(causal, depth_normalize)
+    _mlr_bwd_dkdv_kernel[(triton.cdiv(T, plan.block_n), B * Hk)](
+        q, k, v, do, lse, delta, dk, dv, plan.foff, plan.frank, plan.fsize,
+        *common_strides,
+        H, Hk, G, T, plan.R1, plan.DV, plan.S2, float(scale),
+        **cx,
+    )
+    _mlr_bwd_dq_kernel[(triton.cdiv(T, plan.block_m), B * H)](
+        q, k, v, do, lse, delta, dq, plan.foff, plan.frank, plan.fsize,
+        *common_strides,
+        H, G, T, plan.R1, plan.DV, plan.S2, float(scale),
+        **cx,
+    )
+    return dq, dk, dv
+
+
+class _MLRAttentionTriton(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, plan, causal, scale, depth_normalize):
+        o, lse = _forward(q, k, v, plan, causal, scale, depth_normalize)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.plan = plan
+        ctx.causal = causal
+        ctx.scale = scale
+        ctx.depth_normalize = depth_normalize
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = _backward(q, k, v, o, lse, do, ctx.plan, ctx.causal, ctx.scale, ctx.depth_normalize)
+        return dq, dk, dv, None, None, None, None
+
+
+# --------------------------------------------------------------------------------------------------
+# Public entry point
+# --------------------------------------------------------------------------------------------------
+
+
+def _err(name: str, expected: str, got: object) -> ValueError:
+    return ValueError(f"{name}: expected {expected}, got {got!r}")
+
+
+def mlr_attention_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ranks: Sequence[int],
+    block_sizes: Sequence[int] | None = None,
+    causal: bool = True,
+    scale: float | None = None,
+    depth_normalize: bool = False,
+    *,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """Exact MLR attention with fused Triton kernels (forward and backward).
+
+    Same contract as :func:`structured_attention.functional.mlr_attention`: ``q (B, H, T, R)``,
+    ``k (B, Hk, T, R)``, ``v (B, Hk, T, Dv)`` with ``Hk | H`` (GQA: query head ``h`` reads kv head
+    ``h // (H // Hk)``), ``ranks`` summing to ``R``, nested ``block_sizes`` with ``s_1 >= T`` (default
+    ``T / 2^(l-1)``), ``scale`` default ``1 / sqrt(R)``, optional ``depth_normalize``.
+
+    Extra keyword-only arguments ``block_m`` / ``block_n`` set the query / key tile sizes (powers of
+    two, ``>= 16`` for GPU ``tl.dot``; default 64 on CUDA, 16 in the interpreter); they are independent
+    of the MLR block sizes.
+
+    Supports float32, float16 and bfloat16 (accumulation in float32; the output has ``q``'s dtype).
+    Tensors must be on a CUDA device, or on the CPU with ``TRITON_INTERPRET=1`` set before Triton
+    was imported (the interpreter; slow, for tests).
+
+    Raises:
+        ValueError: naming the offending parameter.
+    """
+    ranks, sizes, scale = check_mlr_arguments(q, k, v, ranks, block_sizes, causal, scale, depth_normalize)
+    if q.dtype not in _SUPPORTED_DTYPES:
+        raise _err("q.dtype", "float32, float16 or bfloat16", q.dtype)
+    if q.device.type != "cuda" and not _INTERPRETED:
+        raise _err("q.device", "a CUDA device (or CPU tensors with TRITON_INTERPRET=1 set before "
+                   "importing triton)", q.device)
+    # Small tiles keep the interpreter fast; a GPU wants larger ones.
+    default_tile = 64 if q.device.type == "cuda" else 16
+    block_m, block_n = block_m or default_tile, block_n or default_tile
+    for name, bsz in (("block_m", block_m), ("block_n", block_n)):
+        if not (isinstance(bsz, int) and bsz >= 1 and bsz & (bsz - 1) == 0):
+            raise _err(name, "a power of two (>= 16 on GPU)", bsz)
+
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    plan = _Plan(q, v, ranks, sizes, block_m, block_n)
+    return _MLRAttentionTriton.apply(q, k, v, plan, causal, float(scale), depth_normalize)
