@@ -1,4 +1,4 @@
-"""sattn bench attention on a tiny shape: it writes the JSON and plot it promises."""
+"""sattn bench on tiny shapes: it writes the JSON and plot it promises."""
 
 from __future__ import annotations
 
@@ -8,26 +8,44 @@ import pytest
 
 from structured_attention.cli.main import main
 
+TINY = ["--seq-lens", "16,32", "--n-heads", "2", "--repeats", "1"]
+
 
 def test_bench_attention_writes_json_and_plot(tmp_path, capsys):
-    args = ["bench", "attention", "--kinds", "mha,mlr:4|4,swa:4", "--seq-lens", "16,32", "--d-model", "16",
-            "--n-heads", "2", "--repeats", "1", "--decode-steps", "2", "--out", str(tmp_path)]
+    args = ["bench", "attention", "--kinds", "mha,mlr:4|4,swa:4", "--d-model", "16", "--decode-steps", "2",
+            "--out", str(tmp_path), *TINY]
     assert main(args) == 0
     data = json.loads((tmp_path / "attention.json").read_text())
-    assert data["environment"]["torch"]
+    assert data["environment"]["torch"] and data["environment"]["settings"]["d_model"] == 16
     rows = data["results"]
-    assert {(r["kind"], r["seq_len"]) for r in rows} == {(k, t) for k in ("mha", "mlr:4|4", "swa:4") for t in (16, 32)}
+    assert {(r["case"], r["seq_len"]) for r in rows} == {(k, t) for k in ("mha", "mlr:4|4", "swa:4") for t in (16, 32)}
     for r in rows:
         assert r["forward_ms"] > 0 and r["forward_backward_ms"] > 0 and r["decode_ms_per_token"] > 0
         assert r["decode_cache_len"] == 30 and "peak_memory_mib" in r
-    mha = [r for r in rows if r["kind"] == "mha"]
-    assert all(r["speedup_forward"] == pytest.approx(1.0) for r in mha)
+    assert all(r["speedup_forward"] == pytest.approx(1.0) for r in rows if r["case"] == "mha")
     assert (tmp_path / "attention.png").stat().st_size > 0
-    assert "| kind | T |" in capsys.readouterr().out
+    assert "| case | T |" in capsys.readouterr().out
 
 
-def test_bench_rejects_a_cache_longer_than_the_context(tmp_path, capsys):
-    args = ["bench", "attention", "--kinds", "mha", "--seq-lens", "16", "--decode-cache", "40", "--no-memory",
-            "--d-model", "16", "--n-heads", "2", "--repeats", "1", "--out", str(tmp_path)]
+def test_bench_mlr_compares_paths_with_sdpa(tmp_path):
+    args = ["bench", "mlr", "--ranks", "4|2|1|1", "--v-dim", "8", "--no-memory", "--out", str(tmp_path), *TINY]
+    assert main(args) == 0
+    rows = json.loads((tmp_path / "mlr.json").read_text())["results"]
+    assert [r["case"] for r in rows] == ["sdpa", "mlr", "mlr_reference"] * 2
+
+
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (["attention", "--kinds", "mha", "--decode-cache", "40", "--d-model", "16"], "--decode-cache"),
+        (["mlr", "--ranks", "4|x"], "--ranks"),
+        (["mlr", "--paths", "sdpa,flash9"], "--paths"),
+        (["attention", "--seq-lens", "16,a"], "--seq-lens"),
+    ],
+)
+def test_bench_bad_arguments_exit_2_naming_the_option(tmp_path, capsys, extra, needle):
+    args = ["bench", *extra[:1], "--no-memory", "--n-heads", "2", "--repeats", "1", "--out", str(tmp_path), *extra[1:]]
+    if "--seq-lens" not in extra:
+        args += ["--seq-lens", "16"]
     assert main(args) == 2
-    assert "--decode-cache" in capsys.readouterr().err
+    assert needle in capsys.readouterr().err

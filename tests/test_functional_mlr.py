@@ -16,12 +16,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from structured_attention.functional import (
-    mlr_attention,
+    mlr_attention_blocked,
+    mlr_attention_reference,
     mlr_block_sizes,
     mlr_depth,
     mlr_pair_counts,
 )
+from structured_attention.functional import mlr_attention as dispatched_mlr_attention
 from structured_attention.functional.mlr import mlr_score_flops
+
+# These tests pin down the exact reference; the fast paths are checked against it in their own files.
+mlr_attention = mlr_attention_reference
 
 # --------------------------------------------------------------------------------------------------
 # Naive reference
@@ -425,3 +430,18 @@ def test_valid_base_call_runs():
     # Guards the validation table: the unmodified base call must succeed.
     out = mlr_attention(**_base())
     assert out.shape == (2, 4, 8, 3)
+
+
+def test_dispatch_takes_the_tiled_path_on_cpu(monkeypatch):
+    calls = []
+    import structured_attention.functional.mlr_blocked as blocked
+
+    def spy(*args, **kwargs):
+        calls.append(args[3])
+        return mlr_attention_blocked(*args, **kwargs)
+
+    monkeypatch.setattr(blocked, "mlr_attention_blocked", spy)
+    q = torch.randn(1, 2, 16, 4, dtype=torch.float64)
+    out = dispatched_mlr_attention(q, q, q, (2, 2))
+    assert calls == [(2, 2)]
+    torch.testing.assert_close(out, mlr_attention_reference(q, q, q, (2, 2)), rtol=1e-10, atol=1e-10)

@@ -1,10 +1,14 @@
-"""``sattn bench attention``: time every attention kind in one run, next to standard attention.
+"""``sattn bench attention`` and ``sattn bench mlr``: timings in one run, next to standard attention.
 
-For each kind and sequence length: forward ms, forward+backward ms (medians over ``--repeats``
-after ``--warmup`` runs), peak memory of forward+backward (CUDA allocator peak; on the CPU the
-growth of the resident set, sampled in a fresh process per case, Linux only), and decode ms per token
-with a cache of ``--decode-cache`` tokens. ``speedup`` columns are ``mha`` time / kind time at
-equal width and heads (``mha`` runs PyTorch SDPA). Writes JSON and a PNG plot.
+``attention`` times whole layers of each kind (``mha`` runs PyTorch SDPA); ``mlr`` times the MLR
+primitive on ``(B, H, T, R)`` tensors against ``scaled_dot_product_attention`` at the same dims.
+For each case and sequence length: forward ms and forward+backward ms, peak memory of
+forward+backward (CUDA allocator peak; on the CPU the growth of the resident set, sampled in a
+fresh process per case, Linux only), and, for layers, decode ms per token at a given cache length.
+
+The cases run interleaved, one after another in every round, and the speed-up over the first case
+is the median of the per-round ratios, so a machine whose speed drifts still compares fairly.
+Writes ``<what>.json``, ``<what>.png`` and prints a markdown table.
 """
 
 from __future__ import annotations
@@ -22,79 +26,116 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 
 from ..attention import build_attention
+from ..functional import mlr_attention, mlr_attention_reference
 
-DEFAULT_KINDS = "mha,swa:128,global_swa:32|32:window=128,mlr:8|8|8|8|8|8|8|8"
+LAYER_KINDS = "mha,swa:128,global_swa:32|32:window=128,mlr:8|8|8|8|8|8|8|8"
+MLR_PATHS = "sdpa,mlr,mlr_reference"
+
+Step = Callable[[], Any]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks")
     what = p.add_subparsers(dest="what", required=True)
-    a = what.add_parser("attention", help="time the attention kinds against standard attention (SDPA)")
-    a.add_argument("--kinds", default=DEFAULT_KINDS, help=f"comma-separated attention specs (default {DEFAULT_KINDS})")
-    a.add_argument("--seq-lens", default="1024,2048,4096", help="comma-separated sequence lengths (default 1024,2048,4096)")
-    a.add_argument("--d-model", type=int, default=512, help="width (default 512)")
-    a.add_argument("--n-heads", type=int, default=8, help="heads (default 8)")
-    a.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
-    a.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
-    a.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    a.add_argument("--warmup", type=int, default=1, help="untimed runs before timing (default 1)")
-    a.add_argument("--repeats", type=int, default=3, help="timed runs; the median is reported (default 3)")
-    a.add_argument("--decode-cache", type=int, default=None, help="cache length for decode timing (default: longest seq-len minus decode steps)")
-    a.add_argument("--decode-steps", type=int, default=16, help="tokens decoded per timed run (default 16)")
-    a.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
-    a.add_argument("--out", default="runs/bench", help="folder for attention.json and attention.png (default runs/bench)")
-    a.set_defaults(run=run)
+    layers = what.add_parser("attention", help="time attention layers of each kind against mha (SDPA)")
+    layers.add_argument("--kinds", default=LAYER_KINDS, help=f"comma-separated attention specs, the first is the baseline (default {LAYER_KINDS})")
+    layers.add_argument("--d-model", type=int, default=512, help="width (default 512)")
+    layers.add_argument("--decode-cache", type=int, default=None, help="cache length for decode timing (default: longest seq-len minus decode steps)")
+    layers.add_argument("--decode-steps", type=int, default=16, help="tokens decoded per timed run (default 16)")
+    mlr = what.add_parser("mlr", help="time the MLR attention primitive against scaled_dot_product_attention")
+    mlr.add_argument("--paths", default=MLR_PATHS, help=f"comma-separated: sdpa, mlr (dispatched), mlr_reference (default {MLR_PATHS})")
+    mlr.add_argument("--ranks", default="8|8|8|8|8|8|8|8", help="MLR ranks per level; their sum is the q/k head dim (default 8|8|8|8|8|8|8|8)")
+    mlr.add_argument("--v-dim", type=int, default=64, help="value head dim Dv (default 64)")
+    for p in (layers, mlr):
+        p.add_argument("--seq-lens", default="1024,2048,4096", help="comma-separated sequence lengths (default 1024,2048,4096)")
+        p.add_argument("--n-heads", type=int, default=8, help="heads (default 8)")
+        p.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
+        p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+        p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+        p.add_argument("--warmup", type=int, default=1, help="untimed rounds first (default 1)")
+        p.add_argument("--repeats", type=int, default=3, help="timed rounds; medians are reported (default 3)")
+        p.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
+        p.add_argument("--out", default="runs/bench", help="folder for the JSON and PNG (default runs/bench)")
+        p.set_defaults(run=run)
 
 
+# -- cases ------------------------------------------------------------------------------------------
+def _case_names(args: argparse.Namespace) -> list[str]:
+    return (args.kinds if args.what == "attention" else args.paths).split(",")
+
+
+def _build_case(name: str, args: argparse.Namespace, seq_len: int) -> tuple[Step, Step]:
+    """(forward, forward+backward) closures of one case at one sequence length."""
+    torch.manual_seed(0)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    if args.what == "attention":
+        layer = build_attention(name, d_model=args.d_model, n_heads=args.n_heads, max_seq_len=seq_len)
+        layer = layer.to(device=device, dtype=dtype)
+        x = torch.randn(args.batch, seq_len, args.d_model, device=device, dtype=dtype, requires_grad=True)
+        call: Step = lambda: layer(x)  # noqa: E731
+        params: list[torch.Tensor] = [x, *layer.parameters()]
+    else:
+        ranks = tuple(int(r) for r in args.ranks.split("|"))
+        shape = (args.batch, args.n_heads, seq_len)
+        q, k = (torch.randn(*shape, sum(ranks), device=device, dtype=dtype, requires_grad=True) for _ in range(2))
+        v = torch.randn(*shape, args.v_dim, device=device, dtype=dtype, requires_grad=True)
+        params = [q, k, v]
+        if name == "sdpa":
+            # SDPA needs equal q/k/v head dims: pad q and k to Dv when the ranks sum to less.
+            pad = max(args.v_dim - sum(ranks), 0)
+            call = lambda: F.scaled_dot_product_attention(F.pad(q, (0, pad)), F.pad(k, (0, pad)), v, is_causal=True)  # noqa: E731
+        elif name in ("mlr", "mlr_reference"):
+            fn = mlr_attention if name == "mlr" else mlr_attention_reference
+            call = lambda: fn(q, k, v, ranks)  # noqa: E731
+        else:
+            raise ValueError(f"--paths: expected names among sdpa, mlr, mlr_reference, got {name!r}")
+
+    def forward() -> None:
+        with torch.no_grad():
+            call()
+
+    def forward_backward() -> None:
+        for p in params:
+            p.grad = None
+        call().float().sum().backward()
+
+    return forward, forward_backward
+
+
+# -- measurements ------------------------------------------------------------------------------------
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
 
 
-def _median_ms(fn: Callable[[], Any], device: torch.device, warmup: int, repeats: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+def _time_ms(step: Step, device: torch.device) -> float:
+    _sync(device)
+    start = time.perf_counter()
+    step()
+    _sync(device)
+    return (time.perf_counter() - start) * 1e3
 
 
-def _layer(spec: str, args: argparse.Namespace, seq_len: int) -> torch.nn.Module:
-    torch.manual_seed(0)
-    layer = build_attention(spec, d_model=args.d_model, n_heads=args.n_heads, max_seq_len=seq_len)
-    return layer.to(device=args.device, dtype=getattr(torch, args.dtype))
-
-
-def _inputs(args: argparse.Namespace, seq_len: int, grad: bool) -> torch.Tensor:
-    x = torch.randn(args.batch, seq_len, args.d_model, device=args.device, dtype=getattr(torch, args.dtype))
-    return x.requires_grad_(grad)
-
-
-def _peak_memory_mb(spec: str, args: argparse.Namespace, seq_len: int) -> float:
-    """Peak memory of one forward+backward, in MiB."""
+def _peak_memory_mib(name: str, args: argparse.Namespace, seq_len: int) -> float:
+    """Peak memory of one forward+backward above what the case held before it, in MiB."""
     if torch.device(args.device).type == "cuda":
-        layer, x = _layer(spec, args, seq_len), _inputs(args, seq_len, True)
+        _, forward_backward = _build_case(name, args, seq_len)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        layer(x).sum().backward()
+        forward_backward()
         torch.cuda.synchronize()
         return (torch.cuda.max_memory_allocated() - base) / 2**20
     with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(_cpu_peak_rss_growth, (spec, vars(args), seq_len))
+        return pool.apply(_cpu_rss_growth, (name, vars(args), seq_len))
 
 
-def _cpu_peak_rss_growth(spec: str, arg_dict: dict[str, Any], seq_len: int) -> float:
-    """Run in a fresh process: resident-set growth over the pre-run level, sampled every 0.2 ms."""
-    args = argparse.Namespace(**arg_dict)
-    layer, x = _layer(spec, args, seq_len), _inputs(args, seq_len, True)
+def _cpu_rss_growth(name: str, arg_dict: dict[str, Any], seq_len: int) -> float:
+    """In a fresh process: resident-set growth during forward+backward, sampled every 0.2 ms."""
+    _, forward_backward = _build_case(name, argparse.Namespace(**arg_dict), seq_len)
     page = resource.getpagesize()
 
     def rss() -> int:
@@ -110,91 +151,90 @@ def _cpu_peak_rss_growth(spec: str, arg_dict: dict[str, Any], seq_len: int) -> f
 
     sampler = threading.Thread(target=sample)
     sampler.start()
-    layer(x).sum().backward()
+    forward_backward()
     done.set()
     sampler.join()
-    return max(peak[0], rss()) / 2**20 - before / 2**20
+    return (max(peak[0], rss()) - before) / 2**20
 
 
 def _decode_ms(spec: str, args: argparse.Namespace, cache_len: int, context: int) -> float:
     """Median ms per token of ``--decode-steps`` one-token steps after a ``cache_len`` prompt."""
-    layer = _layer(spec, args, context).eval()
-    device = torch.device(args.device)
+    torch.manual_seed(0)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    layer = build_attention(spec, d_model=args.d_model, n_heads=args.n_heads, max_seq_len=context)
+    layer = layer.to(device=device, dtype=dtype).eval()
     times = []
     with torch.no_grad():
-        tokens = _inputs(args, args.decode_steps, False)
+        tokens = torch.randn(args.batch, args.decode_steps, args.d_model, device=device, dtype=dtype)
         prefilled = layer.new_cache(args.batch)
-        layer(_inputs(args, cache_len, False), prefilled)
+        layer(torch.randn(args.batch, cache_len, args.d_model, device=device, dtype=dtype), prefilled)
         for run in range(args.warmup + args.repeats):
             cache = copy.deepcopy(prefilled)
-            _sync(device)
-            start = time.perf_counter()
-            for t in range(args.decode_steps):
-                layer(tokens[:, t : t + 1], cache)
-            _sync(device)
+
+            def steps() -> None:
+                for t in range(args.decode_steps):
+                    layer(tokens[:, t : t + 1], cache)
+
+            ms = _time_ms(steps, device) / args.decode_steps
             if run >= args.warmup:
-                times.append((time.perf_counter() - start) * 1e3 / args.decode_steps)
+                times.append(ms)
     return statistics.median(times)
 
 
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     device = torch.device(args.device)
+    names = _case_names(args)
     seq_lens = [int(t) for t in args.seq_lens.split(",")]
     records = []
     for seq_len in seq_lens:
-        for spec in args.kinds.split(","):
-            layer = _layer(spec, args, seq_len)
-            with torch.no_grad():
-                x = _inputs(args, seq_len, False)
-                fwd = _median_ms(lambda: layer(x), device, args.warmup, args.repeats)
-            xg = _inputs(args, seq_len, True)
-            fwd_bwd = _median_ms(lambda: layer(xg).sum().backward(), device, args.warmup, args.repeats)
-            record = {"kind": spec, "seq_len": seq_len, "forward_ms": fwd, "forward_backward_ms": fwd_bwd}
+        cases = {name: _build_case(name, args, seq_len) for name in names}
+        fwd: dict[str, list[float]] = {n: [] for n in names}
+        fwd_bwd: dict[str, list[float]] = {n: [] for n in names}
+        for round_ in range(args.warmup + args.repeats):
+            for name, (forward, forward_backward) in cases.items():
+                a, b = _time_ms(forward, device), _time_ms(forward_backward, device)
+                if round_ >= args.warmup:
+                    fwd[name].append(a)
+                    fwd_bwd[name].append(b)
+        base = names[0]
+        for name in names:
+            record: dict[str, Any] = {
+                "case": name, "seq_len": seq_len,
+                "forward_ms": statistics.median(fwd[name]),
+                "forward_backward_ms": statistics.median(fwd_bwd[name]),
+                "speedup_forward": statistics.median(x / y for x, y in zip(fwd[base], fwd[name])),
+                "speedup_forward_backward": statistics.median(x / y for x, y in zip(fwd_bwd[base], fwd_bwd[name])),
+            }
             if not args.no_memory:
-                record["peak_memory_mib"] = _peak_memory_mb(spec, args, seq_len)
+                record["peak_memory_mib"] = _peak_memory_mib(name, args, seq_len)
             records.append(record)
-            print(f"  {spec:28s} T={seq_len:6d}  fwd {fwd:9.2f} ms  fwd+bwd {fwd_bwd:9.2f} ms", flush=True)
-    context = max(seq_lens)
-    cache_len = args.decode_cache or context - args.decode_steps
-    if not 0 < cache_len <= context - args.decode_steps:
-        raise ValueError(f"--decode-cache: expected 1..{context - args.decode_steps} (longest seq-len minus decode steps), got {cache_len}")
-    for spec in args.kinds.split(","):
-        ms = _decode_ms(spec, args, cache_len, context)
+            print(f"  {name:28s} T={seq_len:6d}  fwd {record['forward_ms']:9.2f} ms  "
+                  f"fwd+bwd {record['forward_backward_ms']:9.2f} ms", flush=True)
+        del cases
+    if args.what == "attention":
+        context = max(seq_lens)
+        cache_len = args.decode_cache or context - args.decode_steps
+        for name in names:
+            ms = _decode_ms(name, args, cache_len, context)
+            for r in records:
+                if r["case"] == name:
+                    r.update(decode_ms_per_token=ms, decode_cache_len=cache_len)
+        base_ms = records[0]["decode_ms_per_token"]
         for r in records:
-            if r["kind"] == spec:
-                r["decode_ms_per_token"] = ms
-                r["decode_cache_len"] = cache_len
+            r["speedup_decode"] = base_ms / r["decode_ms_per_token"]
     return records
 
 
+# -- output -----------------------------------------------------------------------------------------
 def environment(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
-    return {
-        "device": name,
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "dtype": args.dtype,
-        "batch": args.batch,
-        "d_model": args.d_model,
-        "n_heads": args.n_heads,
-    }
+    settings = {k: v for k, v in vars(args).items() if k not in ("run", "command", "out")}
+    return {"device": name, "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "python": platform.python_version(), "settings": settings}
 
 
-def add_speedups(records: list[dict[str, Any]], baseline: str = "mha") -> None:
-    """``speedup_*`` = baseline time / kind time at the same sequence length."""
-    base = {r["seq_len"]: r for r in records if r["kind"] == baseline}
-    for r in records:
-        ref = base.get(r["seq_len"])
-        if ref is None:
-            continue
-        for key in ("forward_ms", "forward_backward_ms", "decode_ms_per_token"):
-            if key in r and key in ref:
-                r["speedup_" + key.removesuffix("_ms").removesuffix("_ms_per_token")] = ref[key] / r[key]
-
-
-def plot(records: list[dict[str, Any]], path: Path) -> bool:
+def plot(records: list[dict[str, Any]], path: Path, title: str) -> bool:
     try:
         import matplotlib
 
@@ -203,11 +243,11 @@ def plot(records: list[dict[str, Any]], path: Path) -> bool:
     except ImportError:
         return False
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, key, title in ((axes[0], "forward_ms", "forward"), (axes[1], "forward_backward_ms", "forward + backward")):
-        for kind in dict.fromkeys(r["kind"] for r in records):
-            pts = [(r["seq_len"], r[key]) for r in records if r["kind"] == kind]
-            ax.plot(*zip(*pts), marker="o", label=kind)
-        ax.set(xscale="log", yscale="log", xlabel="sequence length T", ylabel="ms", title=title)
+    for ax, key, label in ((axes[0], "forward_ms", "forward"), (axes[1], "forward_backward_ms", "forward + backward")):
+        for name in dict.fromkeys(r["case"] for r in records):
+            pts = [(r["seq_len"], r[key]) for r in records if r["case"] == name]
+            ax.plot(*zip(*pts), marker="o", label=name)
+        ax.set(xscale="log", yscale="log", xlabel="sequence length T", ylabel="ms", title=f"{title}: {label}")
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.tight_layout()
@@ -216,38 +256,51 @@ def plot(records: list[dict[str, Any]], path: Path) -> bool:
     return True
 
 
-def run(args: argparse.Namespace) -> int:
-    for name in ("d_model", "n_heads", "batch", "repeats", "decode_steps"):
-        value = getattr(args, name)
-        if value <= 0:
-            raise ValueError(f"--{name.replace('_', '-')}: expected a positive integer, got {value}")
-    try:
-        [int(t) for t in args.seq_lens.split(",")]
-    except ValueError:
-        raise ValueError(f"--seq-lens: expected comma-separated integers, got {args.seq_lens!r}") from None
-    env = environment(args)
-    print(f"sattn bench attention on {env['device']} ({env['threads']} threads), torch {env['torch']}, {args.dtype}")
-    records = measure(args)
-    add_speedups(records)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "attention.json").write_text(json.dumps({"environment": env, "results": records}, indent=2))
-    print(f"wrote {out / 'attention.json'}")
-    if plot(records, out / "attention.png"):
-        print(f"wrote {out / 'attention.png'}")
-    print(markdown_table(records))
-    return 0
-
-
 def markdown_table(records: list[dict[str, Any]]) -> str:
     cols = [
-        ("kind", "kind", "{}"), ("seq_len", "T", "{}"), ("forward_ms", "fwd ms", "{:.2f}"),
-        ("forward_backward_ms", "fwd+bwd ms", "{:.2f}"), ("peak_memory_mib", "peak MiB", "{:.0f}"),
-        ("decode_ms_per_token", "decode ms/token", "{:.3f}"), ("speedup_forward", "fwd speedup", "{:.2f}x"),
-        ("speedup_forward_backward", "fwd+bwd speedup", "{:.2f}x"), ("speedup_decode", "decode speedup", "{:.2f}x"),
+        ("case", "case", "{}"), ("seq_len", "T", "{}"), ("forward_ms", "fwd ms", "{:.2f}"),
+        ("forward_backward_ms", "fwd+bwd ms", "{:.2f}"), ("peak_memory_mib", "peak MiB", "{:.1f}"),
+        ("decode_ms_per_token", "decode ms/token", "{:.3f}"), ("speedup_forward", "fwd speed-up", "{:.2f}x"),
+        ("speedup_forward_backward", "fwd+bwd speed-up", "{:.2f}x"), ("speedup_decode", "decode speed-up", "{:.2f}x"),
     ]
     cols = [c for c in cols if any(c[0] in r for r in records)]
     lines = ["| " + " | ".join(c[1] for c in cols) + " |", "|" + "---|" * len(cols)]
     for r in records:
-        lines.append("| " + " | ".join(c[2].format(r[c[0]]) if c[0] in r else "" for c in cols) + " |")
+        cells = (c[2].format(r[c[0]]).replace("|", "\\|") if c[0] in r else "" for c in cols)
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    for name in ("n_heads", "batch", "repeats", "d_model", "decode_steps", "v_dim"):
+        value = getattr(args, name, 1)
+        if value <= 0:
+            raise ValueError(f"--{name.replace('_', '-')}: expected a positive integer, got {value}")
+    try:
+        seq_lens = [int(t) for t in args.seq_lens.split(",")]
+    except ValueError:
+        raise ValueError(f"--seq-lens: expected comma-separated integers, got {args.seq_lens!r}") from None
+    if args.what == "attention" and args.decode_cache is not None:
+        limit = max(seq_lens) - args.decode_steps
+        if not 0 < args.decode_cache <= limit:
+            raise ValueError(f"--decode-cache: expected 1..{limit} (longest seq-len minus decode steps), got {args.decode_cache}")
+    if args.what == "mlr":
+        try:
+            [int(r) for r in args.ranks.split("|")]
+        except ValueError:
+            raise ValueError(f"--ranks: expected integers separated by '|', got {args.ranks!r}") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    _check_args(args)
+    env = environment(args)
+    print(f"sattn bench {args.what} on {env['device']} ({env['threads']} threads), torch {env['torch']}, {args.dtype}")
+    records = measure(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{args.what}.json").write_text(json.dumps({"environment": env, "results": records}, indent=2))
+    print(f"wrote {out / f'{args.what}.json'}")
+    if plot(records, out / f"{args.what}.png", f"sattn bench {args.what}"):
+        print(f"wrote {out / f'{args.what}.png'}")
+    print(markdown_table(records))
+    return 0

@@ -300,10 +300,16 @@ def mlr_attention(
     depth_normalize: bool = False,
 ) -> torch.Tensor:
     """MLR attention with the contract of :func:`mlr_attention_reference`, on the fastest correct path:
-    the Triton kernel for CUDA tensors when Triton is installed, the exact reference otherwise."""
+    the Triton kernel for CUDA tensors when Triton is installed, the tiled O(T * tile)-memory path
+    (:func:`~structured_attention.functional.mlr_blocked.mlr_attention_blocked`) on the CPU, the exact
+    reference otherwise."""
     if isinstance(q, torch.Tensor) and q.is_cuda and q.dtype in _TRITON_DTYPES:
         from structured_attention.kernels import HAS_TRITON, mlr_attention_triton  # imports Triton lazily
 
         if HAS_TRITON:
             return mlr_attention_triton(q, k, v, ranks, block_sizes, causal, scale, depth_normalize)
+    if isinstance(q, torch.Tensor) and q.device.type == "cpu":
+        from structured_attention.functional.mlr_blocked import mlr_attention_blocked  # it imports this module
+
+        return mlr_attention_blocked(q, k, v, ranks, block_sizes, causal, scale, depth_normalize)
     return mlr_attention_reference(q, k, v, ranks, block_sizes, causal, scale, depth_normalize)
