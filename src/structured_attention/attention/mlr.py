@@ -95,27 +95,37 @@ class MLRAttention(Attention):
         """New queries at positions ``start + [0, t)`` against every cached key: level ``l`` scores
         only the keys held for it (the current level-``l`` block), the compressed-cache read."""
         device, acc = v.device, torch.promote_types(v.dtype, torch.float32)
-        end = start + v.shape[2]
+        t = v.shape[2]
+        end = start + t
         q_pos = torch.arange(start, end, device=device)
+        # One new token: every key held for level l lies in the token's own level-l block (the
+        # buffers were trimmed to it), so no block or causal mask is needed.
+        single = t == 1
         scores = depth = None
         for level, (q_l, k_l, s) in enumerate(zip(q_levels, k_levels, self.block_sizes)):
             buffer = cache[f"k{level}"]
             k_start = buffer.start
-            part = _grouped_matmul(q_l, buffer.append(k_l).transpose(-1, -2)).to(acc)
+            part = _grouped_matmul(q_l * self.scale, buffer.append(k_l).transpose(-1, -2)).to(acc)
             if level == 0:  # level 1 covers the whole context: every key, from position 0
                 scores = part
-                depth = torch.ones(part.shape[-2:], dtype=acc, device=device)
+                depth = torch.ones(t, end, dtype=acc, device=device) if self.config.depth_normalize else None
                 continue
-            k_pos = torch.arange(k_start, end, device=device)
-            same = (q_pos[:, None] // s) == (k_pos[None, :] // s)
+            if single:
+                scores[..., k_start:] += part
+                if depth is not None:
+                    depth[:, k_start:] += 1
+                continue
+            same = (q_pos[:, None] // s) == (torch.arange(k_start, end, device=device)[None, :] // s)
             scores[..., k_start:] += part * same
-            depth[:, k_start:] += same
-        assert scores is not None and depth is not None
-        scores = scores * self.scale
-        if self.config.depth_normalize:
+            if depth is not None:
+                depth[:, k_start:] += same
+        assert scores is not None
+        if depth is not None:
             scores = scores / depth
-        future = torch.arange(end, device=device)[None, :] > q_pos[:, None]
-        weights = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1).to(v.dtype)
+        if not single:
+            future = torch.arange(end, device=device)[None, :] > q_pos[:, None]
+            scores = scores.masked_fill(future, float("-inf"))
+        weights = torch.softmax(scores, dim=-1).to(v.dtype)
         return _grouped_matmul(weights, cache["v"].append(v))
 
     def _cache_buffers(self, batch: int, dtype: torch.dtype, device: Any) -> dict[str, TokenBuffer]:
