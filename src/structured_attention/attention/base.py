@@ -7,11 +7,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .._checks import require
-from ..functional import sliding_window_attention
+from ..functional import scaled_dot_product_attention, sliding_window_attention
 from .cache import KVCache, TokenBuffer
 from .config import AttentionConfig, config_from_spec, parse_attention_pattern
 
@@ -85,11 +84,11 @@ def attend(
     if window is None and (not causal or (q_start == k_start and t_q == t_k) or t_q == 1):
         # The plain causal or full pattern: no explicit mask, so SDPA can take a fused kernel.
         is_causal = causal and t_q > 1
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=is_causal, scale=scale, enable_gqa=gqa)
+        return scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=is_causal, scale=scale, enable_gqa=gqa)
     q_pos = torch.arange(q_start, q_start + t_q, device=q.device)
     k_pos = torch.arange(k_start, k_start + t_k, device=q.device)
     mask = position_mask(q_pos, k_pos, causal, window)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scale, enable_gqa=gqa)
+    return scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scale, enable_gqa=gqa)
 
 
 class Attention(nn.Module):

@@ -9,6 +9,7 @@ from structured_attention.functional.mlr import (
     mlr_score_flops,
 )
 from structured_attention.functional.mlr_blocked import mlr_attention_blocked
+from structured_attention.functional.sdpa import scaled_dot_product_attention
 from structured_attention.functional.windowed import sliding_window_attention
 
 __all__ = [
@@ -19,5 +20,6 @@ __all__ = [
     "mlr_depth",
     "mlr_pair_counts",
     "mlr_score_flops",
+    "scaled_dot_product_attention",
     "sliding_window_attention",
 ]

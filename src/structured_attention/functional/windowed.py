@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from .._checks import check_same_dtype_device, check_tensor, require
+from .sdpa import scaled_dot_product_attention
 
 
 def sliding_window_attention(
@@ -59,16 +60,20 @@ def _tiled_window(
         x = F.pad(x, (0, 0, left, pad + right)).unfold(2, span, tile)
         return x.permute(0, 2, 1, 4, 3)
 
+    def flat(x: torch.Tensor) -> torch.Tensor:  # tiles join the batch: 4-D inputs keep SDPA's fused kernel
+        return x.reshape(b * n_tiles, *x.shape[2:])
+
     q_tiles = F.pad(q, (0, 0, 0, pad)).view(b, h, n_tiles, tile, -1).transpose(1, 2)
     i = torch.arange(n_tiles * tile, device=q.device).view(n_tiles, tile, 1)
     j = (torch.arange(n_tiles, device=q.device) * tile - left).view(n_tiles, 1, 1) + torch.arange(span, device=q.device)
     allowed = (j >= 0) & (j < t) & (i - j <= left) & (j - i <= right)
     allowed |= i >= t  # padding queries (discarded) see everything, so no row is empty
-    out = F.scaled_dot_product_attention(
-        q_tiles, key_tiles(k), key_tiles(v), attn_mask=allowed.unsqueeze(1), dropout_p=dropout_p, scale=scale,
-        enable_gqa=k.shape[1] != h,
+    mask = allowed.unsqueeze(1).expand(b, n_tiles, 1, tile, span)
+    out = scaled_dot_product_attention(
+        flat(q_tiles), flat(key_tiles(k)), flat(key_tiles(v)), attn_mask=flat(mask), dropout_p=dropout_p,
+        scale=scale, enable_gqa=k.shape[1] != h,
     )
-    return out.transpose(1, 2).reshape(b, h, n_tiles * tile, -1)[:, :, :t]
+    return out.view(b, n_tiles, h, tile, -1).transpose(1, 2).reshape(b, h, n_tiles * tile, -1)[:, :, :t]
 
 
 @functools.lru_cache(maxsize=32)
