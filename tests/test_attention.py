@@ -36,6 +36,10 @@ SPECS = {
     "mlr_depth_norm": "mlr:2|2|2|2:depth_normalize=true:block_sizes=64|16|8|4",
     "mlr_qk_norm_mup": "mlr:4|4:qk_norm=true:attn_scale=mup",
     "mha_qk_norm_mup": "mha:qk_norm=true:attn_scale=mup",
+    "mha_rotary": "mha:rotary=true:n_kv_heads=2",
+    "swa_rotary": "swa:5:rotary=true",
+    "global_swa_rotary": "global_swa:6|2:window=3:rotary=true",
+    "mlr_rotary": "mlr:4|2|2:rotary=true:block_sizes=64|16|4",
 }
 
 
@@ -88,6 +92,8 @@ def reference_forward(layer, x, causal):
     kind = layer.kind
     if kind in ("mha", "swa", "global_swa"):
         q, k = layer.q_norm(heads(layer.q_proj(x), layer.n_heads)), layer.k_norm(heads(layer.k_proj(x), layer.n_kv_heads))
+        if layer.rotary is not None:
+            q, k = layer.rotary(q), layer.rotary(k)
         if kind == "mha":
             out = naive_attention(q, k, v, layer.scale, band(t, causal))
         elif kind == "swa":
@@ -255,6 +261,8 @@ def test_cost_counts_parameters_and_flops():
         (dict(spec="mha:attn_scale=xp"), "attn_scale"),
         (dict(spec="nope"), "kind"),
         (dict(spec="mha:colour=red"), "attention spec key"),
+        (dict(spec="bilinear_btt:rotary=true"), "rotary"),
+        (dict(spec="mlr:3|5:rotary=true"), "rotary"),
     ],
 )
 def test_bad_configuration_names_the_parameter(kwargs, param):
@@ -310,3 +318,26 @@ def test_per_layer_mix_builds_each_kind_and_decodes():
             h = h + layer(h, cache)
         steps.append(h)
     assert (torch.cat(steps, 1) - full).abs().max().item() <= 1e-5
+
+
+def test_rotary_scores_depend_on_relative_position_only():
+    from structured_attention.attention.rotary import Rotary
+
+    torch.manual_seed(0)
+    rot = Rotary((4, 2, 2), max_seq_len=64).double()
+    q, k = torch.randn(8, dtype=torch.float64), torch.randn(8, dtype=torch.float64)
+
+    def score(i, j, seg):
+        qi = rot(q.expand(64, 8).contiguous())[i]
+        kj = rot(k.expand(64, 8).contiguous())[j]
+        return (qi[seg] * kj[seg]).sum()
+
+    for seg in (slice(0, 4), slice(4, 6), slice(6, 8)):  # each segment on its own
+        torch.testing.assert_close(score(10, 3, seg), score(40, 33, seg))
+        assert not torch.allclose(score(10, 3, seg), score(10, 4, seg))
+    # against the complex form: pair (x0 + i x1) times exp(i * pos * base^(-2j/d))
+    x = torch.randn(64, 8, dtype=torch.float64)
+    z = torch.view_as_complex(x.view(64, 4, 2).contiguous())
+    freq = torch.tensor([1.0, 10000 ** -0.5, 1.0, 1.0], dtype=torch.float64)
+    expect = torch.view_as_real(z * torch.polar(torch.ones(64, 4, dtype=torch.float64), torch.arange(64.0)[:, None] * freq)).flatten(-2)
+    torch.testing.assert_close(rot(x), expect.to(rot.cos.dtype).double(), rtol=1e-6, atol=1e-6)

@@ -13,6 +13,7 @@ from .._checks import require
 from ..functional import scaled_dot_product_attention, sliding_window_attention
 from .cache import KVCache, TokenBuffer
 from .config import AttentionConfig, config_from_spec, parse_attention_pattern
+from .rotary import Rotary
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,12 @@ class Attention(nn.Module):
         b, h, t, d = x.shape
         return self.out_proj(x.transpose(1, 2).reshape(b, t, h * d))
 
+    def _rotary(self, segments: tuple[int, ...]) -> Rotary | None:
+        """The rotary embedding over ``segments`` of the head dims when the config asks for one."""
+        if not self.config.rotary:
+            return None
+        return Rotary(segments, self.config.max_seq_len, self.config.rotary_base)
+
     def values(self, x: torch.Tensor) -> torch.Tensor:
         return self.split_heads(self.v_proj(x), self.n_kv_heads)
 
@@ -203,7 +210,8 @@ class FullScoreAttention(Attention):
     score_dims: int
     scale: float
 
-    def qk(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def qk(self, x: torch.Tensor, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head queries and keys of tokens at positions ``start + [0, T)``."""
         raise NotImplementedError
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -212,7 +220,7 @@ class FullScoreAttention(Attention):
         return self.merge_heads(out)
 
     def _forward_cached(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        q, k = self.qk(x)
+        q, k = self.qk(x, cache.length)
         k, v = cache["k"].append(k), cache["v"].append(self.values(x))
         return self.merge_heads(attend(q, k, v, self.scale, causal=True, q_start=cache.length))
 

@@ -23,6 +23,7 @@ class BilinearBTTAttention(FullScoreAttention):
 
     def __init__(self, config: AttentionConfig) -> None:
         super().__init__(config)
+        require(not config.rotary, "rotary", "False: bilinear_btt's queries are the inputs themselves (use learned positions)", config.rotary)
         require(config.kv_heads == config.n_heads, "n_kv_heads",
                 f"n_heads={config.n_heads} (GQA does not apply: every head's query is x itself)", config.n_kv_heads)
         d = config.d_model
@@ -32,7 +33,7 @@ class BilinearBTTAttention(FullScoreAttention):
         self.score_dims = d
         self.scale = default_scale(config.attn_scale, d)
 
-    def qk(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def qk(self, x: torch.Tensor, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         b, t, d = x.shape
         q = self.q_norm(x).unsqueeze(1).expand(b, self.n_heads, t, d)
         k = F.layer_norm(self.split_heads(self.key_map(x), self.n_heads), (d,)) * self.key_gain
@@ -50,6 +51,7 @@ class BilinearMLRAttention(FullScoreAttention):
 
     def __init__(self, config: AttentionConfig) -> None:
         super().__init__(config)
+        require(not config.rotary, "rotary", "False: bilinear_mlr scores features, not rotated positions (use learned positions)", config.rotary)
         d = config.d_model
         ranks = config.ranks or (max(self.head_dim // 2, 1), max(self.head_dim // 4, 1), max(self.head_dim // 8, 1))
         n_blocks = config.n_blocks or tuple(2**level for level in range(len(ranks)))
@@ -72,7 +74,7 @@ class BilinearMLRAttention(FullScoreAttention):
             out.append(F.layer_norm(y, (p * r,)))
         return out
 
-    def qk(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def qk(self, x: torch.Tensor, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         q_levels = self._levels(self.q_maps, x, self.n_heads)
         q = torch.cat([g * ql for g, ql in zip(self.level_scale, q_levels)], dim=-1)
         k = torch.cat(self._levels(self.k_maps, x, self.n_kv_heads), dim=-1)

@@ -40,6 +40,9 @@ class AttentionConfig:
     qk_norm: bool = False
     attn_scale: str = "sp"  # "sp": 1/sqrt(d), "mup": 1/d, d = score dims per head
     bias: bool = False
+    # rotary position embedding on queries and keys (kinds with query/key projections)
+    rotary: bool = False
+    rotary_base: float = 10000.0
     # swa, global_swa: query i sees keys i - window <= j <= i
     window: int = 128
     # global_swa: head dims split (global, windowed); None means half and half

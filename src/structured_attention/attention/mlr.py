@@ -49,6 +49,7 @@ class MLRAttention(Attention):
         self.q_norms = nn.ModuleList(nn.LayerNorm(r) for r in self.ranks) if config.qk_norm else None
         self.k_norms = nn.ModuleList(nn.LayerNorm(r) for r in self.ranks) if config.qk_norm else None
         self.scale = default_scale(config.attn_scale, hd)
+        self.rotary = self._rotary(self.ranks)  # each level rotated on its own
         self.register_buffer("_level_index", torch.repeat_interleave(torch.arange(len(self.ranks)), torch.tensor(self.ranks)), persistent=False)
 
     def _per_level_norm(self, x: torch.Tensor, norms: nn.ModuleList | None) -> torch.Tensor:
@@ -56,10 +57,12 @@ class MLRAttention(Attention):
             return x
         return torch.cat([norm(part) for norm, part in zip(norms, x.split(self.ranks, dim=-1))], dim=-1)
 
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project(self, x: torch.Tensor, start: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q = self._per_level_norm(self.split_heads(self.q_proj(x), self.n_heads), self.q_norms)
-        q = q * self.level_scale[self._level_index]  # per-level scales folded into the queries
         k = self._per_level_norm(self.split_heads(self.k_proj(x), self.n_kv_heads), self.k_norms)
+        if self.rotary is not None:
+            q, k = self.rotary(q, start), self.rotary(k, start)
+        q = q * self.level_scale[self._level_index]  # per-level scales folded into the queries
         return q, k, self.values(x)
 
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
@@ -72,7 +75,7 @@ class MLRAttention(Attention):
         return self.merge_heads(self._attention(q, k, v, self.config.causal))
 
     def _forward_cached(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        q, k, v = self.project(x)
+        q, k, v = self.project(x, cache.length)
         start, t = cache.length, x.shape[1]
         end = start + t
         k_levels = k.split(self.ranks, dim=-1)

@@ -23,10 +23,16 @@ class _QKAttention(Attention):
         self.k_proj = nn.Linear(config.d_model, self.n_kv_heads * self.head_dim, bias=config.bias)
         self.q_norm = nn.LayerNorm(self.head_dim) if config.qk_norm else nn.Identity()
         self.k_norm = nn.LayerNorm(self.head_dim) if config.qk_norm else nn.Identity()
+        self.rotary = self._rotary(self.rotary_segments())
 
-    def qk(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rotary_segments(self) -> tuple[int, ...]:
+        return (self.head_dim,)
+
+    def qk(self, x: torch.Tensor, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         q = self.q_norm(self.split_heads(self.q_proj(x), self.n_heads))
         k = self.k_norm(self.split_heads(self.k_proj(x), self.n_kv_heads))
+        if self.rotary is not None:
+            q, k = self.rotary(q, start), self.rotary(k, start)
         return q, k
 
 
@@ -56,7 +62,7 @@ class SlidingWindowAttention(_QKAttention):
         return self.merge_heads(out)
 
     def _forward_cached(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        (q, k), v = self.qk(x), self.values(x)
+        (q, k), v = self.qk(x, cache.length), self.values(x)
         start, k_start = cache.length, cache["k"].start
         k, v = cache["k"].append(k), cache["v"].append(v)
         out = attend(q, k, v, self.scale, causal=True, window=self.window, q_start=start, k_start=k_start)
@@ -87,18 +93,19 @@ class GlobalSlidingWindowAttention(_QKAttention):
 
     def __init__(self, config: AttentionConfig) -> None:
         super().__init__(config)
-        split = config.split or (self.head_dim // 2, self.head_dim - self.head_dim // 2)
-        require(
-            len(split) == 2 and min(split) > 0 and sum(split) == self.head_dim,
-            "split",
-            f"two positive dims (global|windowed) summing to head_dim={self.head_dim}",
-            split,
-        )
         require(isinstance(config.window, int) and config.window >= 0, "window", "a non-negative integer", config.window)
-        self.global_dims, self.window_dims = split
+        self.global_dims, self.window_dims = self.rotary_segments()
         self.window = config.window
         self.global_scale = default_scale(config.attn_scale, self.global_dims)
         self.window_scale = default_scale(config.attn_scale, self.window_dims)
+
+    def rotary_segments(self) -> tuple[int, ...]:
+        """The ``(global, windowed)`` split of the head dims, each part rotated on its own."""
+        hd = self.head_dim
+        split = self.config.split or (hd // 2, hd - hd // 2)
+        require(len(split) == 2 and min(split) > 0 and sum(split) == hd, "split",
+                f"two positive dims (global|windowed) summing to head_dim={hd}", split)
+        return tuple(split)
 
     def _both_maps(
         self, q: torch.Tensor, k_global: torch.Tensor, k_window: torch.Tensor, v: torch.Tensor,
@@ -117,7 +124,7 @@ class GlobalSlidingWindowAttention(_QKAttention):
         return self._both_maps(q, k[..., :g], k[..., g:], v, v, 0, 0)
 
     def _forward_cached(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        (q, k), v = self.qk(x), self.values(x)
+        (q, k), v = self.qk(x, cache.length), self.values(x)
         g, start = self.global_dims, cache.length
         k_window_start = cache["k_window"].start
         k_window = cache["k_window"].append(k[..., g:])
