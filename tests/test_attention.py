@@ -105,7 +105,7 @@ def reference_forward(layer, x, causal):
     elif kind == "bilinear_btt":
         m = layer.key_map.to_dense().view(layer.n_heads, D, D)  # M_h: rows of head h's keys
         keys = torch.einsum("hed,btd->bhte", m, x)
-        keys = torch.nn.functional.layer_norm(keys, (D,)) * layer.key_gain
+        keys = torch.nn.functional.layer_norm(keys, (D,)) * layer.key_gain.view(layer.n_heads, 1, D)
         q = x.unsqueeze(1).expand(-1, layer.n_heads, -1, -1)
         out = naive_attention(q, keys, v, 1 / math.sqrt(D), band(t, causal))
     elif kind == "bilinear_mlr":

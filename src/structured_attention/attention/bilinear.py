@@ -28,7 +28,7 @@ class BilinearBTTAttention(FullScoreAttention):
                 f"n_heads={config.n_heads} (GQA does not apply: every head's query is x itself)", config.n_kv_heads)
         d = config.d_model
         self.key_map = BTT(d, self.n_heads * d, tt_rank=config.btt_rank)
-        self.key_gain = nn.Parameter(torch.ones(self.n_heads, 1, d))
+        self.key_gain = nn.Parameter(torch.ones(self.n_heads * d))  # a gain per head and dim
         self.q_norm = nn.LayerNorm(d) if config.qk_norm else nn.Identity()
         self.score_dims = d
         self.scale = default_scale(config.attn_scale, d)
@@ -36,7 +36,7 @@ class BilinearBTTAttention(FullScoreAttention):
     def qk(self, x: torch.Tensor, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         b, t, d = x.shape
         q = self.q_norm(x).unsqueeze(1).expand(b, self.n_heads, t, d)
-        k = F.layer_norm(self.split_heads(self.key_map(x), self.n_heads), (d,)) * self.key_gain
+        k = F.layer_norm(self.split_heads(self.key_map(x), self.n_heads), (d,)) * self.key_gain.view(self.n_heads, 1, d)
         return q, k
 
     def _structured_projection_flops(self) -> int:

@@ -1,0 +1,99 @@
+"""The GPT decoder: loss, cached generation against recomputation, FLOPs and muP fans."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from structured_attention.models import GPT, GPTConfig
+
+KINDS = ["mha", "swa:6", "global_swa:4|4:window=5", "mlr:4|2|2:block_sizes=32|8|2", "bilinear_btt:1", "bilinear_mlr:4|2", "mha,swa:4"]
+
+
+def tiny(attention: str = "mha", **kw) -> GPT:
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=40, n_layers=2, d_model=32, n_heads=4, max_seq_len=32, attention=attention)
+    cfg.update(kw)
+    return GPT(GPTConfig(**cfg)).eval()
+
+
+def test_loss_is_the_mean_cross_entropy():
+    model = tiny()
+    idx = torch.randint(0, 40, (3, 20))
+    tgt = torch.randint(0, 40, (3, 20))
+    logits, loss = model(idx, tgt)
+    assert logits.shape == (3, 20, 40)
+    expect = -torch.log_softmax(logits, -1).gather(-1, tgt[..., None]).mean()
+    torch.testing.assert_close(loss, expect)
+
+
+@pytest.mark.parametrize("attention", KINDS)
+@pytest.mark.parametrize("positions", ["learned", "rotary"])
+def test_greedy_generation_with_cache_matches_recomputation(attention, positions):
+    if positions == "rotary" and attention.startswith("bilinear"):
+        pytest.skip("bilinear kinds take learned positions only")
+    model = tiny(attention, positions=positions)
+    prompt = torch.randint(0, 40, (2, 5))
+    fast = model.generate(prompt, 20, temperature=0)
+    slow = prompt
+    for _ in range(20):  # no cache: the full sequence every step
+        logits, _ = model(slow)
+        slow = torch.cat([slow, logits[:, -1].argmax(-1, keepdim=True)], 1)
+    assert torch.equal(fast, slow)
+
+
+def test_sampling_streams_every_token_and_respects_top_k():
+    model = tiny()
+    seen = []
+    out = model.generate(torch.zeros(1, 1, dtype=torch.long), 10, temperature=1.0, top_k=1, on_token=seen.append)
+    assert torch.equal(torch.stack(seen, 1), out[:, 1:])
+    assert torch.equal(out, model.generate(torch.zeros(1, 1, dtype=torch.long), 10, temperature=0))  # top-1 is greedy
+
+
+def test_forward_flops_count_every_matmul_of_an_mha_model():
+    model = tiny("mha", tie_embeddings=False)
+    d, t, v, layers = 32, 32, 40, 2
+    pairs = t * (t + 1) // 2
+    attention = 4 * d * d * t + 2 * d * pairs  # q, k, v, out projections; scores and mixing (H * hd = d)
+    mlp = 2 * d * 4 * d * t
+    assert model.forward_flops_per_token(t) == (layers * (attention + mlp) + d * v * t) / t
+    assert model.training_flops_per_token(t) == 6 * model.forward_flops_per_token(t)
+    assert tiny("mlr:4|2|1|1").forward_flops_per_token(t) < model.forward_flops_per_token(t)
+
+
+def test_parameter_fans_cover_every_matrix():
+    model = tiny("bilinear_btt:1,mlr:4|4")
+    fans = model.parameter_fans()
+    matrices = {n for n, p in model.named_parameters() if p.dim() >= 2}
+    assert matrices <= set(fans)
+    assert fans["blocks.0.attn.out_proj.weight"].fan_in == 32
+    assert "blocks.0.attn.key_map.R" in fans  # a structured matrix declares its own fans
+
+
+def test_tied_embeddings_share_storage():
+    model = tiny()
+    assert model.head.weight is model.tok_emb.weight
+    assert tiny(tie_embeddings=False).head.weight is not tiny(tie_embeddings=False).tok_emb.weight
+
+
+@pytest.mark.parametrize(
+    "kw, param",
+    [
+        (dict(positions="sinusoid"), "positions"),
+        (dict(attention="mha,nope"), "kind"),
+        (dict(n_heads=5), "n_heads"),
+        (dict(attention="bilinear_btt:1", positions="rotary"), "rotary"),
+    ],
+)
+def test_bad_config_names_the_parameter(kw, param):
+    with pytest.raises(ValueError, match=param):
+        tiny(**kw)
+
+
+def test_too_long_inputs_name_the_parameter():
+    model = tiny()
+    with pytest.raises(ValueError, match="seq_len"):
+        model(torch.zeros(1, 33, dtype=torch.long))
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        model.generate(torch.zeros(1, 30, dtype=torch.long), 5)
