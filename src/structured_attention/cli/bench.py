@@ -226,9 +226,20 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 # -- output -----------------------------------------------------------------------------------------
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def environment(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device(args.device)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
     settings = {k: v for k, v in vars(args).items() if k not in ("run", "command", "out")}
     return {"device": name, "threads": torch.get_num_threads(), "torch": torch.__version__,
             "python": platform.python_version(), "settings": settings}
