@@ -1,0 +1,419 @@
+"""Text corpora for language modelling, tokenised once into cached memory-mapped shards.
+
+:func:`load_corpus` reads a source, splits it into train and validation text, tokenises both once
+and returns a :class:`Corpus` whose ``train`` / ``val`` are read-only 1-D ``np.memmap``\\ s.
+
+Sources
+-------
+- ``None`` or ``"stdlib"``: the embedded default corpus, the running interpreter's standard
+  library source (``sysconfig.get_paths()["stdlib"]``): every ``*.py`` file, in sorted
+  relative-path order, except those under a folder named ``test``, ``tests``, ``idle_test``,
+  ``site-packages``, ``dist-packages``, ``__pycache__`` or ``config-*`` and the machine-generated
+  ``_sysconfigdata_*.py`` (about 12-13 MB for CPython 3.11). See :func:`stdlib_files`.
+- a path to a text file, or to a folder: every file under it (sorted by relative path, hidden
+  files and folders -- names starting with ``.`` -- skipped) that holds no NUL byte; binaries are
+  skipped. Files are decoded as UTF-8 with ``errors="replace"``; empty files are skipped.
+- ``"hf:NAME[:CONFIG][:SPLIT]"`` (``SPLIT`` defaults to ``train``) or an in-memory
+  ``datasets.Dataset``: the records' ``text_column``; needs the optional ``datasets`` package.
+
+Split rule (deterministic, documented in one place: :func:`split_documents`)
+----------------------------------------------------------------------------
+With two or more documents (files, or dataset records), the split is *by document*: a document
+goes to validation iff ``u < val_fraction`` where
+``u = int(sha256(name.encode()).hexdigest()[:16], 16) / 2**64`` and ``name`` is the file's
+relative POSIX path (for dataset records: the record index as a decimal string). So a file's side
+never depends on which other files exist. Both sides are kept non-empty: if no document falls in
+validation, the one with the smallest ``u`` goes there; if all do, the one with the largest ``u``
+stays in training. ``val_fraction`` is thus the expected fraction of *documents*, not of bytes.
+Within each side, documents keep their sorted order and are joined with :data:`DOC_SEPARATOR`
+(``"\\n\\n"``, i.e. one blank line). A single document is split by characters: the last
+``max(1, round(val_fraction * n_chars))`` characters are validation, the rest training.
+
+Cache
+-----
+Shards live in ``<cache_dir>/<key>/`` with ``key = sha256`` of (a format tag, the tokenizer name,
+the UTF-8 train text, the UTF-8 validation text), each length-prefixed: ``train.bin``,
+``val.bin`` (raw ``np.uint8`` ids for ``byte``, ``np.uint16`` for ``char`` with a vocabulary up to
+65536, else ``np.uint32``) and ``meta.json`` (tokenizer json, token counts, byte counts, dtype,
+source description, document names). Every file is written to a temporary file in the same folder
+and moved into place with ``os.replace``; ``meta.json`` is written last and is the commit marker, so
+an interrupted write never yields a shard that is read. A second call with the same content (same
+split, same tokenizer) reads the shards without tokenising. The default ``cache_dir`` is
+``$SATTN_CACHE_DIR`` or ``~/.cache/structured-attention``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import sys
+import sysconfig
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .._checks import require
+from .tokenizers import TOKENIZERS, ByteTokenizer, CharTokenizer, Tokenizer, tokenizer_from_json
+
+__all__ = [
+    "Corpus",
+    "DOC_SEPARATOR",
+    "default_cache_dir",
+    "load_corpus",
+    "split_documents",
+    "stdlib_files",
+]
+
+#: Joins the documents of one split.
+DOC_SEPARATOR = "\n\n"
+#: Folder names excluded from the stdlib corpus (besides any ``config-*`` folder).
+STDLIB_EXCLUDED_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"})
+_FORMAT = "structured-attention-corpus-v1"
+_HF_EXTRA = "pip install 'structured-attention[hf]'"
+
+
+# --------------------------------------------------------------------------------------------------
+# Corpus
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Corpus:
+    """A tokenised train/validation split.
+
+    ``train`` and ``val`` are read-only 1-D ``np.memmap`` arrays of token ids; ``train_bytes`` and
+    ``val_bytes`` the UTF-8 byte counts of the text they encode; ``path`` the cache folder holding
+    the shards and ``meta`` the contents of its ``meta.json``.
+    """
+
+    train: np.ndarray
+    val: np.ndarray
+    tokenizer: Tokenizer
+    source: str
+    train_bytes: int
+    val_bytes: int
+    path: Path | None = None
+    meta: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+    @property
+    def val_bytes_per_token(self) -> float:
+        """``val_bytes / len(val)``: UTF-8 bytes per validation token (1.0 for ``byte``)."""
+        return self.val_bytes / len(self.val)
+
+    def bits_per_byte(self, nats_per_token: float) -> float:
+        """Bits per UTF-8 byte from a mean validation loss in nats per token:
+
+        ``bits_per_byte = nats_per_token / ln(2) / val_bytes_per_token``.
+
+        Exact when the mean is over the whole validation split; over a prefix of it (e.g. a capped
+        number of eval batches) it assumes that prefix has the split's bytes per token.
+        """
+        return float(nats_per_token) / math.log(2) / self.val_bytes_per_token
+
+    def __repr__(self) -> str:
+        return (
+            f"Corpus(source={self.source!r}, tokenizer={self.tokenizer!r}, train={len(self.train)} tokens, "
+            f"val={len(self.val)} tokens, train_bytes={self.train_bytes}, val_bytes={self.val_bytes})"
+        )
+
+
+def default_cache_dir() -> Path:
+    """``$SATTN_CACHE_DIR`` if set, else ``~/.cache/structured-attention``."""
+    env = os.environ.get("SATTN_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "structured-attention"
+
+
+# --------------------------------------------------------------------------------------------------
+# Splitting
+# --------------------------------------------------------------------------------------------------
+
+
+def _bucket(name: str) -> float:
+    return int(hashlib.sha256(name.encode("utf-8")).hexdigest()[:16], 16) / 2**64
+
+
+def split_documents(names: Sequence[str], val_fraction: float) -> list[bool]:
+    """For each document name, whether it goes to validation (the rule in the module docstring).
+
+    Needs at least two names; both sides come out non-empty.
+    """
+    require(len(names) >= 2, "names", "at least two documents", len(names))
+    u = [_bucket(n) for n in names]
+    is_val = [x < val_fraction for x in u]
+    if not any(is_val):
+        is_val[min(range(len(u)), key=u.__getitem__)] = True
+    if all(is_val):
+        is_val[max(range(len(u)), key=u.__getitem__)] = False
+    return is_val
+
+
+def _split(names: list[str], texts: list[str], val_fraction: float) -> tuple[str, str, list[str], list[str]]:
+    """(train_text, val_text, train_names, val_names) from non-empty documents."""
+    if len(texts) == 1:
+        text = texts[0]
+        n_val = max(1, round(val_fraction * len(text)))
+        cut = len(text) - n_val
+        return text[:cut], text[cut:], list(names), list(names)
+    is_val = split_documents(names, val_fraction)
+    train = [t for t, v in zip(texts, is_val) if not v]
+    val = [t for t, v in zip(texts, is_val) if v]
+    return (
+        DOC_SEPARATOR.join(train),
+        DOC_SEPARATOR.join(val),
+        [n for n, v in zip(names, is_val) if not v],
+        [n for n, v in zip(names, is_val) if v],
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Sources
+# --------------------------------------------------------------------------------------------------
+
+
+def stdlib_files(root: str | os.PathLike | None = None) -> list[str]:
+    """The relative POSIX paths (sorted) of the stdlib ``*.py`` files in the default corpus."""
+    root = Path(root if root is not None else sysconfig.get_paths()["stdlib"])
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in STDLIB_EXCLUDED_DIRS and not d.startswith("config-")]
+        for f in filenames:
+            if f.endswith(".py") and not f.startswith("_sysconfigdata_"):
+                out.append((Path(dirpath) / f).relative_to(root).as_posix())
+    return sorted(out)
+
+
+def _read_text(path: Path) -> str | None:
+    """The file's text (UTF-8, errors replaced), or None when it holds a NUL byte (binary)."""
+    data = path.read_bytes()
+    if b"\x00" in data:
+        return None
+    return data.decode("utf-8", errors="replace")
+
+
+def _read_files(root: Path, rels: list[str]) -> tuple[list[str], list[str]]:
+    names, texts = [], []
+    for rel in rels:
+        text = _read_text(root / rel)
+        if text:  # skips binaries (None) and empty files
+            names.append(rel)
+            texts.append(text)
+    return names, texts
+
+
+def _folder_files(root: Path) -> list[str]:
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        for f in filenames:
+            p = Path(dirpath) / f
+            if not f.startswith(".") and p.is_file():
+                out.append(p.relative_to(root).as_posix())
+    return sorted(out)
+
+
+def _import_datasets():
+    try:
+        import datasets  # type: ignore[import-not-found]
+    except ImportError as e:
+        raise ImportError(
+            f"source: Hugging Face datasets need the optional 'datasets' package: {_HF_EXTRA}"
+        ) from e
+    return datasets
+
+
+def _is_hf_dataset(obj: object) -> bool:
+    mod = sys.modules.get("datasets")
+    return mod is not None and isinstance(obj, mod.Dataset)
+
+
+def _hf_documents(dataset: Any, text_column: str) -> tuple[list[str], list[str]]:
+    columns = list(dataset.column_names)
+    require(text_column in columns, "text_column", f"a column of the dataset ({', '.join(columns)})", text_column)
+    names, texts = [], []
+    for i, t in enumerate(dataset[text_column]):
+        if t:
+            require(isinstance(t, str), "text_column", "a column of strings", type(t).__name__)
+            names.append(str(i))
+            texts.append(t)
+    return names, texts
+
+
+def _read_source(source: Any, text_column: str) -> tuple[str, list[str], list[str]]:
+    """(description, document names, document texts) of a source; texts are non-empty."""
+    if source is None or (isinstance(source, str) and source == "stdlib"):
+        root = Path(sysconfig.get_paths()["stdlib"])
+        names, texts = _read_files(root, stdlib_files(root))
+        v = sys.version_info
+        return f"stdlib:{root.as_posix()} (Python {v.major}.{v.minor}.{v.micro})", names, texts
+    if isinstance(source, str) and source.startswith("hf:"):
+        parts = source[3:].split(":")
+        require(
+            1 <= len(parts) <= 3 and parts[0] != "", "source", "'hf:NAME[:CONFIG][:SPLIT]'", source
+        )
+        datasets = _import_datasets()
+        name = parts[0]
+        config = parts[1] if len(parts) > 1 and parts[1] else None
+        split = parts[2] if len(parts) > 2 and parts[2] else "train"
+        dataset = datasets.load_dataset(name, config, split=split)
+        names, texts = _hf_documents(dataset, text_column)
+        return f"hf:{name}:{config or ''}:{split}", names, texts
+    if _is_hf_dataset(source):
+        names, texts = _hf_documents(source, text_column)
+        info = getattr(source, "info", None)
+        label = getattr(info, "dataset_name", None) or getattr(info, "builder_name", None) or "in-memory"
+        return f"hf-dataset:{label} ({len(source)} records)", names, texts
+    require(
+        isinstance(source, (str, os.PathLike)),
+        "source",
+        "None, 'stdlib', a file or folder path, 'hf:NAME[:CONFIG][:SPLIT]' or a datasets.Dataset",
+        type(source).__name__,
+    )
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"source: no such file or folder: {str(path)!r}")
+    if path.is_dir():
+        names, texts = _read_files(path, _folder_files(path))
+        return f"folder:{path.resolve().as_posix()}", names, texts
+    text = _read_text(path)
+    texts = [text] if text else []
+    return f"file:{path.resolve().as_posix()}", [path.name] * len(texts), texts
+
+
+# --------------------------------------------------------------------------------------------------
+# Cache
+# --------------------------------------------------------------------------------------------------
+
+
+def _cache_key(tokenizer_name: str, train_b: bytes, val_b: bytes) -> str:
+    h = hashlib.sha256()
+    for part in (_FORMAT.encode(), tokenizer_name.encode(), train_b, val_b):
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part)
+    return h.hexdigest()
+
+
+def _atomic_write(path: Path, write) -> None:
+    """Write via a temporary file in ``path``'s folder, then ``os.replace`` it into place."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".tmp-{path.name}-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def _open_shards(folder: Path) -> tuple[dict[str, Any], np.ndarray, np.ndarray] | None:
+    """The cached (meta, train, val) in ``folder``, or None when it is absent or incomplete."""
+    try:
+        meta = json.loads((folder / "meta.json").read_text(encoding="utf-8"))
+        dtype = np.dtype(meta["dtype"])
+        arrays = []
+        for split in ("train", "val"):
+            n = int(meta[f"{split}_tokens"])
+            p = folder / f"{split}.bin"
+            if n <= 0 or p.stat().st_size != n * dtype.itemsize:
+                return None
+            arrays.append(np.memmap(p, dtype=dtype, mode="r", shape=(n,)))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return meta, arrays[0], arrays[1]
+
+
+# --------------------------------------------------------------------------------------------------
+# load_corpus
+# --------------------------------------------------------------------------------------------------
+
+
+def load_corpus(
+    source: Any = None,
+    *,
+    tokenizer: str = "byte",
+    val_fraction: float = 0.1,
+    cache_dir: str | os.PathLike | None = None,
+    text_column: str = "text",
+) -> Corpus:
+    """Load, split, tokenise (once, cached) and memory-map a text corpus.
+
+    ``source``: ``None``/``"stdlib"`` (the default corpus), a file or folder path,
+    ``"hf:NAME[:CONFIG][:SPLIT]"`` or a ``datasets.Dataset``; ``tokenizer``: ``"byte"`` or
+    ``"char"`` (its vocabulary is built from the training text); ``val_fraction`` in ``(0, 1)``.
+    See the module docstring for the split rule and the cache layout.
+
+    Raises ``FileNotFoundError`` for a missing path, ``ImportError`` naming the ``[hf]`` extra when a
+    Hugging Face source is asked for without ``datasets``, and ``ValueError`` naming the parameter
+    for everything else (an empty corpus names ``source``).
+    """
+    require(tokenizer in TOKENIZERS, "tokenizer", f"one of {', '.join(map(repr, TOKENIZERS))}", tokenizer)
+    require(
+        isinstance(val_fraction, (int, float)) and not isinstance(val_fraction, bool) and 0 < val_fraction < 1,
+        "val_fraction",
+        "a number in the open interval (0, 1)",
+        val_fraction,
+    )
+    require(isinstance(text_column, str) and text_column != "", "text_column", "a column name", text_column)
+
+    description, names, texts = _read_source(source, text_column)
+    n_chars = sum(len(t) for t in texts)
+    require(
+        n_chars >= 2, "source", "a corpus with text (at least 2 characters)", f"{description}: {n_chars} characters"
+    )
+    train_text, val_text, train_names, val_names = _split(names, texts, val_fraction)
+    del texts
+    train_b = train_text.encode("utf-8")
+    val_b = val_text.encode("utf-8")
+
+    folder = Path(cache_dir if cache_dir is not None else default_cache_dir()).expanduser()
+    folder = folder / _cache_key(tokenizer, train_b, val_b)
+    cached = _open_shards(folder)
+    if cached is None:
+        tok: Tokenizer = ByteTokenizer() if tokenizer == "byte" else CharTokenizer.from_text(train_text)
+        train_ids = tok.encode_array(train_text)
+        val_ids = tok.encode_array(val_text)
+        meta = {
+            "format": _FORMAT,
+            "source": description,
+            "tokenizer": tok.to_json(),
+            "dtype": np.dtype(train_ids.dtype).name,
+            "train_tokens": int(len(train_ids)),
+            "val_tokens": int(len(val_ids)),
+            "train_bytes": len(train_b),
+            "val_bytes": len(val_b),
+            "val_fraction": val_fraction,
+            "train_documents": train_names,
+            "val_documents": val_names,
+        }
+        folder.mkdir(parents=True, exist_ok=True)
+        _atomic_write(folder / "train.bin", lambda f: f.write(train_ids.tobytes()))
+        _atomic_write(folder / "val.bin", lambda f: f.write(val_ids.tobytes()))
+        _atomic_write(folder / "meta.json", lambda f: f.write(json.dumps(meta, ensure_ascii=False).encode("utf-8")))
+        cached = _open_shards(folder)
+        if cached is None:  # pragma: no cover - only if the filesystem lost what was just written
+            raise OSError(f"cache_dir: could not read back the shards written to {str(folder)!r}")
+    meta, train, val = cached
+    return Corpus(
+        train=train,
+        val=val,
+        tokenizer=tokenizer_from_json(meta["tokenizer"]),
+        source=description,
+        train_bytes=int(meta["train_bytes"]),
+        val_bytes=int(meta["val_bytes"]),
+        path=folder,
+        meta=meta,
+    )
