@@ -58,6 +58,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         p.add_argument("--warmup", type=int, default=1, help="untimed rounds first (default 1)")
         p.add_argument("--repeats", type=int, default=3, help="timed rounds; medians are reported (default 3)")
         p.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
+        p.add_argument("--profile", action="store_true", help="also write <what>-profile.txt: torch.profiler's top operators of one forward+backward per case at the longest seq-len")
         p.add_argument("--out", default="runs/bench", help="folder for the JSON and PNG (default runs/bench)")
         p.set_defaults(run=run)
 
@@ -302,6 +303,25 @@ def _check_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--ranks: expected integers separated by '|', got {args.ranks!r}") from None
 
 
+def profile(args: argparse.Namespace, path: Path) -> None:
+    """Where the time of one forward+backward goes, per case, at the longest sequence length."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    seq_len = max(int(t) for t in args.seq_lens.split(","))
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.device(args.device).type == "cuda" else [])
+    sort_by = "self_cuda_time_total" if torch.device(args.device).type == "cuda" else "self_cpu_time_total"
+    sections = []
+    for name in _case_names(args):
+        _, forward_backward = _build_case(name, args, seq_len)
+        forward_backward()  # warm-up
+        with torch_profile(activities=activities) as prof:
+            forward_backward()
+        table = prof.key_averages().table(sort_by=sort_by, row_limit=15)
+        sections.append(f"== {name}, T={seq_len}, forward+backward ==\n{table}")
+    path.write_text("\n\n".join(sections) + "\n")
+
+
 def run(args: argparse.Namespace) -> int:
     _check_args(args)
     env = environment(args)
@@ -313,5 +333,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {out / f'{args.what}.json'}")
     if plot(records, out / f"{args.what}.png", f"sattn bench {args.what}"):
         print(f"wrote {out / f'{args.what}.png'}")
+    if args.profile:
+        profile(args, out / f"{args.what}-profile.txt")
+        print(f"wrote {out / f'{args.what}-profile.txt'}")
     print(markdown_table(records))
     return 0
