@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/sattn describe
+	$(VENV)/bin/sattn train lm --config configs/lm-default.yaml
 
 test: $(STAMP)
 	$(PY) -m pytest

@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from . import bench, describe, sweep
+from . import bench, describe, sweep, train
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -14,6 +14,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     describe.add_parser(sub)
     bench.add_parser(sub)
+    train.add_parser(sub)
     sweep.add_parser(sub)
     return parser
 

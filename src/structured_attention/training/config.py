@@ -1,0 +1,248 @@
+"""Typed training configuration: dataclasses, YAML loading and ``key.sub=value`` overrides.
+
+A config file is YAML (read with ``yaml.safe_load``) with up to four sections, each a mapping:
+
+```yaml
+model: {d_model: 128, n_layers: 4, n_heads: 4, max_seq_len: 256, attention: mha}
+data:  {source: null, tokenizer: byte, val_fraction: 0.1}
+optim: {lr: 3.0e-3, warmup_steps: 50, schedule: cosine}
+run:   {steps: 600, batch_size: 16, seq_len: 256, out_dir: runs/lm-default}
+```
+
+Missing keys keep their defaults. Command-line overrides are ``section.field=value`` strings
+(``model.attention=mlr:16|16|16|16 optim.lr=3e-3``); the value is parsed by the field's declared
+type (``int``, ``float``, ``bool``, ``str``, optionally ``| None`` where ``none``/``null`` gives
+``None``). An unknown section or key raises ``ValueError`` naming it and listing the valid ones.
+``model.vocab_size`` is always replaced by the corpus tokenizer's vocabulary size when training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .._checks import require
+from ..models.gpt import GPTConfig
+
+__all__ = [
+    "DataConfig",
+    "OptimConfig",
+    "RunConfig",
+    "TrainConfig",
+    "apply_overrides",
+    "config_from_dict",
+    "config_to_dict",
+    "load_config",
+]
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: str | None = None  # None: the embedded default corpus (the Python stdlib source)
+    tokenizer: str = "byte"  # "byte" or "char"
+    val_fraction: float = 0.1
+    cache_dir: str | None = None  # None: $SATTN_CACHE_DIR or ~/.cache/structured-attention
+
+    def __post_init__(self) -> None:
+        require(0 < self.val_fraction < 1, "data.val_fraction", "a number in (0, 1)", self.val_fraction)
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    warmup_steps: int = 50
+    schedule: str = "cosine"  # "cosine" (to min_lr_ratio * lr at the last step) or "constant"
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
+    mup: bool = False  # muP learning-rate scaling, see training.optim.mup_lr_multipliers
+    mup_base_width: int = 128
+
+    def __post_init__(self) -> None:
+        require(self.lr > 0, "optim.lr", "a positive number", self.lr)
+        require(self.weight_decay >= 0, "optim.weight_decay", "a non-negative number", self.weight_decay)
+        require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "optim.beta1/beta2", "numbers in [0, 1)", (self.beta1, self.beta2))
+        require(self.warmup_steps >= 0, "optim.warmup_steps", "a non-negative integer", self.warmup_steps)
+        require(self.schedule in ("cosine", "constant"), "optim.schedule", "'cosine' or 'constant'", self.schedule)
+        require(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", "a number in [0, 1]", self.min_lr_ratio)
+        require(self.grad_clip >= 0, "optim.grad_clip", "a non-negative number (0 disables)", self.grad_clip)
+        require(self.mup_base_width > 0, "optim.mup_base_width", "a positive integer", self.mup_base_width)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    steps: int = 600
+    batch_size: int = 16  # sequences per micro-batch per process
+    grad_accum: int = 1  # micro-batches per optimizer step; global batch = batch_size * grad_accum * world_size
+    seq_len: int = 256
+    eval_every: int = 200  # 0: evaluate only at the end
+    eval_batches: int = 20  # validation batches per evaluation (of batch_size sequences)
+    log_every: int = 10
+    checkpoint_every: int = 0  # 0: only at the end
+    seed: int = 0
+    out_dir: str = "runs/lm"
+    compile: bool = False
+    autocast: str = "auto"  # "auto": bfloat16 on CUDA, none on CPU; "bf16"; "none"
+    tensorboard: bool = False
+    wandb: bool = False
+    wandb_project: str = "structured-attention"
+    fsdp: bool = False  # shard the model with FSDP (fully_shard) instead of DDP when distributed
+    device: str = "auto"  # "auto" (cuda if available), "cpu", "cuda"
+    sample_tokens: int = 200  # length of the sample generated at the end (0: none)
+    sample_prompt: str = "def "
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "grad_accum", "seq_len", "eval_batches", "log_every"):
+            value = getattr(self, name)
+            require(isinstance(value, int) and value > 0, f"run.{name}", "a positive integer", value)
+        for name in ("eval_every", "checkpoint_every", "seed", "sample_tokens"):
+            value = getattr(self, name)
+            require(isinstance(value, int) and value >= 0, f"run.{name}", "a non-negative integer", value)
+        require(self.autocast in ("auto", "bf16", "none"), "run.autocast", "'auto', 'bf16' or 'none'", self.autocast)
+        require(self.device in ("auto", "cpu", "cuda"), "run.device", "'auto', 'cpu' or 'cuda'", self.device)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    model: GPTConfig = field(default_factory=GPTConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def __post_init__(self) -> None:
+        require(
+            self.run.seq_len <= self.model.max_seq_len,
+            "run.seq_len",
+            f"at most model.max_seq_len={self.model.max_seq_len}",
+            self.run.seq_len,
+        )
+        # An unknown attention kind, a malformed spec or ranks that do not fit the head dimension
+        # fail here, with the attention layer's own one-line message: each distinct layer
+        # configuration is built once (one attention layer each; cheap).
+        from ..attention.base import build_attention
+
+        seen = []
+        try:
+            for attention in self.model.attention_configs():
+                if attention not in seen:
+                    seen.append(attention)
+                    build_attention(attention)
+        except ValueError as e:
+            raise ValueError(f"model.attention={self.model.attention!r}: {e}") from None
+
+
+_SECTIONS: dict[str, type] = {"model": GPTConfig, "data": DataConfig, "optim": OptimConfig, "run": RunConfig}
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _parse_value(raw: Any, tp: Any, key: str) -> Any:
+    """Coerce ``raw`` (a string from the command line, or a YAML scalar) to the type ``tp``."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if raw is None or (isinstance(raw, str) and raw.strip().lower() in ("none", "null", "~", "")):
+            return None
+        require(len(args) == 1, key, "a supported type", tp)
+        return _parse_value(raw, args[0], key)
+    if tp is bool:
+        if isinstance(raw, bool):
+            return raw
+        if isinstance(raw, str) and raw.strip().lower() in ("true", "yes", "on", "1"):
+            return True
+        if isinstance(raw, str) and raw.strip().lower() in ("false", "no", "off", "0"):
+            return False
+        raise ValueError(f"{key}: expected a boolean (true/false), got {raw!r}")
+    if tp is int:
+        if isinstance(raw, bool):
+            raise ValueError(f"{key}: expected an integer, got {raw!r}")
+        if isinstance(raw, int):
+            return raw
+        if isinstance(raw, float) and raw.is_integer():
+            return int(raw)
+        try:
+            return int(str(raw).strip().replace("_", ""))
+        except ValueError:
+            raise ValueError(f"{key}: expected an integer, got {raw!r}") from None
+    if tp is float:
+        if isinstance(raw, bool):
+            raise ValueError(f"{key}: expected a number, got {raw!r}")
+        try:
+            return float(raw)
+        except (TypeError, ValueError):
+            raise ValueError(f"{key}: expected a number, got {raw!r}") from None
+    if tp is str:
+        require(isinstance(raw, (str, int, float)) and not isinstance(raw, bool), key, "a string", raw)
+        return str(raw)
+    raise ValueError(f"{key}: unsupported field type {tp!r}")  # pragma: no cover
+
+
+def _section_updates(section: str, values: Any, prefix: str = "") -> dict[str, Any]:
+    cls = _SECTIONS[section]
+    require(isinstance(values, dict), f"{prefix}{section}", "a mapping of keys to values", type(values).__name__)
+    hints = _field_types(cls)
+    out = {}
+    for key, raw in values.items():
+        if key not in hints:
+            raise ValueError(
+                f"unknown config key {section}.{key!s}; valid keys in '{section}': {', '.join(sorted(hints))}"
+            )
+        out[key] = _parse_value(raw, hints[key], f"{section}.{key}")
+    return out
+
+
+def config_from_dict(d: dict[str, Any] | None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
+    """A :class:`TrainConfig` from a nested dict (as YAML gives) plus ``section.key=value`` overrides."""
+    d = d or {}
+    require(isinstance(d, dict), "config", "a mapping with sections model/data/optim/run", type(d).__name__)
+    updates: dict[str, dict[str, Any]] = {s: {} for s in _SECTIONS}
+    for section, values in d.items():
+        if section not in _SECTIONS:
+            raise ValueError(f"unknown config section {section!r}; valid sections: {', '.join(_SECTIONS)}")
+        updates[section].update(_section_updates(section, values or {}))
+    for item in overrides:
+        require(isinstance(item, str) and "=" in item, "override", "'section.key=value'", item)
+        key, raw = item.split("=", 1)
+        key = key.strip()
+        if "." not in key or key.split(".", 1)[0] not in _SECTIONS:
+            valid = ", ".join(f"{s}.<key>" for s in _SECTIONS)
+            raise ValueError(f"unknown config key {key!r}; expected one of {valid}")
+        section, name = key.split(".", 1)
+        updates[section].update(_section_updates(section, {name: raw}))
+    parts = {s: _SECTIONS[s](**updates[s]) for s in _SECTIONS}
+    return TrainConfig(**parts)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
+    """Read a YAML config file (``None``: all defaults) and apply ``section.key=value`` overrides."""
+    d: Any = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise FileNotFoundError(f"config: no such file: {str(p)!r}")
+        import yaml
+
+        try:
+            d = yaml.safe_load(p.read_text(encoding="utf-8"))
+        except yaml.YAMLError as e:
+            raise ValueError(f"config: {str(p)!r} is not valid YAML: {str(e).splitlines()[0]}") from None
+    return config_from_dict(d, overrides)
+
+
+def apply_overrides(config: TrainConfig, overrides: list[str] | tuple[str, ...]) -> TrainConfig:
+    """``config`` with ``section.key=value`` overrides applied."""
+    return config_from_dict(config_to_dict(config), overrides)
+
+
+def config_to_dict(config: TrainConfig) -> dict[str, Any]:
+    """A JSON/YAML-able nested dict that :func:`config_from_dict` turns back into ``config``."""
+    return {s: dataclasses.asdict(getattr(config, s)) for s in _SECTIONS}

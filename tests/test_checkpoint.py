@@ -1,0 +1,130 @@
+"""Checkpoints: safetensors + JSON, tied weights once, checksums, fallback, atomic keep-two, RNG."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+
+from structured_attention.models import GPT, GPTConfig
+from structured_attention.training import OptimConfig, build_optimizer, find_checkpoints, load_checkpoint, save_checkpoint
+from structured_attention.training.checkpoint import (
+    check_compatible,
+    get_rng_state,
+    set_rng_state,
+    tied_aliases,
+)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+CFG = GPTConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, max_seq_len=16)
+
+
+def trained(seed: int = 0):
+    torch.manual_seed(seed)
+    model = GPT(CFG)
+    opt = build_optimizer(model, OptimConfig())
+    x = torch.randint(0, 64, (2, 16))
+    for _ in range(2):
+        model(x, x)[1].backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def save(model, opt, root, step, **extra):
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    state = {"config": {"model": CFG.to_dict()}, "losses": [1.0, float("nan")], "rng": get_rng_state(), **extra}
+    return save_checkpoint(root, step, msd, osd, state, aliases=tied_aliases(model))
+
+
+def test_roundtrip_and_tied_weights(tmp_path):
+    model, opt = trained()
+    folder = save(model, opt, tmp_path / "ckpt", 2)
+    assert sorted(p.name for p in folder.iterdir()) == ["model.safetensors", "optimizer.safetensors", "state.json"]
+    with safe_open(folder / "model.safetensors", "pt") as f:
+        keys = set(f.keys())
+    assert "tok_emb.weight" in keys and "head.weight" not in keys  # the tied tensor is stored once
+    state = json.loads((folder / "state.json").read_text())
+    assert state["aliases"] == {"head.weight": "tok_emb.weight"} and len(state["sha256"]["model.safetensors"]) == 64
+
+    loaded = load_checkpoint(tmp_path)  # a run's out_dir works too (it holds ckpt/)
+    assert loaded.step == 2 and loaded.state["losses"][0] == 1.0
+    model2 = GPT(CFG)
+    opt2 = build_optimizer(model2, OptimConfig())
+    set_state_dict(model2, opt2, model_state_dict=loaded.model_state, optim_state_dict=loaded.optimizer_state(),
+                   options=StateDictOptions(full_state_dict=True))
+    assert model2.head.weight is model2.tok_emb.weight
+    for (n, a), b in zip(model.state_dict().items(), model2.state_dict().values()):
+        assert torch.equal(a, b), n
+    s1, s2 = opt.state_dict(), opt2.state_dict()
+    for i in s1["state"]:
+        for k in s1["state"][i]:
+            assert torch.equal(s1["state"][i][k], s2["state"][i][k])
+    assert [g["lr_mult"] for g in s1["param_groups"]] == [g["lr_mult"] for g in s2["param_groups"]]
+    assert tuple(s2["param_groups"][0]["betas"]) == s1["param_groups"][0]["betas"]
+
+
+def test_keeps_two_and_falls_back_on_corruption(tmp_path):
+    model, opt = trained()
+    root = tmp_path / "ckpt"
+    for step in (1, 2, 3):
+        save(model, opt, root, step)
+    assert [p.name for p in find_checkpoints(root)] == ["step-00000003", "step-00000002"]
+    assert not [p for p in root.iterdir() if p.name.startswith(".tmp")]
+    # flip one byte of the newest tensor file: checksum mismatch -> warn and use the previous one
+    f = root / "step-00000003" / "optimizer.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 0xFF
+    f.write_bytes(bytes(data))
+    with pytest.warns(UserWarning, match="checksum"):
+        assert load_checkpoint(root).step == 2
+    (root / "step-00000002" / "model.safetensors").unlink()
+    with pytest.warns(UserWarning, match="checksum"), pytest.raises(ValueError, match="no valid checkpoint"):
+        load_checkpoint(root)
+    with pytest.raises(FileNotFoundError):
+        load_checkpoint(tmp_path / "nowhere")
+
+
+def test_incomplete_checkpoint_is_ignored(tmp_path):
+    model, opt = trained()
+    root = tmp_path / "ckpt"
+    save(model, opt, root, 1)
+    (root / "step-00000002").mkdir()  # a crash before state.json (the commit marker) was written
+    (root / "step-00000002" / "model.safetensors").write_bytes(b"partial")
+    assert load_checkpoint(root).step == 1
+
+
+def test_other_architecture_is_one_clear_error(tmp_path):
+    model, opt = trained()
+    folder = save(model, opt, tmp_path / "ckpt", 1)
+    loaded = load_checkpoint(folder)
+    other = GPT(GPTConfig(vocab_size=64, d_model=48, n_layers=1, n_heads=2, max_seq_len=16))
+    with pytest.raises(ValueError, match="another architecture") as err:
+        check_compatible(other, loaded.model_state, str(folder))
+    assert "\n" not in str(err.value)
+    deeper = GPT(GPTConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, max_seq_len=16))
+    with pytest.raises(ValueError, match="another architecture"):
+        check_compatible(deeper, loaded.model_state, str(folder))
+
+
+def test_rng_state_roundtrip():
+    random.seed(1)
+    np.random.seed(1)
+    torch.manual_seed(1)
+    state = json.loads(json.dumps(get_rng_state()))  # JSON-safe
+    a = (random.random(), np.random.rand(), torch.rand(3))
+    set_rng_state(state)
+    b = (random.random(), np.random.rand(), torch.rand(3))
+    assert a[0] == b[0] and a[1] == b[1] and torch.equal(a[2], b[2])
+
+
+def test_no_pickle_in_checkpoint(tmp_path):
+    model, opt = trained()
+    folder = save(model, opt, tmp_path / "ckpt", 1)
+    for f in folder.iterdir():
+        head = f.read_bytes()[:2]
+        assert head != b"\x80\x02" and not f.name.endswith((".pt", ".pkl", ".bin"))

@@ -1,0 +1,88 @@
+"""Distributed data parallel on the CPU (gloo): 2 processes == 1 process at the same global batch."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch.distributed as dist
+
+import torch
+
+from structured_attention.training import load_config, load_model, train
+
+from test_training import tiny_overrides
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
+
+WORKER = textwrap.dedent(
+    """
+    import json, sys
+    from structured_attention.training import load_config, train
+    result = train(load_config(None, json.loads(sys.argv[1])))
+    if result["rank"] == 0:
+        with open(sys.argv[2], "w") as f:
+            json.dump({"losses": result["losses"], "world_size": result["world_size"], "bpb": result["final_val_bpb"]}, f)
+    """
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(tmp_path, overrides: list[str], world_size: int = 2, timeout: float = 120) -> dict:
+    """Start ``world_size`` processes the way torchrun would (RANK/WORLD_SIZE/MASTER_* in the env)."""
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    result_file = tmp_path / "result.json"
+    port = _free_port()
+    procs = []
+    for rank in range(world_size):
+        env = {
+            **os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+            "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": "1",
+        }
+        procs.append(subprocess.Popen(
+            [sys.executable, str(script), json.dumps(overrides), str(result_file)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        ))
+    outputs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=timeout)
+            outputs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, out in zip(procs, outputs):
+        assert p.returncode == 0, out[-3000:]
+    return json.loads(result_file.read_text())
+
+
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
+def test_two_processes_match_one(tmp_path, fsdp):
+    common = tiny_overrides(tmp_path, steps=4, eval_every=0, sample_tokens=0, checkpoint_every=0, eval_batches=100)
+    single = train(load_config(None, common + ["run.batch_size=8", f"run.out_dir={tmp_path / 'single'}"]))
+    multi = launch(tmp_path, common + ["run.batch_size=4", f"run.out_dir={tmp_path / 'multi'}", f"run.fsdp={fsdp}"])
+    assert multi["world_size"] == 2
+    assert len(multi["losses"]) == len(single["losses"]) == 4
+    for a, b in zip(multi["losses"], single["losses"]):
+        assert abs(a - b) < 1e-5, (multi["losses"], single["losses"])
+    assert abs(multi["bpb"] - single["final_val_bpb"]) < 1e-4  # both evaluate the whole validation split
+    # only rank 0 wrote the checkpoint and the metrics
+    assert (tmp_path / "multi" / "ckpt").is_dir() and (tmp_path / "multi" / "metrics.jsonl").is_file()
+    # the checkpoint has the plain model's parameter names (no DDP "module." prefix): it loads as is
+    model, _, _, ckpt = load_model(tmp_path / "multi")
+    single_model, _, _, _ = load_model(tmp_path / "single")
+    assert ckpt.step == 4
+    for (name, a), b in zip(model.state_dict().items(), single_model.state_dict().values()):
+        assert torch.allclose(a, b, atol=1e-5), name

@@ -1,0 +1,299 @@
+"""Training: config loading and overrides, the LR schedule, muP groups, the loop, resume, the CLI."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+
+import pytest
+import torch
+
+from structured_attention.models import GPT, GPTConfig
+from structured_attention.training import (
+    OptimConfig,
+    apply_overrides,
+    config_from_dict,
+    config_to_dict,
+    load_config,
+    lr_at,
+    mup_lr_multipliers,
+    param_groups,
+    train,
+)
+
+WORDS = ["def", "return", "self", "class", "import", "for", "in", "if", "else", "x", "y", "(", ")", ":", "\n", "    "]
+
+
+def make_corpus(path, n_words: int = 6000, seed: int = 0):
+    rng = random.Random(seed)
+    path.write_text(" ".join(rng.choice(WORDS) for _ in range(n_words)), encoding="utf-8")
+    return path
+
+
+def tiny_overrides(tmp_path, **run):
+    corpus = make_corpus(tmp_path / "corpus.txt")
+    out = {
+        "data.source": str(corpus), "data.cache_dir": str(tmp_path / "cache"),
+        "model.d_model": "32", "model.n_layers": "2", "model.n_heads": "2", "model.max_seq_len": "32",
+        "run.seq_len": "32", "run.batch_size": "4", "run.steps": "8", "run.eval_every": "4", "run.eval_batches": "2",
+        "run.log_every": "2", "run.out_dir": str(tmp_path / "run"), "run.sample_tokens": "8",
+        "optim.warmup_steps": "2",
+    }
+    out.update({f"run.{k}": str(v) for k, v in run.items()})
+    return [f"{k}={v}" for k, v in out.items()]
+
+
+def sattn(argv):
+    """``sattn`` with the train/eval/generate subcommands (registered here if main.py lacks them)."""
+    import structured_attention.cli.main as cli_main
+    from structured_attention.cli import train as cli_train
+
+    parser = cli_main.build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    if "train" not in sub.choices:
+        cli_train.add_parser(sub)
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except (ValueError, FileNotFoundError) as err:
+        import sys
+
+        print(f"sattn {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+# -- config ------------------------------------------------------------------------------------------
+
+
+def test_yaml_and_overrides(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("model: {d_model: 64, n_heads: 4}\noptim: {lr: 1.0e-3, mup: true}\nrun: {steps: 10, seq_len: 128}\n")
+    cfg = load_config(f, ["model.attention=mlr:8|8", "optim.lr=3e-3", "run.compile=false", "data.source=none", "model.n_kv_heads=2"])
+    assert cfg.model.d_model == 64 and cfg.model.attention == "mlr:8|8" and cfg.model.n_kv_heads == 2
+    assert cfg.optim.lr == 3e-3 and cfg.optim.mup is True and cfg.run.steps == 10 and cfg.data.source is None
+    assert config_from_dict(config_to_dict(cfg)) == cfg
+    assert apply_overrides(cfg, ["run.steps=20"]).run.steps == 20
+
+
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        ("optim.lrr=1", r"optim\.lrr.*valid keys.*\blr\b"),
+        ("foo.bar=1", r"foo\.bar"),
+        ("run.steps=abc", r"run\.steps: expected an integer"),
+        ("run.compile=maybe", r"run\.compile: expected a boolean"),
+        ("model.attention=nosuchkind", r"attention|kind"),
+        ("run.seq_len=1024", r"run\.seq_len"),
+        ("noequals", r"override"),
+    ],
+)
+def test_bad_config(override, match):
+    with pytest.raises(ValueError, match=match):
+        load_config(None, [override])
+
+
+def test_unknown_yaml_key(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("run: {stepz: 3}\n")
+    with pytest.raises(ValueError, match=r"run\.stepz.*valid keys"):
+        load_config(f)
+    with pytest.raises(FileNotFoundError):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_shipped_configs_load():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "configs"
+    for name in ("lm-default.yaml", "lm-cpu-sweep.yaml"):
+        load_config(root / name)
+
+
+# -- optimizer -----------------------------------------------------------------------------------------
+
+
+def test_lr_schedule():
+    c = OptimConfig(lr=1.0, warmup_steps=10, schedule="cosine", min_lr_ratio=0.1)
+    assert lr_at(0, 100, c) == pytest.approx(0.1)
+    assert lr_at(9, 100, c) == pytest.approx(1.0)
+    assert lr_at(10, 100, c) == pytest.approx(1.0)
+    assert lr_at(99, 100, c) == pytest.approx(0.1)
+    vals = [lr_at(s, 100, c) for s in range(10, 100)]
+    assert all(a >= b for a, b in zip(vals, vals[1:]))
+    k = OptimConfig(lr=1.0, warmup_steps=0, schedule="constant")
+    assert lr_at(0, 100, k) == lr_at(99, 100, k) == 1.0
+
+
+def test_weight_decay_and_mup_groups():
+    model = GPT(GPTConfig(d_model=64, n_layers=1, n_heads=2, max_seq_len=16, tie_embeddings=False))
+    groups = param_groups(model, OptimConfig(mup=True, mup_base_width=32, weight_decay=0.1))
+    by_name = {n: g for g in groups for n in g["names"]}
+    assert by_name["blocks.0.mlp.up.weight"]["weight_decay"] == 0.1
+    assert by_name["blocks.0.ln_attn.weight"]["weight_decay"] == 0.0
+    assert by_name["tok_emb.weight"]["weight_decay"] == 0.0
+    mult = mup_lr_multipliers(model, 32)
+    assert mult["blocks.0.mlp.up.weight"] == pytest.approx(32 / 64)  # fan_in = d_model
+    assert mult["blocks.0.mlp.down.weight"] == pytest.approx(32 / 256)  # fan_in = 4 d_model
+    assert mult["head.weight"] == pytest.approx(32 / 64)
+    assert mult["tok_emb.weight"] == mult["pos_emb.weight"] == mult["ln_f.weight"] == 1.0
+    assert sum(len(g["params"]) for g in groups) == len(list(model.parameters()))
+
+
+# -- the loop ----------------------------------------------------------------------------------------------
+
+
+def test_train_tiny(tmp_path, capsys):
+    cfg = load_config(None, tiny_overrides(tmp_path))
+    result = train(cfg)
+    assert len(result["losses"]) == 8 and all(math.isfinite(v) for v in result["losses"])
+    assert result["losses"][-1] < result["losses"][0]
+    assert math.isfinite(result["final_val_bpb"]) and result["sample"]
+    lines = [json.loads(s) for s in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [2, 4, 6, 8]
+    assert {"step", "loss", "lr", "tokens", "flops", "tokens_per_s"} <= set(lines[0])
+    assert "val_bpb" in lines[1] and "val_bpb" not in lines[0]
+    fpt = GPT(GPTConfig(vocab_size=256, d_model=32, n_layers=2, n_heads=2, max_seq_len=32)).training_flops_per_token(32)
+    assert lines[-1]["tokens"] == 8 * 4 * 32 and lines[-1]["flops"] == pytest.approx(8 * 4 * 32 * fpt)
+    err = capsys.readouterr().err
+    assert "step 8/8" in err and "tok/s" in err and "ETA" in err
+
+
+def test_resume_is_exact(tmp_path):
+    """N steps in one go == N/2 steps, then --resume to N (cosine schedule, dropout on)."""
+    base = tiny_overrides(tmp_path, steps=8, checkpoint_every=4) + ["model.dropout=0.1"]
+    full = train(load_config(None, base + [f"run.out_dir={tmp_path / 'full'}"]))["losses"]
+    # a run that "crashed" after its step-4 checkpoint: drop the final checkpoint and resume
+    run2 = tmp_path / "crashed"
+    train(load_config(None, base + [f"run.out_dir={run2}"]))
+    import shutil
+
+    shutil.rmtree(run2 / "ckpt" / "step-00000008")
+    resumed = train(load_config(None, base + [f"run.out_dir={run2}"]), resume=True)["losses"]
+    assert resumed == full
+    steps = [json.loads(s)["step"] for s in (run2 / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [2, 4, 6, 8]
+
+
+def test_half_then_resume_constant_lr(tmp_path):
+    base = tiny_overrides(tmp_path, checkpoint_every=0) + ["optim.schedule=constant"]
+    full = train(load_config(None, base + ["run.steps=6", f"run.out_dir={tmp_path / 'a'}"]))["losses"]
+    train(load_config(None, base + ["run.steps=3", f"run.out_dir={tmp_path / 'b'}"]))
+    resumed = train(load_config(None, base + ["run.steps=6", f"run.out_dir={tmp_path / 'b'}"]), resume=True)
+    assert resumed["losses"] == full
+
+
+def test_resume_other_architecture(tmp_path):
+    base = tiny_overrides(tmp_path, steps=2)
+    train(load_config(None, base))
+    with pytest.raises(ValueError, match="another architecture.*d_model"):
+        train(load_config(None, base + ["model.d_model=48"]), resume=True)
+    with pytest.raises(FileNotFoundError, match="resume"):
+        train(load_config(None, base + [f"run.out_dir={tmp_path / 'nothing'}"]), resume=True)
+
+
+def test_nonfinite_loss_stops(tmp_path):
+    from structured_attention.training import NonFiniteLossError
+
+    cfg = load_config(None, tiny_overrides(tmp_path, steps=6, checkpoint_every=1) + ["optim.warmup_steps=0"] + ["optim.lr=1e30", "optim.grad_clip=0"])
+    with pytest.raises(NonFiniteLossError, match=r"at step [2-6]; the last good checkpoint is .*step-0000000[1-5]"):
+        train(cfg)
+    assert (tmp_path / "run" / "ckpt" / "step-00000001" / "state.json").is_file()
+
+
+def test_grad_accum_matches_bigger_batch(tmp_path):
+    """grad_accum=2 draws different batches than batch_size*2 (by design), but runs and logs tokens."""
+    cfg = load_config(None, tiny_overrides(tmp_path, steps=2, grad_accum=2))
+    r = train(cfg)
+    assert r["tokens"] == 2 * 2 * 4 * 32
+
+
+def test_mup_and_mlr_train(tmp_path):
+    cfg = load_config(None, tiny_overrides(tmp_path, steps=2) + ["optim.mup=true", "model.attention=mlr:8|8", "model.attn_scale=mup"])
+    assert len(train(cfg)["losses"]) == 2
+
+
+# -- CLI -----------------------------------------------------------------------------------------------------
+
+
+def test_cli_train_eval_generate(tmp_path, capsys):
+    assert sattn(["train", "lm", *tiny_overrides(tmp_path, steps=4)]) == 0
+    out = capsys.readouterr().out
+    assert "bits per byte" in out and "sample:" in out
+    assert sattn(["eval", "--checkpoint", str(tmp_path / "run"), "--max-batches", "2"]) == 0
+    assert "bits per byte" in capsys.readouterr().out
+    other = make_corpus(tmp_path / "other.txt", n_words=800, seed=1)
+    assert sattn(["eval", "--checkpoint", str(tmp_path / "run"), "--source", str(other)]) == 0
+    assert "bits per byte" in capsys.readouterr().out
+    assert sattn(["generate", "--checkpoint", str(tmp_path / "run" / "ckpt"), "--prompt", "def ", "--max-new-tokens", "10",
+                  "--temperature", "0.8", "--top-k", "5", "--seed", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("def ")
+    # same seed, same text
+    assert sattn(["generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "def ", "--max-new-tokens", "10",
+                  "--top-k", "5", "--temperature", "0.8", "--seed", "1"]) == 0
+    assert capsys.readouterr().out == out
+
+
+def test_cli_char_tokenizer(tmp_path, capsys):
+    assert sattn(["train", "lm", *tiny_overrides(tmp_path, steps=2), "data.tokenizer=char"]) == 0
+    capsys.readouterr()
+    assert sattn(["generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "def", "--max-new-tokens", "5"]) == 0
+    assert capsys.readouterr().out.startswith("def")
+
+
+@pytest.mark.parametrize(
+    "argv_tail, match",
+    [
+        (["model.attention=nosuchkind"], "error:"),
+        (["optim.nosuch=1"], "optim.nosuch"),
+        (["data.source=/nonexistent/corpus.txt"], "no such file"),
+    ],
+)
+def test_cli_bad_train_input(tmp_path, capsys, argv_tail, match):
+    assert sattn(["train", "lm", *tiny_overrides(tmp_path, steps=1), *argv_tail]) == 2
+    err = capsys.readouterr().err
+    assert match in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_cli_empty_corpus(tmp_path, capsys):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    assert sattn(["train", "lm", *tiny_overrides(tmp_path, steps=1), f"data.source={empty}"]) == 2
+    assert "source" in capsys.readouterr().err
+
+
+def test_cli_bad_checkpoint(tmp_path, capsys):
+    assert sattn(["eval", "--checkpoint", str(tmp_path / "none")]) == 2
+    assert "no checkpoint" in capsys.readouterr().err
+    assert sattn(["train", "lm", *tiny_overrides(tmp_path, steps=1)]) == 0
+    capsys.readouterr()
+    assert sattn(["generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "x" * 40, "--max-new-tokens", "5"]) == 2
+    assert "max-new-tokens" in capsys.readouterr().err
+    (tmp_path / "run" / "ckpt" / "step-00000001" / "model.safetensors").write_bytes(b"garbage")
+    assert sattn(["generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "a", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "checksum" in err and "Traceback" not in err
+
+
+def test_fresh_run_replaces_old_checkpoints(tmp_path):
+    train(load_config(None, tiny_overrides(tmp_path, steps=4, checkpoint_every=2)))
+    train(load_config(None, tiny_overrides(tmp_path, steps=1)))
+    from structured_attention.training import load_checkpoint
+
+    assert load_checkpoint(tmp_path / "run").step == 1
+
+
+def test_missing_logger_package_is_a_clear_error(tmp_path):
+    pytest.importorskip("torch")
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        with pytest.raises(ValueError, match="tensorboard"):
+            train(load_config(None, tiny_overrides(tmp_path, steps=1) + ["run.tensorboard=true"]))
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        with pytest.raises(ValueError, match="wandb"):
+            train(load_config(None, tiny_overrides(tmp_path, steps=1) + ["run.wandb=true"]))
