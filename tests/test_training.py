@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import random
@@ -10,6 +9,7 @@ import random
 import pytest
 import torch
 
+from structured_attention.cli.main import main
 from structured_attention.models import GPT, GPTConfig
 from structured_attention.training import (
     OptimConfig,
@@ -46,22 +46,7 @@ def tiny_overrides(tmp_path, **run):
 
 
 def sattn(argv):
-    """``sattn`` with the train/eval/generate subcommands (registered here if main.py lacks them)."""
-    import structured_attention.cli.main as cli_main
-    from structured_attention.cli import train as cli_train
-
-    parser = cli_main.build_parser()
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    if "train" not in sub.choices:
-        cli_train.add_parser(sub)
-    args = parser.parse_args(argv)
-    try:
-        return args.run(args)
-    except (ValueError, FileNotFoundError) as err:
-        import sys
-
-        print(f"sattn {args.command}: error: {err}", file=sys.stderr)
-        return 2
+    return main(argv)
 
 
 # -- config ------------------------------------------------------------------------------------------
@@ -297,3 +282,30 @@ def test_missing_logger_package_is_a_clear_error(tmp_path):
     except ImportError:
         with pytest.raises(ValueError, match="wandb"):
             train(load_config(None, tiny_overrides(tmp_path, steps=1) + ["run.wandb=true"]))
+
+
+def test_sweep_matches_flops_and_plots(tmp_path, capsys):
+    overrides = [o for o in tiny_overrides(tmp_path, steps=4, eval_every=0) if not o.startswith(("run.out_dir", "run.steps"))]
+    out = tmp_path / "sweep"
+    args = ["sweep", "lm", "--widths", "16,32", "--head-dim", "8", "--kinds", "mha;mlr:4|2|1|1",
+            "--lrs", "1e-3,3e-3", "--base-steps", "3", "--out", str(out), *overrides]
+    assert sattn(args) == 0
+    results = [json.loads(p.read_text()) for p in sorted(out.glob("*/result.json"))]
+    assert len(results) == 8
+    for width in (16, 32):
+        runs = {r["kind"]: r for r in results if r["width"] == width}
+        mha, mlr = runs["mha"], runs["mlr:4|2|1|1"]
+        assert mha["steps"] == 3 and mlr["steps"] >= 3  # MLR is cheaper per token: at least as many steps
+        assert abs(mlr["flops"] - mha["flops"]) / mha["flops"] < 0.5 / mha["steps"] + 0.2
+    mtimes = {p: p.stat().st_mtime for p in out.glob("*/result.json")}
+    assert sattn(args) == 0  # a finished sweep is not trained again
+    assert mtimes == {p: p.stat().st_mtime for p in out.glob("*/result.json")}
+    assert sattn(["plot", str(out), "--out", str(tmp_path / "plot")]) == 0
+    table = (tmp_path / "plot" / "lm.md").read_text()
+    assert table.count("\n") == 2 + 4  # header, rule, best lr per (kind, width)
+    assert (tmp_path / "plot" / "lm.png").stat().st_size > 0
+
+
+def test_plot_of_an_empty_folder_is_one_clear_error(tmp_path, capsys):
+    assert sattn(["plot", str(tmp_path)]) == 2
+    assert "no finished runs" in capsys.readouterr().err
