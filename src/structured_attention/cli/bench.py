@@ -4,7 +4,7 @@
 primitive on ``(B, H, T, R)`` tensors against ``scaled_dot_product_attention`` at the same dims.
 For each case and sequence length: forward ms and forward+backward ms, peak memory of
 forward+backward (CUDA allocator peak; on the CPU the growth of the resident set, sampled in a
-fresh process per case, Linux only), and, for layers, decode ms per token at a given cache length.
+fresh process per case), and, for layers, decode ms per token at a given cache length.
 
 The cases run interleaved, one after another in every round, and the speed-up over the first case
 is the median of the per-round ratios, so a machine whose speed drifts still compares fairly.
@@ -140,8 +140,12 @@ def _cpu_rss_growth(name: str, arg_dict: dict[str, Any], seq_len: int) -> float:
     page = resource.getpagesize()
 
     def rss() -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * page
+        """The current resident set on Linux; elsewhere the peak so far (ru_maxrss, in KiB)."""
+        try:
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * page
+        except OSError:
+            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
     before, peak, done = rss(), [0], threading.Event()
 
