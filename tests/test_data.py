@@ -11,6 +11,7 @@ import importlib.util
 import json
 import math
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -324,8 +325,8 @@ def test_load_corpus_errors(tmp_path):
     assert not cache.exists()  # nothing was written for a failed load
 
 
-@pytest.mark.skipif(HAVE_DATASETS, reason="checks the message shown when 'datasets' is missing")
-def test_hf_source_without_datasets_names_the_extra(tmp_path):
+def test_hf_source_without_datasets_names_the_extra(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # as if the extra were not installed
     with pytest.raises(ImportError, match=r"structured-attention\[hf\]"):
         load_corpus("hf:wikitext:wikitext-2-raw-v1:train", cache_dir=tmp_path)
 
