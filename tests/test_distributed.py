@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import torch
 
-from structured_attention.training import load_config, load_model, train
+from structured_attention.experiments.lm import load_lm, load_lm_config, train_lm
 
 from test_training import tiny_overrides
 
@@ -23,8 +23,8 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
 WORKER = textwrap.dedent(
     """
     import json, sys
-    from structured_attention.training import load_config, train
-    result = train(load_config(None, json.loads(sys.argv[1])))
+    from structured_attention.experiments.lm import load_lm_config, train_lm
+    result = train_lm(load_lm_config(None, json.loads(sys.argv[1])))
     if result["rank"] == 0:
         with open(sys.argv[2], "w") as f:
             json.dump({"losses": result["losses"], "world_size": result["world_size"], "bpb": result["final_val_bpb"]}, f)
@@ -71,7 +71,7 @@ def launch(tmp_path, overrides: list[str], world_size: int = 2, timeout: float =
 @pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
 def test_two_processes_match_one(tmp_path, fsdp):
     common = tiny_overrides(tmp_path, steps=4, eval_every=0, sample_tokens=0, checkpoint_every=0, eval_batches=100)
-    single = train(load_config(None, common + ["run.batch_size=8", f"run.out_dir={tmp_path / 'single'}"]))
+    single = train_lm(load_lm_config(None, common + ["run.batch_size=8", f"run.out_dir={tmp_path / 'single'}"]))
     multi = launch(tmp_path, common + ["run.batch_size=4", f"run.out_dir={tmp_path / 'multi'}", f"run.fsdp={fsdp}"])
     assert multi["world_size"] == 2
     assert len(multi["losses"]) == len(single["losses"]) == 4
@@ -81,8 +81,8 @@ def test_two_processes_match_one(tmp_path, fsdp):
     # only rank 0 wrote the checkpoint and the metrics
     assert (tmp_path / "multi" / "ckpt").is_dir() and (tmp_path / "multi" / "metrics.jsonl").is_file()
     # the checkpoint has the plain model's parameter names (no DDP "module." prefix): it loads as is
-    model, _, _, ckpt = load_model(tmp_path / "multi")
-    single_model, _, _, _ = load_model(tmp_path / "single")
+    model, _, _, ckpt = load_lm(tmp_path / "multi")
+    single_model, _, _, _ = load_lm(tmp_path / "single")
     assert ckpt.step == 4
     for (name, a), b in zip(model.state_dict().items(), single_model.state_dict().values()):
         assert torch.allclose(a, b, atol=1e-5), name

@@ -67,8 +67,8 @@ def test_parameter_fans_cover_every_matrix():
     fans = model.parameter_fans()
     matrices = {n for n, p in model.named_parameters() if p.dim() >= 2}
     assert matrices <= set(fans)
-    assert fans["blocks.0.attn.out_proj.weight"].fan_in == 32
-    assert "blocks.0.attn.key_map.R" in fans  # a structured matrix declares its own fans
+    assert fans["backbone.blocks.0.attn.out_proj.weight"].fan_in == 32
+    assert "backbone.blocks.0.attn.key_map.R" in fans  # a structured matrix declares its own fans
 
 
 def test_tied_embeddings_share_storage():

@@ -11,16 +11,15 @@ import torch
 
 from structured_attention.cli.main import main
 from structured_attention.models import GPT, GPTConfig
+from structured_attention.experiments.lm import LMConfig, load_lm_config, train_lm
 from structured_attention.training import (
     OptimConfig,
     apply_overrides,
     config_from_dict,
     config_to_dict,
-    load_config,
     lr_at,
     mup_lr_multipliers,
     param_groups,
-    train,
 )
 
 WORDS = ["def", "return", "self", "class", "import", "for", "in", "if", "else", "x", "y", "(", ")", ":", "\n", "    "]
@@ -55,10 +54,10 @@ def sattn(argv):
 def test_yaml_and_overrides(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("model: {d_model: 64, n_heads: 4}\noptim: {lr: 1.0e-3, mup: true}\nrun: {steps: 10, seq_len: 128}\n")
-    cfg = load_config(f, ["model.attention=mlr:8|8", "optim.lr=3e-3", "run.compile=false", "data.source=none", "model.n_kv_heads=2"])
+    cfg = load_lm_config(f, ["model.attention=mlr:8|8", "optim.lr=3e-3", "run.compile=false", "data.source=none", "model.n_kv_heads=2"])
     assert cfg.model.d_model == 64 and cfg.model.attention == "mlr:8|8" and cfg.model.n_kv_heads == 2
     assert cfg.optim.lr == 3e-3 and cfg.optim.mup is True and cfg.run.steps == 10 and cfg.data.source is None
-    assert config_from_dict(config_to_dict(cfg)) == cfg
+    assert config_from_dict(LMConfig, config_to_dict(cfg)) == cfg
     assert apply_overrides(cfg, ["run.steps=20"]).run.steps == 20
 
 
@@ -76,16 +75,16 @@ def test_yaml_and_overrides(tmp_path):
 )
 def test_bad_config(override, match):
     with pytest.raises(ValueError, match=match):
-        load_config(None, [override])
+        load_lm_config(None, [override])
 
 
 def test_unknown_yaml_key(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("run: {stepz: 3}\n")
     with pytest.raises(ValueError, match=r"run\.stepz.*valid keys"):
-        load_config(f)
+        load_lm_config(f)
     with pytest.raises(FileNotFoundError):
-        load_config(tmp_path / "missing.yaml")
+        load_lm_config(tmp_path / "missing.yaml")
 
 
 def test_shipped_configs_load():
@@ -93,7 +92,7 @@ def test_shipped_configs_load():
 
     root = Path(__file__).resolve().parents[1] / "configs"
     for name in ("lm-default.yaml", "lm-cpu-sweep.yaml"):
-        load_config(root / name)
+        load_lm_config(root / name)
 
 
 # -- optimizer -----------------------------------------------------------------------------------------
@@ -115,14 +114,14 @@ def test_weight_decay_and_mup_groups():
     model = GPT(GPTConfig(d_model=64, n_layers=1, n_heads=2, max_seq_len=16, tie_embeddings=False))
     groups = param_groups(model, OptimConfig(mup=True, mup_base_width=32, weight_decay=0.1))
     by_name = {n: g for g in groups for n in g["names"]}
-    assert by_name["blocks.0.mlp.up.weight"]["weight_decay"] == 0.1
-    assert by_name["blocks.0.ln_attn.weight"]["weight_decay"] == 0.0
+    assert by_name["backbone.blocks.0.mlp.up.weight"]["weight_decay"] == 0.1
+    assert by_name["backbone.blocks.0.ln_attn.weight"]["weight_decay"] == 0.0
     assert by_name["tok_emb.weight"]["weight_decay"] == 0.0
     mult = mup_lr_multipliers(model, 32)
-    assert mult["blocks.0.mlp.up.weight"] == pytest.approx(32 / 64)  # fan_in = d_model
-    assert mult["blocks.0.mlp.down.weight"] == pytest.approx(32 / 256)  # fan_in = 4 d_model
+    assert mult["backbone.blocks.0.mlp.up.weight"] == pytest.approx(32 / 64)  # fan_in = d_model
+    assert mult["backbone.blocks.0.mlp.down.weight"] == pytest.approx(32 / 256)  # fan_in = 4 d_model
     assert mult["head.weight"] == pytest.approx(32 / 64)
-    assert mult["tok_emb.weight"] == mult["pos_emb.weight"] == mult["ln_f.weight"] == 1.0
+    assert mult["tok_emb.weight"] == mult["backbone.pos_emb.weight"] == mult["backbone.ln_f.weight"] == 1.0
     assert sum(len(g["params"]) for g in groups) == len(list(model.parameters()))
 
 
@@ -130,8 +129,8 @@ def test_weight_decay_and_mup_groups():
 
 
 def test_train_tiny(tmp_path, capsys):
-    cfg = load_config(None, tiny_overrides(tmp_path))
-    result = train(cfg)
+    cfg = load_lm_config(None, tiny_overrides(tmp_path))
+    result = train_lm(cfg)
     assert len(result["losses"]) == 8 and all(math.isfinite(v) for v in result["losses"])
     assert result["losses"][-1] < result["losses"][0]
     assert math.isfinite(result["final_val_bpb"]) and result["sample"]
@@ -148,14 +147,14 @@ def test_train_tiny(tmp_path, capsys):
 def test_resume_is_exact(tmp_path):
     """N steps in one go == N/2 steps, then --resume to N (cosine schedule, dropout on)."""
     base = tiny_overrides(tmp_path, steps=8, checkpoint_every=4) + ["model.dropout=0.1"]
-    full = train(load_config(None, base + [f"run.out_dir={tmp_path / 'full'}"]))["losses"]
+    full = train_lm(load_lm_config(None, base + [f"run.out_dir={tmp_path / 'full'}"]))["losses"]
     # a run that "crashed" after its step-4 checkpoint: drop the final checkpoint and resume
     run2 = tmp_path / "crashed"
-    train(load_config(None, base + [f"run.out_dir={run2}"]))
+    train_lm(load_lm_config(None, base + [f"run.out_dir={run2}"]))
     import shutil
 
     shutil.rmtree(run2 / "ckpt" / "step-00000008")
-    resumed = train(load_config(None, base + [f"run.out_dir={run2}"]), resume=True)["losses"]
+    resumed = train_lm(load_lm_config(None, base + [f"run.out_dir={run2}"]), resume=True)["losses"]
     assert resumed == full
     steps = [json.loads(s)["step"] for s in (run2 / "metrics.jsonl").read_text().splitlines()]
     assert steps == [2, 4, 6, 8]
@@ -163,40 +162,40 @@ def test_resume_is_exact(tmp_path):
 
 def test_half_then_resume_constant_lr(tmp_path):
     base = tiny_overrides(tmp_path, checkpoint_every=0) + ["optim.schedule=constant"]
-    full = train(load_config(None, base + ["run.steps=6", f"run.out_dir={tmp_path / 'a'}"]))["losses"]
-    train(load_config(None, base + ["run.steps=3", f"run.out_dir={tmp_path / 'b'}"]))
-    resumed = train(load_config(None, base + ["run.steps=6", f"run.out_dir={tmp_path / 'b'}"]), resume=True)
+    full = train_lm(load_lm_config(None, base + ["run.steps=6", f"run.out_dir={tmp_path / 'a'}"]))["losses"]
+    train_lm(load_lm_config(None, base + ["run.steps=3", f"run.out_dir={tmp_path / 'b'}"]))
+    resumed = train_lm(load_lm_config(None, base + ["run.steps=6", f"run.out_dir={tmp_path / 'b'}"]), resume=True)
     assert resumed["losses"] == full
 
 
 def test_resume_other_architecture(tmp_path):
     base = tiny_overrides(tmp_path, steps=2)
-    train(load_config(None, base))
+    train_lm(load_lm_config(None, base))
     with pytest.raises(ValueError, match="another architecture.*d_model"):
-        train(load_config(None, base + ["model.d_model=48"]), resume=True)
+        train_lm(load_lm_config(None, base + ["model.d_model=48"]), resume=True)
     with pytest.raises(FileNotFoundError, match="resume"):
-        train(load_config(None, base + [f"run.out_dir={tmp_path / 'nothing'}"]), resume=True)
+        train_lm(load_lm_config(None, base + [f"run.out_dir={tmp_path / 'nothing'}"]), resume=True)
 
 
 def test_nonfinite_loss_stops(tmp_path):
     from structured_attention.training import NonFiniteLossError
 
-    cfg = load_config(None, tiny_overrides(tmp_path, steps=6, checkpoint_every=1) + ["optim.warmup_steps=0"] + ["optim.lr=1e30", "optim.grad_clip=0"])
+    cfg = load_lm_config(None, tiny_overrides(tmp_path, steps=6, checkpoint_every=1) + ["optim.warmup_steps=0"] + ["optim.lr=1e30", "optim.grad_clip=0"])
     with pytest.raises(NonFiniteLossError, match=r"at step [2-6]; the last good checkpoint is .*step-0000000[1-5]"):
-        train(cfg)
+        train_lm(cfg)
     assert (tmp_path / "run" / "ckpt" / "step-00000001" / "state.json").is_file()
 
 
 def test_grad_accum_matches_bigger_batch(tmp_path):
     """grad_accum=2 draws different batches than batch_size*2 (by design), but runs and logs tokens."""
-    cfg = load_config(None, tiny_overrides(tmp_path, steps=2, grad_accum=2))
-    r = train(cfg)
+    cfg = load_lm_config(None, tiny_overrides(tmp_path, steps=2, grad_accum=2))
+    r = train_lm(cfg)
     assert r["tokens"] == 2 * 2 * 4 * 32
 
 
 def test_mup_and_mlr_train(tmp_path):
-    cfg = load_config(None, tiny_overrides(tmp_path, steps=2) + ["optim.mup=true", "model.attention=mlr:8|8", "model.attn_scale=mup"])
-    assert len(train(cfg)["losses"]) == 2
+    cfg = load_lm_config(None, tiny_overrides(tmp_path, steps=2) + ["optim.mup=true", "model.attention=mlr:8|8", "model.attn_scale=mup"])
+    assert len(train_lm(cfg)["losses"]) == 2
 
 
 # -- CLI -----------------------------------------------------------------------------------------------------
@@ -263,8 +262,8 @@ def test_cli_bad_checkpoint(tmp_path, capsys):
 
 
 def test_fresh_run_replaces_old_checkpoints(tmp_path):
-    train(load_config(None, tiny_overrides(tmp_path, steps=4, checkpoint_every=2)))
-    train(load_config(None, tiny_overrides(tmp_path, steps=1)))
+    train_lm(load_lm_config(None, tiny_overrides(tmp_path, steps=4, checkpoint_every=2)))
+    train_lm(load_lm_config(None, tiny_overrides(tmp_path, steps=1)))
     from structured_attention.training import load_checkpoint
 
     assert load_checkpoint(tmp_path / "run").step == 1
@@ -276,12 +275,12 @@ def test_missing_logger_package_is_a_clear_error(tmp_path):
         import tensorboard  # noqa: F401
     except ImportError:
         with pytest.raises(ValueError, match="tensorboard"):
-            train(load_config(None, tiny_overrides(tmp_path, steps=1) + ["run.tensorboard=true"]))
+            train_lm(load_lm_config(None, tiny_overrides(tmp_path, steps=1) + ["run.tensorboard=true"]))
     try:
         import wandb  # noqa: F401
     except ImportError:
         with pytest.raises(ValueError, match="wandb"):
-            train(load_config(None, tiny_overrides(tmp_path, steps=1) + ["run.wandb=true"]))
+            train_lm(load_lm_config(None, tiny_overrides(tmp_path, steps=1) + ["run.wandb=true"]))
 
 
 def test_sweep_matches_flops_and_plots(tmp_path, capsys):

@@ -48,9 +48,9 @@ def _slug(text: str) -> str:
 
 def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every run of the sweep: its name, overrides, steps and training FLOPs."""
-    from ..training.config import load_config
+    from ..experiments.lm import load_lm_config
 
-    base = load_config(args.config, args.overrides)
+    base = load_lm_config(args.config, args.overrides)
     kinds = [k.strip() for k in args.kinds.split(";") if k.strip()]
     try:
         widths = [int(w) for w in args.widths.split(",")]
@@ -110,15 +110,14 @@ def run_sweep(args: argparse.Namespace) -> int:
         print(f"  {r['name']:40s} steps {r['steps']:6d}  training FLOPs {r['flops']:.3e}")
     if args.dry_run:
         return 0
-    from ..training.config import load_config
-    from ..training.trainer import train
+    from ..experiments.lm import load_lm_config, train_lm
 
     out.mkdir(parents=True, exist_ok=True)
     for r in runs:
         run_dir = out / r["name"]
         done = run_dir / "result.json"
         if not done.is_file():
-            train(load_config(args.config, r["overrides"]))
+            train_lm(load_lm_config(args.config, r["overrides"]))
             result = _result(run_dir)
             if result is None:
                 raise ValueError(f"sweep: run {r['name']} left no validation metrics in {run_dir}")

@@ -69,12 +69,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_train_lm(args: argparse.Namespace) -> int:
-    from ..training import NonFiniteLossError, load_config, train
+    from ..experiments.lm import load_lm_config, train_lm
+    from ..training import NonFiniteLossError
 
-    config = load_config(args.config, args.overrides)
+    config = load_lm_config(args.config, args.overrides)
     with _one_line_warnings("train"):
         try:
-            result = train(config, resume=args.resume)
+            result = train_lm(config, resume=args.resume)
         except NonFiniteLossError as err:
             print(f"sattn train: error: {err}", file=sys.stderr)
             return 1
@@ -91,10 +92,10 @@ def run_eval(args: argparse.Namespace) -> int:
     import numpy as np
 
     from ..data import load_corpus
-    from ..training import evaluate, load_model
+    from ..experiments.lm import evaluate_lm, load_lm
 
     with _one_line_warnings("eval"):
-        model, tokenizer, config, ckpt = load_model(args.checkpoint)
+        model, tokenizer, config, ckpt = load_lm(args.checkpoint)
     d = config.data
     corpus = load_corpus(args.source if args.source is not None else d.source, tokenizer=d.tokenizer,
                          val_fraction=d.val_fraction, cache_dir=d.cache_dir)
@@ -104,7 +105,7 @@ def run_eval(args: argparse.Namespace) -> int:
     if len(val) < 2:
         raise ValueError(f"--source: the validation split has {len(val)} tokens; at least 2 are needed")
     batch_size = args.batch_size or config.run.batch_size
-    loss = evaluate(model, val, batch_size, config.run.seq_len, args.max_batches, "cpu", "none")
+    loss = evaluate_lm(model, val, batch_size, config.run.seq_len, args.max_batches, "cpu", "none")
     bpb = corpus.bits_per_byte(loss)
     print(f"checkpoint {ckpt.path} (step {ckpt.step}) on {corpus.source} validation split ({len(val):,} tokens)")
     print(f"val loss {loss:.4f} nats/token, {bpb:.4f} bits per byte")
@@ -114,12 +115,12 @@ def run_eval(args: argparse.Namespace) -> int:
 def run_generate(args: argparse.Namespace) -> int:
     import torch
 
-    from ..training import load_model
+    from ..experiments.lm import load_lm
 
     if not args.prompt:
         raise ValueError("--prompt: expected at least one character, got ''")
     with _one_line_warnings("generate"):
-        model, tokenizer, _, _ = load_model(args.checkpoint)
+        model, tokenizer, _, _ = load_lm(args.checkpoint)
     ids = tokenizer.encode(args.prompt)
     room = model.config.max_seq_len - len(ids)
     if room < args.max_new_tokens:

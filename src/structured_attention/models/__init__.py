@@ -1,5 +1,6 @@
-"""Models built from the attention layers."""
+"""Models built from the attention layers: the shared backbone and the models that wrap it."""
 
-from .gpt import GPT, Block, GPTConfig
+from .gpt import GPT, GPTConfig
+from .transformer import Block, Transformer, TransformerConfig, parameter_fans
 
-__all__ = ["GPT", "Block", "GPTConfig"]
+__all__ = ["GPT", "Block", "GPTConfig", "Transformer", "TransformerConfig", "parameter_fans"]

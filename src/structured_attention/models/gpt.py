@@ -1,88 +1,36 @@
-"""A GPT-style decoder whose attention comes from the config, per layer if wanted.
+"""A GPT-style decoder: token embeddings, the shared :class:`Transformer` backbone, a language head.
 
-Pre-LayerNorm blocks (attention, then a GELU MLP), learned or rotary positions, optional tied
-input/output embeddings, and KV-cache generation through the attention layers' own caches.
+Pre-LayerNorm blocks (attention, then a GELU MLP), attention kind per layer from the config,
+learned or rotary positions, optional tied input/output embeddings, and KV-cache generation
+through the attention layers' own caches.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .._checks import require
-from ..attention import Attention, AttentionConfig, KVCache, parse_attention_pattern
-from ..attention.base import build_attention
-from ..matrices.base import Fan, StructuredMatrix
+from ..attention import KVCache
+from ..matrices.base import Fan
+from .transformer import Transformer, TransformerConfig, init_gpt2_, parameter_fans
+
+__all__ = ["GPT", "GPTConfig"]
 
 
 @dataclass(frozen=True)
-class GPTConfig:
+class GPTConfig(TransformerConfig):
     vocab_size: int = 256
-    n_layers: int = 4
-    d_model: int = 128
-    n_heads: int = 4
-    max_seq_len: int = 256
-    # an attention spec, or a comma-separated per-layer pattern ("mha,swa:128,swa:128")
-    attention: str = "mha"
-    n_kv_heads: int | None = None
-    positions: str = "learned"  # "learned", "rotary" or "none"
     tie_embeddings: bool = True
-    mlp_ratio: float = 4.0
-    dropout: float = 0.0
-    qk_norm: bool = False
-    attn_scale: str = "sp"
-    bias: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "n_layers", "d_model", "n_heads", "max_seq_len"):
-            value = getattr(self, name)
-            require(isinstance(value, int) and value > 0, name, "a positive integer", value)
-        require(self.positions in ("learned", "rotary", "none"), "positions", "'learned', 'rotary' or 'none'", self.positions)
-        require(self.mlp_ratio > 0, "mlp_ratio", "a positive number", self.mlp_ratio)
-
-    def attention_configs(self) -> list[AttentionConfig]:
-        """One validated :class:`AttentionConfig` per layer."""
-        shared = dict(
-            d_model=self.d_model, n_heads=self.n_heads, max_seq_len=self.max_seq_len, n_kv_heads=self.n_kv_heads,
-            dropout=self.dropout, qk_norm=self.qk_norm, attn_scale=self.attn_scale, bias=self.bias,
-            rotary=self.positions == "rotary",
-        )
-        return [AttentionConfig(**{**shared, **spec}) for spec in parse_attention_pattern(self.attention, self.n_layers)]
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-class MLP(nn.Module):
-    def __init__(self, config: GPTConfig) -> None:
-        super().__init__()
-        hidden = int(config.mlp_ratio * config.d_model)
-        self.up = nn.Linear(config.d_model, hidden, bias=config.bias)
-        self.down = nn.Linear(hidden, config.d_model, bias=config.bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.gelu(self.up(x)))
-
-
-class Block(nn.Module):
-    def __init__(self, config: GPTConfig, attention: AttentionConfig) -> None:
-        super().__init__()
-        self.ln_attn = nn.LayerNorm(config.d_model)
-        self.attn: Attention = build_attention(attention)
-        self.ln_mlp = nn.LayerNorm(config.d_model)
-        self.mlp = MLP(config)
-        self.drop = nn.Dropout(config.dropout)
-
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.ln_attn(x), cache))
-        return x + self.drop(self.mlp(self.ln_mlp(x)))
+        super().__post_init__()
+        require(isinstance(self.vocab_size, int) and self.vocab_size > 0, "vocab_size", "a positive integer", self.vocab_size)
+        require(self.causal, "causal", "True (a GPT is a causal decoder)", self.causal)
 
 
 class GPT(nn.Module):
@@ -90,26 +38,15 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
-        self.pos_emb = nn.Embedding(config.max_seq_len, config.d_model) if config.positions == "learned" else None
-        self.drop = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList(Block(config, a) for a in config.attention_configs())
-        self.ln_f = nn.LayerNorm(config.d_model)
+        self.backbone = Transformer(config)
         self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
-        self.reset_parameters()
+        init_gpt2_(self, config.n_layers)
         if config.tie_embeddings:
             self.head.weight = self.tok_emb.weight
 
-    def reset_parameters(self) -> None:
-        """GPT-2 init: N(0, 0.02) for embeddings and dense weights, residual outputs scaled by
-        1/sqrt(2 n_layers); structured matrices keep their own variance-preserving init."""
-        for name, module in self.named_modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                std = 0.02
-                if name.endswith(("out_proj", "mlp.down")):
-                    std /= math.sqrt(2 * self.config.n_layers)
-                nn.init.normal_(module.weight, std=std)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
+    @property
+    def blocks(self) -> nn.ModuleList:
+        return self.backbone.blocks
 
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None, caches: list[KVCache] | None = None,
@@ -117,23 +54,14 @@ class GPT(nn.Module):
         """Logits ``(B, T, vocab)`` of tokens ``idx: (B, T)`` and, given ``targets``, the mean
         cross-entropy in nats. With ``caches`` the tokens continue the cached sequence."""
         require(idx.dim() == 2 and not idx.is_floating_point(), "idx", "a (batch, seq_len) integer tensor", tuple(idx.shape))
-        start = caches[0].length if caches else 0
-        t = idx.shape[1]
-        require(start + t <= self.config.max_seq_len, "seq_len", f"cached + new tokens <= max_seq_len={self.config.max_seq_len}", start + t)
-        x = self.tok_emb(idx)
-        if self.pos_emb is not None:
-            x = x + self.pos_emb(torch.arange(start, start + t, device=idx.device))
-        x = self.drop(x)
-        for i, block in enumerate(self.blocks):
-            x = block(x, caches[i] if caches else None)
-        logits = self.head(self.ln_f(x))
+        logits = self.head(self.backbone(self.tok_emb(idx), caches))
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
         return logits, loss
 
     def new_caches(self, batch_size: int) -> list[KVCache]:
-        return [block.attn.new_cache(batch_size) for block in self.blocks]
+        return self.backbone.new_caches(batch_size)
 
     @torch.no_grad()
     def generate(
@@ -177,13 +105,9 @@ class GPT(nn.Module):
 
     # -- accounting ----------------------------------------------------------------------------
     def forward_flops_per_token(self, seq_len: int | None = None) -> float:
-        """Multiply-adds of one forward pass per token of a ``seq_len``-token sequence: every
-        attention layer's own cost (projections, scores of the pairs it attends, mixing values),
-        the MLPs and the output head. Embedding look-ups, norms and softmax are not counted."""
-        t = seq_len or self.config.max_seq_len
-        attention = sum(block.attn.cost(t).total_flops for block in self.blocks) / t
-        mlp = sum(block.mlp.up.weight.numel() + block.mlp.down.weight.numel() for block in self.blocks)
-        return attention + mlp + self.head.weight.numel()
+        """Multiply-adds of one forward pass per token of a ``seq_len``-token sequence: the
+        backbone (:meth:`Transformer.forward_flops_per_position`) and the output head."""
+        return self.backbone.forward_flops_per_position(seq_len) + self.head.weight.numel()
 
     def training_flops_per_token(self, seq_len: int | None = None) -> float:
         """Training FLOPs per token: 2 FLOPs per multiply-add, times 3 for forward and backward."""
@@ -193,21 +117,10 @@ class GPT(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         if non_embedding:
             n -= self.tok_emb.weight.numel() if not self.config.tie_embeddings else 0
-            n -= self.pos_emb.weight.numel() if self.pos_emb is not None else 0
+            pos = self.backbone.pos_emb
+            n -= pos.weight.numel() if pos is not None else 0
         return n
 
     def parameter_fans(self) -> dict[str, Fan]:
-        """Fan-in/fan-out of every matrix-like parameter (for muP), by full parameter name:
-        dense layers from their shape, structured matrices from their own declaration, embeddings
-        as maps from the vocabulary. Vector-like parameters (norms, biases, scales) are absent."""
-        fans: dict[str, Fan] = {}
-        for name, module in self.named_modules():
-            prefix = f"{name}." if name else ""
-            if isinstance(module, StructuredMatrix):
-                fans.update({prefix + k: f for k, f in module.parameter_fans().items()})
-            elif isinstance(module, nn.Linear):
-                fans[prefix + "weight"] = Fan(module.in_features, module.out_features)
-            elif isinstance(module, nn.Embedding):
-                fans[prefix + "weight"] = Fan(module.num_embeddings, module.embedding_dim)
-        names = {n for n, _ in self.named_parameters()}
-        return {k: v for k, v in fans.items() if k in names}
+        """Fan-in/fan-out of every matrix-like parameter (for muP); see :func:`parameter_fans`."""
+        return parameter_fans(self)

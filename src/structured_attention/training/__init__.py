@@ -1,47 +1,37 @@
-"""Language-model training: typed configs, the training loop, checkpoints and distributed set-up.
+"""The training machinery every experiment shares.
 
-- :class:`TrainConfig` (``model: GPTConfig``, ``data: DataConfig``, ``optim: OptimConfig``,
-  ``run: RunConfig``), :func:`load_config` (YAML + ``section.key=value`` overrides);
-- :func:`train` -> dict (per-step losses, final validation loss and bits per byte, a sample);
-- :func:`save_checkpoint` / :func:`load_checkpoint` (safetensors + JSON, checksummed, atomic);
-- :func:`load_model` (a GPT and its tokenizer from a checkpoint, for evaluation and generation).
+- :func:`fit` runs a :class:`Task` (an experiment's model, batches, loss and validation metrics):
+  AdamW, warmup + cosine, clipping, accumulation, autocast, muP, early stopping, metrics, exact
+  ``--resume``, DDP/FSDP under ``torchrun``;
+- typed configs: :class:`OptimConfig` and :class:`RunConfig` sections, :func:`load_config`
+  (YAML + ``section.key=value`` overrides);
+- :func:`save_checkpoint` / :func:`load_checkpoint` (safetensors + JSON, checksummed, atomic).
+
+The experiments themselves (language modelling, ...) live in :mod:`structured_attention.experiments`.
 """
 
 from .checkpoint import LoadedCheckpoint, find_checkpoints, load_checkpoint, save_checkpoint
-from .config import (
-    DataConfig,
-    OptimConfig,
-    RunConfig,
-    TrainConfig,
-    apply_overrides,
-    config_from_dict,
-    config_to_dict,
-    load_config,
-)
+from .config import OptimConfig, RunConfig, apply_overrides, config_from_dict, config_to_dict, load_config
+from .loop import FitResult, NonFiniteLossError, Task, fit
 from .optim import build_optimizer, lr_at, mup_lr_multipliers, param_groups
-from .trainer import NonFiniteLossError, evaluate, generate_sample, train
-from .model_io import load_model
 
 __all__ = [
-    "DataConfig",
+    "FitResult",
     "LoadedCheckpoint",
     "NonFiniteLossError",
     "OptimConfig",
     "RunConfig",
-    "TrainConfig",
+    "Task",
     "apply_overrides",
     "build_optimizer",
     "config_from_dict",
     "config_to_dict",
-    "evaluate",
     "find_checkpoints",
-    "generate_sample",
+    "fit",
     "load_checkpoint",
     "load_config",
-    "load_model",
     "lr_at",
     "mup_lr_multipliers",
     "param_groups",
     "save_checkpoint",
-    "train",
 ]

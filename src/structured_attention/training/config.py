@@ -1,19 +1,20 @@
-"""Typed training configuration: dataclasses, YAML loading and ``key.sub=value`` overrides.
+"""Typed experiment configuration: dataclass sections, YAML loading and ``section.key=value`` overrides.
 
-A config file is YAML (read with ``yaml.safe_load``) with up to four sections, each a mapping:
+An experiment's config is a frozen dataclass whose fields are *sections*, each itself a frozen
+dataclass (the language model's is ``model / data / optim / run``). A config file is YAML (read
+with ``yaml.safe_load``) holding some of those sections as mappings:
 
 ```yaml
 model: {d_model: 128, n_layers: 4, n_heads: 4, max_seq_len: 256, attention: mha}
-data:  {source: null, tokenizer: byte, val_fraction: 0.1}
 optim: {lr: 3.0e-3, warmup_steps: 50, schedule: cosine}
-run:   {steps: 600, batch_size: 16, seq_len: 256, out_dir: runs/lm-default}
+run:   {steps: 600, batch_size: 16, out_dir: runs/lm-default}
 ```
 
 Missing keys keep their defaults. Command-line overrides are ``section.field=value`` strings
 (``model.attention=mlr:16|16|16|16 optim.lr=3e-3``); the value is parsed by the field's declared
 type (``int``, ``float``, ``bool``, ``str``, optionally ``| None`` where ``none``/``null`` gives
 ``None``). An unknown section or key raises ``ValueError`` naming it and listing the valid ones.
-``model.vocab_size`` is always replaced by the corpus tokenizer's vocabulary size when training.
+:class:`OptimConfig` and :class:`RunConfig` are the sections every experiment shares.
 """
 
 from __future__ import annotations
@@ -21,34 +22,22 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from .._checks import require
-from ..models.gpt import GPTConfig
 
 __all__ = [
-    "DataConfig",
     "OptimConfig",
     "RunConfig",
-    "TrainConfig",
     "apply_overrides",
     "config_from_dict",
     "config_to_dict",
     "load_config",
 ]
 
-
-@dataclass(frozen=True)
-class DataConfig:
-    source: str | None = None  # None: the embedded default corpus (the Python stdlib source)
-    tokenizer: str = "byte"  # "byte" or "char"
-    val_fraction: float = 0.1
-    cache_dir: str | None = None  # None: $SATTN_CACHE_DIR or ~/.cache/structured-attention
-
-    def __post_init__(self) -> None:
-        require(0 < self.val_fraction < 1, "data.val_fraction", "a number in (0, 1)", self.val_fraction)
+C = TypeVar("C")
 
 
 @dataclass(frozen=True)
@@ -78,16 +67,19 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class RunConfig:
+    """How the shared loop (``training.loop.fit``) runs; every experiment has this section."""
+
     steps: int = 600
-    batch_size: int = 16  # sequences per micro-batch per process
+    batch_size: int = 16  # examples per micro-batch per process
     grad_accum: int = 1  # micro-batches per optimizer step; global batch = batch_size * grad_accum * world_size
-    seq_len: int = 256
     eval_every: int = 200  # 0: evaluate only at the end
-    eval_batches: int = 20  # validation batches per evaluation (of batch_size sequences)
+    eval_batches: int = 20  # validation batches per evaluation (of batch_size examples)
     log_every: int = 10
     checkpoint_every: int = 0  # 0: only at the end
+    patience: int = 0  # stop after this many evaluations without a better val_loss; 0: never
+    keep_best: bool = False  # keep the model of the best evaluation in <out_dir>/best/
     seed: int = 0
-    out_dir: str = "runs/lm"
+    out_dir: str = "runs/run"
     compile: bool = False
     autocast: str = "auto"  # "auto": bfloat16 on CUDA, none on CPU; "bf16"; "none"
     tensorboard: bool = False
@@ -95,50 +87,22 @@ class RunConfig:
     wandb_project: str = "structured-attention"
     fsdp: bool = False  # shard the model with FSDP (fully_shard) instead of DDP when distributed
     device: str = "auto"  # "auto" (cuda if available), "cpu", "cuda"
-    sample_tokens: int = 200  # length of the sample generated at the end (0: none)
-    sample_prompt: str = "def "
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "grad_accum", "seq_len", "eval_batches", "log_every"):
+        for name in ("steps", "batch_size", "grad_accum", "eval_batches", "log_every"):
             value = getattr(self, name)
             require(isinstance(value, int) and value > 0, f"run.{name}", "a positive integer", value)
-        for name in ("eval_every", "checkpoint_every", "seed", "sample_tokens"):
+        for name in ("eval_every", "checkpoint_every", "seed", "patience"):
             value = getattr(self, name)
             require(isinstance(value, int) and value >= 0, f"run.{name}", "a non-negative integer", value)
         require(self.autocast in ("auto", "bf16", "none"), "run.autocast", "'auto', 'bf16' or 'none'", self.autocast)
         require(self.device in ("auto", "cpu", "cuda"), "run.device", "'auto', 'cpu' or 'cuda'", self.device)
 
 
-@dataclass(frozen=True)
-class TrainConfig:
-    model: GPTConfig = field(default_factory=GPTConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    run: RunConfig = field(default_factory=RunConfig)
-
-    def __post_init__(self) -> None:
-        require(
-            self.run.seq_len <= self.model.max_seq_len,
-            "run.seq_len",
-            f"at most model.max_seq_len={self.model.max_seq_len}",
-            self.run.seq_len,
-        )
-        # An unknown attention kind, a malformed spec or ranks that do not fit the head dimension
-        # fail here, with the attention layer's own one-line message: each distinct layer
-        # configuration is built once (one attention layer each; cheap).
-        from ..attention.base import build_attention
-
-        seen = []
-        try:
-            for attention in self.model.attention_configs():
-                if attention not in seen:
-                    seen.append(attention)
-                    build_attention(attention)
-        except ValueError as e:
-            raise ValueError(f"model.attention={self.model.attention!r}: {e}") from None
-
-
-_SECTIONS: dict[str, type] = {"model": GPTConfig, "data": DataConfig, "optim": OptimConfig, "run": RunConfig}
+def _sections(cls: type) -> dict[str, type]:
+    """The section dataclasses of a config class, by field name."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
 
 
 def _field_types(cls: type) -> dict[str, Any]:
@@ -186,9 +150,8 @@ def _parse_value(raw: Any, tp: Any, key: str) -> Any:
     raise ValueError(f"{key}: unsupported field type {tp!r}")  # pragma: no cover
 
 
-def _section_updates(section: str, values: Any, prefix: str = "") -> dict[str, Any]:
-    cls = _SECTIONS[section]
-    require(isinstance(values, dict), f"{prefix}{section}", "a mapping of keys to values", type(values).__name__)
+def _section_updates(section: str, cls: type, values: Any) -> dict[str, Any]:
+    require(isinstance(values, dict), section, "a mapping of keys to values", type(values).__name__)
     hints = _field_types(cls)
     out = {}
     for key, raw in values.items():
@@ -200,30 +163,31 @@ def _section_updates(section: str, values: Any, prefix: str = "") -> dict[str, A
     return out
 
 
-def config_from_dict(d: dict[str, Any] | None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
-    """A :class:`TrainConfig` from a nested dict (as YAML gives) plus ``section.key=value`` overrides."""
+def config_from_dict(cls: type[C], d: dict[str, Any] | None, overrides: list[str] | tuple[str, ...] = ()) -> C:
+    """A ``cls`` config from a nested dict (as YAML gives) plus ``section.key=value`` overrides."""
+    sections = _sections(cls)
     d = d or {}
-    require(isinstance(d, dict), "config", "a mapping with sections model/data/optim/run", type(d).__name__)
-    updates: dict[str, dict[str, Any]] = {s: {} for s in _SECTIONS}
+    require(isinstance(d, dict), "config", f"a mapping with sections {'/'.join(sections)}", type(d).__name__)
+    updates: dict[str, dict[str, Any]] = {s: {} for s in sections}
     for section, values in d.items():
-        if section not in _SECTIONS:
-            raise ValueError(f"unknown config section {section!r}; valid sections: {', '.join(_SECTIONS)}")
-        updates[section].update(_section_updates(section, values or {}))
+        if section not in sections:
+            raise ValueError(f"unknown config section {section!r}; valid sections: {', '.join(sections)}")
+        updates[section].update(_section_updates(section, sections[section], values or {}))
     for item in overrides:
         require(isinstance(item, str) and "=" in item, "override", "'section.key=value'", item)
         key, raw = item.split("=", 1)
         key = key.strip()
-        if "." not in key or key.split(".", 1)[0] not in _SECTIONS:
-            valid = ", ".join(f"{s}.<key>" for s in _SECTIONS)
+        if "." not in key or key.split(".", 1)[0] not in sections:
+            valid = ", ".join(f"{s}.<key>" for s in sections)
             raise ValueError(f"unknown config key {key!r}; expected one of {valid}")
         section, name = key.split(".", 1)
-        updates[section].update(_section_updates(section, {name: raw}))
-    parts = {s: _SECTIONS[s](**updates[s]) for s in _SECTIONS}
-    return TrainConfig(**parts)
+        updates[section].update(_section_updates(section, sections[section], {name: raw}))
+    parts = {s: sections[s](**updates[s]) for s in sections}
+    return cls(**parts)
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
-    """Read a YAML config file (``None``: all defaults) and apply ``section.key=value`` overrides."""
+def load_config(cls: type[C], path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> C:
+    """Read a YAML config file (``None``: all defaults) into ``cls`` and apply ``section.key=value`` overrides."""
     d: Any = {}
     if path is not None:
         p = Path(path)
@@ -235,14 +199,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             d = yaml.safe_load(p.read_text(encoding="utf-8"))
         except yaml.YAMLError as e:
             raise ValueError(f"config: {str(p)!r} is not valid YAML: {str(e).splitlines()[0]}") from None
-    return config_from_dict(d, overrides)
+    return config_from_dict(cls, d, overrides)
 
 
-def apply_overrides(config: TrainConfig, overrides: list[str] | tuple[str, ...]) -> TrainConfig:
+def apply_overrides(config: C, overrides: list[str] | tuple[str, ...]) -> C:
     """``config`` with ``section.key=value`` overrides applied."""
-    return config_from_dict(config_to_dict(config), overrides)
+    return config_from_dict(type(config), config_to_dict(config), overrides)
 
 
-def config_to_dict(config: TrainConfig) -> dict[str, Any]:
+def config_to_dict(config: Any) -> dict[str, Any]:
     """A JSON/YAML-able nested dict that :func:`config_from_dict` turns back into ``config``."""
-    return {s: dataclasses.asdict(getattr(config, s)) for s in _SECTIONS}
+    return {s: dataclasses.asdict(getattr(config, s)) for s in _sections(type(config))}

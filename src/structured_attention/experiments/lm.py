@@ -1,0 +1,251 @@
+"""Language modelling (SPEC section 4): a GPT trained on a text corpus, evaluated in bits per byte.
+
+- :class:`LMConfig` (``model: GPTConfig``, ``data: DataConfig``, ``optim: OptimConfig``,
+  ``run: LMRunConfig``), read with :func:`load_lm_config` (YAML + ``section.key=value`` overrides);
+- :class:`LMTask`, the corpus and the GPT as the shared loop (:func:`training.fit`) sees them;
+- :func:`train_lm` -> dict (per-step losses, final validation loss and bits per byte, a sample);
+- :func:`evaluate_lm`, :func:`generate_sample` and :func:`load_lm` (a trained GPT and its
+  tokenizer from a checkpoint, for ``sattn eval`` and ``sattn generate``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy as np
+import torch
+from torch import nn
+
+from .._checks import require
+from ..data import Corpus, Tokenizer, eval_batches, load_corpus, sample_batch, tokenizer_from_json
+from ..models.gpt import GPT, GPTConfig
+from ..training.checkpoint import LoadedCheckpoint, check_compatible, load_checkpoint
+from ..training.config import OptimConfig, RunConfig, config_from_dict, load_config
+from ..training.distributed import DistInfo
+from ..training.loop import Task, autocast_context, fit
+
+__all__ = [
+    "DataConfig",
+    "LMConfig",
+    "LMRunConfig",
+    "LMTask",
+    "evaluate_lm",
+    "generate_sample",
+    "load_lm",
+    "load_lm_config",
+    "train_lm",
+]
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: str | None = None  # None: the embedded default corpus (the Python stdlib source)
+    tokenizer: str = "byte"  # "byte" or "char"
+    val_fraction: float = 0.1
+    cache_dir: str | None = None  # None: $SATTN_CACHE_DIR or ~/.cache/structured-attention
+
+    def __post_init__(self) -> None:
+        require(0 < self.val_fraction < 1, "data.val_fraction", "a number in (0, 1)", self.val_fraction)
+
+
+@dataclass(frozen=True)
+class LMRunConfig(RunConfig):
+    out_dir: str = "runs/lm"
+    seq_len: int = 256
+    sample_tokens: int = 200  # length of the sample generated at the end (0: none)
+    sample_prompt: str = "def "
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(isinstance(self.seq_len, int) and self.seq_len > 0, "run.seq_len", "a positive integer", self.seq_len)
+        require(isinstance(self.sample_tokens, int) and self.sample_tokens >= 0, "run.sample_tokens",
+                "a non-negative integer", self.sample_tokens)
+
+
+@dataclass(frozen=True)
+class LMConfig:
+    model: GPTConfig = field(default_factory=GPTConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    run: LMRunConfig = field(default_factory=LMRunConfig)
+
+    def __post_init__(self) -> None:
+        require(
+            self.run.seq_len <= self.model.max_seq_len,
+            "run.seq_len",
+            f"at most model.max_seq_len={self.model.max_seq_len}",
+            self.run.seq_len,
+        )
+        # An unknown attention kind, a malformed spec or ranks that do not fit the head dimension
+        # fail here, with the attention layer's own one-line message: each distinct layer
+        # configuration is built once (one attention layer each; cheap).
+        from ..attention.base import build_attention
+
+        seen = []
+        try:
+            for attention in self.model.attention_configs():
+                if attention not in seen:
+                    seen.append(attention)
+                    build_attention(attention)
+        except ValueError as e:
+            raise ValueError(f"model.attention={self.model.attention!r}: {e}") from None
+
+
+def load_lm_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> LMConfig:
+    """An :class:`LMConfig` from a YAML file (``None``: defaults) and ``section.key=value`` overrides."""
+    return load_config(LMConfig, path, overrides)
+
+
+@torch.no_grad()
+def evaluate_lm(
+    model: nn.Module,
+    tokens: np.ndarray,
+    batch_size: int,
+    seq_len: int,
+    max_batches: int | None = None,
+    device: torch.device | str = "cpu",
+    autocast: str = "auto",
+) -> float:
+    """Mean cross-entropy (nats per token) over consecutive windows of ``tokens``."""
+    was_training = model.training
+    model.eval()
+    seq_len = min(seq_len, len(tokens) - 1)
+    total, count = 0.0, 0
+    device = torch.device(device)
+    for x, y in eval_batches(tokens, batch_size, seq_len, max_batches=max_batches, device=device):
+        with autocast_context(autocast, device):
+            _, loss = model(x, y)
+        total += float(loss) * y.numel()
+        count += y.numel()
+    model.train(was_training)
+    return total / count
+
+
+class LMTask(Task):
+    """Next-token prediction on a corpus: random windows for training, the validation split's
+    first ``run.eval_batches`` batches of consecutive windows for evaluation."""
+
+    config: LMConfig
+
+    def __init__(self, config: LMConfig) -> None:
+        super().__init__(config)
+        self.corpus: Corpus | None = None
+
+    def setup(self, info: DistInfo) -> None:
+        d, run = self.config.data, self.config.run
+        corpus = load_corpus(d.source, tokenizer=d.tokenizer, val_fraction=d.val_fraction, cache_dir=d.cache_dir)
+        need = run.seq_len + 1
+        if len(corpus.train) < need:
+            raise ValueError(
+                f"data.source: the training split has {len(corpus.train)} tokens; run.seq_len={run.seq_len} "
+                f"needs at least {need} (use a larger corpus or a shorter run.seq_len)"
+            )
+        if len(corpus.val) < 2:
+            raise ValueError(f"data.source: the validation split has {len(corpus.val)} tokens; at least 2 are needed")
+        self.corpus = corpus
+        # The model's vocabulary is the tokenizer's (a char vocabulary depends on the corpus).
+        self.config = dataclasses.replace(
+            self.config, model=dataclasses.replace(self.config.model, vocab_size=corpus.vocab_size))
+
+    def describe(self) -> str:
+        c = self.corpus
+        assert c is not None
+        return (f"data: {c.source} | tokenizer {c.tokenizer.name} (vocab {c.vocab_size}) | "
+                f"train {len(c.train):,} tokens, val {len(c.val):,} tokens | attention {self.config.model.attention}")
+
+    def build_model(self) -> GPT:
+        return GPT(self.config.model)
+
+    def batch(self, index: int, rank: int, world_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.corpus is not None
+        run = self.config.run
+        return sample_batch(self.corpus.train, run.batch_size, run.seq_len, seed=run.seed, step=index,
+                            rank=rank, world_size=world_size, device=device)
+
+    def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return model(*batch)[1]
+
+    def evaluate(self, model: nn.Module, device: torch.device) -> dict[str, float]:
+        assert self.corpus is not None
+        run = self.config.run
+        loss = evaluate_lm(model, self.corpus.val, run.batch_size, run.seq_len, run.eval_batches, device, "none")
+        return {"val_loss": loss, "val_bpb": self.corpus.bits_per_byte(loss)}
+
+    def tokens_per_batch(self) -> int:
+        return self.config.run.batch_size * self.config.run.seq_len
+
+    def flops_per_token(self, model: nn.Module) -> float:
+        return model.training_flops_per_token(self.config.run.seq_len)  # type: ignore[operator]
+
+    def state(self) -> dict[str, Any]:
+        assert self.corpus is not None
+        return {"tokenizer": self.corpus.tokenizer.to_json(), "source": self.corpus.source}
+
+
+def generate_sample(
+    model: GPT, tokenizer: Tokenizer, prompt: str, max_new_tokens: int, *, temperature: float = 0.8,
+    top_k: int | None = 40, seed: int = 0, device: torch.device | str = "cpu",
+) -> str:
+    """``prompt`` followed by ``max_new_tokens`` sampled tokens (fewer if the context is short)."""
+    ids = tokenizer.encode(prompt) or [0]
+    ids = ids[-(model.config.max_seq_len - 1):]
+    n = min(max_new_tokens, model.config.max_seq_len - len(ids))
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out = model.generate(torch.tensor([ids], device=device), n, temperature=temperature, top_k=top_k, generator=gen)
+    return tokenizer.decode(out[0].tolist())
+
+
+def train_lm(config: LMConfig, *, resume: bool = False, stream: TextIO | None = None) -> dict[str, Any]:
+    """Train a GPT language model as ``config`` says (see :func:`training.fit`).
+
+    Returns ``{"steps", "losses" (per optimizer step, all steps 1..steps including those before a
+    resume), "final_val_loss", "final_val_bpb", "tokens", "flops", "wall_s", "sample", "out_dir",
+    "checkpoint", "config", "rank", "world_size"}``.
+    """
+    task = LMTask(config)
+    result = fit(task, resume=resume, stream=stream)
+    run = config.run
+    sample = ""
+    if run.sample_tokens > 0 and result.model is not None:
+        assert task.corpus is not None
+        device = next(result.model.parameters()).device
+        sample = generate_sample(result.model, task.corpus.tokenizer, run.sample_prompt, run.sample_tokens,
+                                 seed=run.seed, device=device)
+    return {
+        "steps": result.steps,
+        "losses": result.losses,
+        "final_val_loss": result.final["val_loss"],
+        "final_val_bpb": result.final["val_bpb"],
+        "tokens": result.tokens,
+        "flops": result.flops,
+        "wall_s": result.wall_s,
+        "sample": sample,
+        "out_dir": result.out_dir,
+        "checkpoint": result.checkpoint,
+        "config": result.config,
+        "rank": result.rank,
+        "world_size": result.world_size,
+    }
+
+
+def load_lm(path: str | Path, device: str | torch.device = "cpu") -> tuple[GPT, Tokenizer, LMConfig, LoadedCheckpoint]:
+    """``(model in eval mode, tokenizer, config, checkpoint)`` from the newest valid checkpoint at
+    ``path`` (a checkpoint folder, a ``ckpt/`` folder or a run's ``out_dir``).
+
+    ``FileNotFoundError`` when there is none; ``ValueError`` (one line) when it is corrupt, was
+    written by another format or experiment, or its tensors do not fit the architecture its
+    config describes.
+    """
+    ckpt = load_checkpoint(path)
+    try:
+        config = config_from_dict(LMConfig, ckpt.state["config"])
+        tokenizer = tokenizer_from_json(ckpt.state["tokenizer"])
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"checkpoint {ckpt.path}: state.json lacks {e}") from None
+    model = GPT(config.model)
+    check_compatible(model, ckpt.model_state, str(ckpt.path))
+    model.load_state_dict(ckpt.model_state)
+    return model.to(device).eval(), tokenizer, config, ckpt

@@ -1,0 +1,158 @@
+"""The transformer backbone every model here shares: positions, pre-LN blocks, a final norm.
+
+A :class:`Transformer` maps embeddings ``(B, T, D)`` to features ``(B, T, D)``. Its attention comes
+from the config, per layer if wanted (``attention="mha,swa:128,swa:128"``), causal for decoders
+and bidirectional for encoders. The language model, the in-context regression model and the
+forecasters wrap it with their own input and output layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .._checks import require
+from ..attention import Attention, AttentionConfig, KVCache, parse_attention_pattern
+from ..attention.base import build_attention
+from ..matrices.base import Fan, StructuredMatrix
+
+__all__ = ["Block", "MLP", "Transformer", "TransformerConfig", "init_gpt2_", "parameter_fans"]
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    n_layers: int = 4
+    d_model: int = 128
+    n_heads: int = 4
+    max_seq_len: int = 256
+    # an attention spec, or a comma-separated per-layer pattern ("mha,swa:128,swa:128")
+    attention: str = "mha"
+    n_kv_heads: int | None = None
+    positions: str = "learned"  # "learned", "rotary" or "none"
+    mlp_ratio: float = 4.0
+    dropout: float = 0.0
+    qk_norm: bool = False
+    attn_scale: str = "sp"
+    bias: bool = False
+    causal: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("n_layers", "d_model", "n_heads", "max_seq_len"):
+            value = getattr(self, name)
+            require(isinstance(value, int) and value > 0, name, "a positive integer", value)
+        require(self.positions in ("learned", "rotary", "none"), "positions", "'learned', 'rotary' or 'none'", self.positions)
+        require(self.mlp_ratio > 0, "mlp_ratio", "a positive number", self.mlp_ratio)
+
+    def attention_configs(self) -> list[AttentionConfig]:
+        """One validated :class:`AttentionConfig` per layer."""
+        shared = dict(
+            d_model=self.d_model, n_heads=self.n_heads, max_seq_len=self.max_seq_len, n_kv_heads=self.n_kv_heads,
+            dropout=self.dropout, qk_norm=self.qk_norm, attn_scale=self.attn_scale, bias=self.bias,
+            rotary=self.positions == "rotary", causal=self.causal,
+        )
+        return [AttentionConfig(**{**shared, **spec}) for spec in parse_attention_pattern(self.attention, self.n_layers)]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        hidden = int(config.mlp_ratio * config.d_model)
+        self.up = nn.Linear(config.d_model, hidden, bias=config.bias)
+        self.down = nn.Linear(hidden, config.d_model, bias=config.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, config: TransformerConfig, attention: AttentionConfig) -> None:
+        super().__init__()
+        self.ln_attn = nn.LayerNorm(config.d_model)
+        self.attn: Attention = build_attention(attention)
+        self.ln_mlp = nn.LayerNorm(config.d_model)
+        self.mlp = MLP(config)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln_attn(x), cache))
+        return x + self.drop(self.mlp(self.ln_mlp(x)))
+
+
+class Transformer(nn.Module):
+    """Learned positions (if configured), the blocks and a final LayerNorm: ``(B, T, D) -> (B, T, D)``."""
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.pos_emb = nn.Embedding(config.max_seq_len, config.d_model) if config.positions == "learned" else None
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config, a) for a in config.attention_configs())
+        self.ln_f = nn.LayerNorm(config.d_model)
+
+    def forward(self, x: torch.Tensor, caches: list[KVCache] | None = None) -> torch.Tensor:
+        """Features of embeddings ``x: (B, T, D)``; with ``caches`` they continue the cached sequence."""
+        require(x.dim() == 3 and x.shape[-1] == self.config.d_model, "x",
+                f"a (batch, seq_len, d_model={self.config.d_model}) tensor", tuple(x.shape))
+        start = caches[0].length if caches else 0
+        t = x.shape[1]
+        require(start + t <= self.config.max_seq_len, "seq_len",
+                f"cached + new positions <= max_seq_len={self.config.max_seq_len}", start + t)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(torch.arange(start, start + t, device=x.device))
+        x = self.drop(x)
+        for i, block in enumerate(self.blocks):
+            x = block(x, caches[i] if caches else None)
+        return self.ln_f(x)
+
+    def new_caches(self, batch_size: int) -> list[KVCache]:
+        return [block.attn.new_cache(batch_size) for block in self.blocks]
+
+    def forward_flops_per_position(self, seq_len: int | None = None) -> float:
+        """Multiply-adds per position of one forward over a ``seq_len``-long sequence: every
+        attention layer's own cost (projections, scores of the pairs it attends, mixing values)
+        and the MLPs. Position look-ups, norms and softmax are not counted."""
+        t = seq_len or self.config.max_seq_len
+        attention = sum(block.attn.cost(t).total_flops for block in self.blocks) / t
+        mlp = sum(block.mlp.up.weight.numel() + block.mlp.down.weight.numel() for block in self.blocks)
+        return attention + mlp
+
+
+def init_gpt2_(model: nn.Module, n_layers: int) -> None:
+    """GPT-2 init: N(0, 0.02) for embeddings and dense weights, residual outputs (attention output
+    and MLP down projections) scaled by ``1/sqrt(2 n_layers)``; structured matrices keep their
+    own variance-preserving init."""
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            std = 0.02
+            if name.endswith(("out_proj", "mlp.down")):
+                std /= math.sqrt(2 * n_layers)
+            nn.init.normal_(module.weight, std=std)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+
+
+def parameter_fans(model: nn.Module) -> dict[str, Fan]:
+    """Fan-in/fan-out of every matrix-like parameter of ``model`` (for muP), by full parameter
+    name: dense layers from their shape, structured matrices from their own declaration,
+    embeddings as maps from their table size. Vector-like parameters (norms, biases, scales) are
+    absent."""
+    fans: dict[str, Fan] = {}
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        if isinstance(module, StructuredMatrix):
+            fans.update({prefix + k: f for k, f in module.parameter_fans().items()})
+        elif isinstance(module, nn.Linear):
+            fans[prefix + "weight"] = Fan(module.in_features, module.out_features)
+        elif isinstance(module, nn.Embedding):
+            fans[prefix + "weight"] = Fan(module.num_embeddings, module.embedding_dim)
+    names = {n for n, _ in model.named_parameters()}
+    return {k: v for k, v in fans.items() if k in names}
