@@ -1,12 +1,20 @@
-"""The ``sattn`` command. Errors in what the user gave end with one line and exit status 2."""
+"""The ``sattn`` command. Errors in what the user gave end with one line and exit status 2.
+
+Each experiment's CLI module (``cli/lm.py``, ...) adds its own ``sattn train <experiment>`` and
+``sattn sweep <experiment>`` subcommands and knows how to plot its sweeps (``plot(results, out)``).
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
-from . import bench, describe, sweep, train
+from . import bench, describe, lm
+
+EXPERIMENTS = {module.EXPERIMENT: module for module in (lm,)}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -14,9 +22,31 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     describe.add_parser(sub)
     bench.add_parser(sub)
-    train.add_parser(sub)
-    sweep.add_parser(sub)
+    train = sub.add_parser("train", help=f"train a model ({'|'.join(EXPERIMENTS)})")
+    train_sub = train.add_subparsers(dest="experiment", required=True)
+    sweep = sub.add_parser("sweep", help=f"grids of training runs ({'|'.join(EXPERIMENTS)})")
+    sweep_sub = sweep.add_subparsers(dest="experiment", required=True)
+    for module in EXPERIMENTS.values():
+        module.add_parsers(sub, train_sub, sweep_sub)
+    plot = sub.add_parser("plot", help="the plots and markdown tables of a sweep")
+    plot.add_argument("sweep_dir", help="a folder made by 'sattn sweep ...'")
+    plot.add_argument("--out", default=None, help="folder for the plots and tables (default: the sweep folder)")
+    plot.set_defaults(run=run_plot)
     return parser
+
+
+def run_plot(args: argparse.Namespace) -> int:
+    sweep = Path(args.sweep_dir)
+    if not sweep.is_dir():
+        raise FileNotFoundError(f"sweep_dir: no such folder: {str(sweep)!r}")
+    results = [json.loads(p.read_text()) for p in sorted(sweep.glob("*/result.json"))]
+    if not results:
+        raise ValueError(f"sweep_dir: no finished runs (*/result.json) in {str(sweep)!r}")
+    manifest = sweep / "sweep.json"
+    experiment = json.loads(manifest.read_text()).get("experiment") if manifest.is_file() else "lm"
+    if experiment not in EXPERIMENTS:
+        raise ValueError(f"sweep_dir: {str(manifest)!r} names experiment {experiment!r}; expected one of {sorted(EXPERIMENTS)}")
+    return EXPERIMENTS[experiment].plot(results, Path(args.out) if args.out else sweep)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

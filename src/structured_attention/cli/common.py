@@ -1,0 +1,55 @@
+"""Pieces the ``sattn`` subcommands share."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import sys
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+__all__ = ["one_line_warnings", "run_grid", "slug"]
+
+
+@contextlib.contextmanager
+def one_line_warnings(command: str) -> Iterator[None]:
+    """Show warnings as one ``sattn <command>: warning: ...`` line each."""
+    old = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001
+        print(f"sattn {command}: warning: {message}", file=sys.stderr, flush=True)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = old
+
+
+def slug(text: str) -> str:
+    """A folder-name-safe form of ``text`` (``mlr:16|8`` -> ``mlr-16-8``)."""
+    return re.sub(r"[^A-Za-z0-9.]+", "-", text).strip("-")
+
+
+def run_grid(
+    out: Path, experiment: str, runs: list[dict[str, Any]], train_one: Callable[[dict[str, Any]], dict[str, Any]],
+) -> list[dict[str, Any]]:
+    """Run a sweep: each run (a dict with a unique ``name``) trains in ``out/<name>`` through
+    ``train_one(run)``, whose result is stored with the run in ``out/<name>/result.json``. A run
+    whose ``result.json`` exists is not trained again, so an interrupted sweep resumes where it
+    stopped. ``out/sweep.json`` names the experiment (for ``sattn plot``). Returns every result."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sweep.json").write_text(json.dumps({"experiment": experiment}) + "\n")
+    results = []
+    for r in runs:
+        done = out / r["name"] / "result.json"
+        if not done.is_file():
+            result = {**r, **train_one(r)}
+            done.parent.mkdir(parents=True, exist_ok=True)
+            done.write_text(json.dumps(result, indent=2))
+        results.append(json.loads(done.read_text()))
+        print(f"done {r['name']}", flush=True)
+    return results

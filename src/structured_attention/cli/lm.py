@@ -1,0 +1,290 @@
+"""``sattn train lm``, ``sattn eval``, ``sattn generate`` and ``sattn sweep lm``: the language model.
+
+```
+sattn train lm [--config FILE] [section.key=value ...] [--resume]
+sattn eval --checkpoint DIR [--source PATH] [--max-batches N]
+sattn generate --checkpoint DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] [--seed S]
+sattn sweep lm [--config FILE] --widths 64,128,256 --kinds "mha;swa:128;mlr:16|8|4|4" --lrs 1e-3,3e-3
+```
+
+Mistakes in what the user gave (a missing or empty corpus, an unknown attention kind or config
+key, a missing, corrupt or mismatched checkpoint) raise ``ValueError`` / ``FileNotFoundError``,
+which ``sattn`` prints as one line before exiting with status 2.
+
+The sweep matches training FLOPs per width: the budget is what ``--base-steps`` steps of the first
+kind cost (``steps x tokens per step x GPT.training_flops_per_token``, 2 FLOPs per multiply-add,
+forward and backward, counting each attention kind's own cost); every other kind trains for as
+many steps as the same budget buys. ``sattn plot`` draws loss versus FLOPs and a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..models.gpt import GPT
+from .common import one_line_warnings, run_grid, slug
+
+EXPERIMENT = "lm"
+
+
+def add_parsers(top: argparse._SubParsersAction, train: argparse._SubParsersAction,
+                sweep: argparse._SubParsersAction) -> None:
+    lm = train.add_parser(
+        "lm",
+        help="train a GPT language model",
+        description="Train a GPT language model from a YAML config plus section.key=value overrides, "
+        "e.g. model.attention=mlr:16|16|16|16 optim.lr=3e-3 run.steps=2000.",
+    )
+    lm.add_argument("--config", default=None, help="YAML config file (default: built-in defaults)")
+    lm.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
+    lm.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in run.out_dir/ckpt")
+    lm.set_defaults(run=run_train_lm)
+
+    e = top.add_parser("eval", help="validation loss and bits per byte of a language-model checkpoint")
+    e.add_argument("--checkpoint", required=True, help="checkpoint folder, its ckpt/ folder or the run's out_dir")
+    e.add_argument("--source", default=None, help="evaluate on this corpus's validation split instead of the training one")
+    e.add_argument("--max-batches", type=int, default=None, help="cap on validation batches (default: the whole split)")
+    e.add_argument("--batch-size", type=int, default=None, help="sequences per batch (default: the run's)")
+    e.set_defaults(run=run_eval)
+
+    g = top.add_parser("generate", help="sample text from a language-model checkpoint, streamed to stdout")
+    g.add_argument("--checkpoint", required=True, help="checkpoint folder, its ckpt/ folder or the run's out_dir")
+    g.add_argument("--prompt", required=True, help="the text to continue")
+    g.add_argument("--max-new-tokens", type=int, default=200)
+    g.add_argument("--temperature", type=float, default=0.8, help="0 is greedy (default 0.8)")
+    g.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
+    g.add_argument("--seed", type=int, default=0)
+    g.set_defaults(run=run_generate)
+
+    s = sweep.add_parser("lm", help="widths x attention kinds x learning rates at matched training FLOPs")
+    s.add_argument("--config", default=None, help="base YAML config (default: built-in defaults)")
+    s.add_argument("--widths", default="64,128,256", help="comma-separated d_model values (default 64,128,256)")
+    s.add_argument("--head-dim", type=int, default=32, help="head dim; heads = width / head-dim (default 32)")
+    s.add_argument("--kinds", default="mha;swa:128;global_swa:16|16;mlr:16|8|4|4",
+                   help="';'-separated attention specs; the first sets the FLOP budget (default mha;swa:128;global_swa:16|16;mlr:16|8|4|4)")
+    s.add_argument("--lrs", default="1e-3,3e-3", help="comma-separated learning rates (default 1e-3,3e-3)")
+    s.add_argument("--base-steps", type=int, default=300, help="steps of the first kind at each width (default 300)")
+    s.add_argument("--out", default="runs/sweep-lm", help="sweep folder (default runs/sweep-lm)")
+    s.add_argument("--dry-run", action="store_true", help="print the planned runs and exit")
+    s.add_argument("overrides", nargs="*", help="section.key=value overrides of the base config")
+    s.set_defaults(run=run_sweep)
+
+
+def run_train_lm(args: argparse.Namespace) -> int:
+    from ..experiments.lm import load_lm_config, train_lm
+    from ..training import NonFiniteLossError
+
+    config = load_lm_config(args.config, args.overrides)
+    with one_line_warnings("train"):
+        try:
+            result = train_lm(config, resume=args.resume)
+        except NonFiniteLossError as err:
+            print(f"sattn train: error: {err}", file=sys.stderr)
+            return 1
+    if result["rank"] == 0:
+        print(f"final validation loss {result['final_val_loss']:.4f} nats/token, {result['final_val_bpb']:.4f} bits per byte")
+        print(f"trained {result['steps']} steps, {result['tokens']:,} tokens in {result['wall_s']:.1f} s; checkpoint {result['checkpoint']}")
+        if result["sample"]:
+            print("sample:")
+            print(result["sample"])
+    return 0
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from ..data import load_corpus
+    from ..experiments.lm import evaluate_lm, load_lm
+
+    with one_line_warnings("eval"):
+        model, tokenizer, config, ckpt = load_lm(args.checkpoint)
+    d = config.data
+    corpus = load_corpus(args.source if args.source is not None else d.source, tokenizer=d.tokenizer,
+                         val_fraction=d.val_fraction, cache_dir=d.cache_dir)
+    val = corpus.val
+    if corpus.tokenizer != tokenizer:  # a char vocabulary built from another text: re-encode with the model's
+        val = tokenizer.encode_array(corpus.tokenizer.decode(np.asarray(val)))
+    if len(val) < 2:
+        raise ValueError(f"--source: the validation split has {len(val)} tokens; at least 2 are needed")
+    batch_size = args.batch_size or config.run.batch_size
+    loss = evaluate_lm(model, val, batch_size, config.run.seq_len, args.max_batches, "cpu", "none")
+    bpb = corpus.bits_per_byte(loss)
+    print(f"checkpoint {ckpt.path} (step {ckpt.step}) on {corpus.source} validation split ({len(val):,} tokens)")
+    print(f"val loss {loss:.4f} nats/token, {bpb:.4f} bits per byte")
+    return 0
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..experiments.lm import load_lm
+
+    if not args.prompt:
+        raise ValueError("--prompt: expected at least one character, got ''")
+    with one_line_warnings("generate"):
+        model, tokenizer, _, _ = load_lm(args.checkpoint)
+    ids = tokenizer.encode(args.prompt)
+    room = model.config.max_seq_len - len(ids)
+    if room < args.max_new_tokens:
+        raise ValueError(
+            f"--max-new-tokens: the prompt takes {len(ids)} of the model's {model.config.max_seq_len} positions, "
+            f"so at most {max(room, 0)} new tokens fit, got {args.max_new_tokens}"
+        )
+    if args.top_k is not None and args.top_k <= 0:
+        raise ValueError(f"--top-k: expected a positive integer, got {args.top_k}")
+    if args.temperature < 0:
+        raise ValueError(f"--temperature: expected a non-negative number, got {args.temperature}")
+    out = sys.stdout
+    out.write(args.prompt)
+    out.flush()
+    if tokenizer.name == "byte":  # multi-byte UTF-8 characters arrive one byte at a time
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+        def emit(token: torch.Tensor) -> None:
+            out.write(decoder.decode(bytes([int(token[0])])))
+            out.flush()
+    else:
+
+        def emit(token: torch.Tensor) -> None:
+            out.write(tokenizer.decode([int(token[0])]))
+            out.flush()
+
+    gen = torch.Generator().manual_seed(args.seed)
+    model.generate(
+        torch.tensor([ids]), args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+        on_token=emit, generator=gen,
+    )
+    if tokenizer.name == "byte":
+        out.write(decoder.decode(b"", final=True))
+    out.write("\n")
+    out.flush()
+    return 0
+
+
+def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every run of the sweep: its name, overrides, steps and training FLOPs."""
+    from ..experiments.lm import load_lm_config
+
+    base = load_lm_config(args.config, args.overrides)
+    kinds = [k.strip() for k in args.kinds.split(";") if k.strip()]
+    try:
+        widths = [int(w) for w in args.widths.split(",")]
+        lrs = [float(x) for x in args.lrs.split(",")]
+    except ValueError:
+        raise ValueError(f"--widths/--lrs: expected comma-separated numbers, got {args.widths!r} / {args.lrs!r}") from None
+    for w in widths:
+        if w <= 0 or w % args.head_dim:
+            raise ValueError(f"--widths: expected multiples of --head-dim={args.head_dim}, got {w}")
+    if not kinds:
+        raise ValueError("--kinds: expected at least one attention spec")
+    if args.base_steps <= 0:
+        raise ValueError(f"--base-steps: expected a positive integer, got {args.base_steps}")
+    tokens_per_step = base.run.batch_size * base.run.grad_accum * base.run.seq_len
+    runs = []
+    for width in widths:
+        shape = {"d_model": width, "n_heads": width // args.head_dim}
+        per_token = {}
+        for kind in kinds:
+            model_cfg = base.model.__class__(**{**base.model.to_dict(), **shape, "attention": kind})
+            per_token[kind] = GPT(model_cfg).training_flops_per_token(base.run.seq_len)
+        budget = args.base_steps * tokens_per_step * per_token[kinds[0]]
+        for kind in kinds:
+            steps = max(1, round(budget / (tokens_per_step * per_token[kind])))
+            for lr in lrs:
+                name = f"{slug(kind)}-w{width}-lr{lr:g}"
+                runs.append({
+                    "name": name, "kind": kind, "width": width, "lr": lr, "steps": steps,
+                    "flops": steps * tokens_per_step * per_token[kind],
+                    "overrides": [*args.overrides, f"model.d_model={width}", f"model.n_heads={shape['n_heads']}",
+                                  f"model.attention={kind}", f"optim.lr={lr}", f"run.steps={steps}",
+                                  f"run.out_dir={Path(args.out) / name}", "run.sample_tokens=0"],
+                })
+    return runs
+
+
+def _result(run_dir: Path) -> dict[str, Any] | None:
+    """Final validation numbers and median throughput from a run's metrics.jsonl."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    evals = [r for r in rows if "val_loss" in r]
+    if not evals:
+        return None
+    speeds = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r]
+    last = evals[-1]
+    return {"step": last["step"], "val_loss": last["val_loss"], "val_bpb": last.get("val_bpb"),
+            "tokens_per_s": statistics.median(speeds) if speeds else None}
+
+
+def run_sweep(args: argparse.Namespace) -> int:
+    runs = plan(args)
+    out = Path(args.out)
+    print(f"sweep: {len(runs)} runs in {out}")
+    for r in runs:
+        print(f"  {r['name']:40s} steps {r['steps']:6d}  training FLOPs {r['flops']:.3e}")
+    if args.dry_run:
+        return 0
+    from ..experiments.lm import load_lm_config, train_lm
+
+    def train_one(r: dict[str, Any]) -> dict[str, Any]:
+        train_lm(load_lm_config(args.config, r["overrides"]))
+        result = _result(out / r["name"])
+        if result is None:
+            raise ValueError(f"sweep: run {r['name']} left no validation metrics in {out / r['name']}")
+        return result
+
+    results = run_grid(out, EXPERIMENT, runs, train_one)
+    for r in results:
+        print(f"{r['name']}: {r['val_bpb']:.4f} bits/byte")
+    return 0
+
+
+def _best_per_kind_width(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    best: dict[tuple[str, int], dict[str, Any]] = {}
+    for r in results:
+        key = (r["kind"], r["width"])
+        if key not in best or r["val_loss"] < best[key]["val_loss"]:
+            best[key] = r
+    return sorted(best.values(), key=lambda r: (r["width"], r["flops"]))
+
+
+def plot(results: list[dict[str, Any]], out: Path) -> int:
+    """``lm.png`` (validation bits per byte versus training FLOPs, best learning rate per kind and
+    width) and ``lm.md`` (the table) in ``out`` from a sweep's results."""
+    best = _best_per_kind_width(results)
+    out.mkdir(parents=True, exist_ok=True)
+    lines = ["| kind | width | best lr | steps | training FLOPs | val bits/byte | tokens/s |", "|---|---|---|---|---|---|---|"]
+    for r in best:
+        tps = f"{r['tokens_per_s']:.0f}" if r.get("tokens_per_s") else ""
+        lines.append(f"| {r['kind'].replace('|', chr(92) + '|')} | {r['width']} | {r['lr']:g} | {r['steps']} | "
+                     f"{r['flops']:.3e} | {r['val_bpb']:.4f} | {tps} |")
+    table = "\n".join(lines)
+    (out / "lm.md").write_text(table + "\n")
+    print(table)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install 'structured-attention[bench]'): no PNG written")
+        return 0
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    for kind in dict.fromkeys(r["kind"] for r in best):
+        pts = sorted((r["flops"], r["val_bpb"]) for r in best if r["kind"] == kind)
+        ax.plot(*zip(*pts), marker="o", label=kind)
+    ax.set(xscale="log", xlabel="training FLOPs", ylabel="validation bits per byte", title="loss vs training FLOPs (best lr)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "lm.png", dpi=120)
+    plt.close(fig)
+    print(f"wrote {out / 'lm.png'} and {out / 'lm.md'}")
+    return 0
