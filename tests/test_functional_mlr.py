@@ -432,16 +432,26 @@ def test_valid_base_call_runs():
     assert out.shape == (2, 4, 8, 3)
 
 
-def test_dispatch_takes_the_tiled_path_on_cpu(monkeypatch):
+@pytest.mark.parametrize("kernel", [True, False])
+def test_dispatch_on_cpu(monkeypatch, kernel):
+    """CPU tensors go to the C++ kernel where it is available, else to the blocked PyTorch path."""
     calls = []
     import structured_attention.functional.mlr_blocked as blocked
+    from structured_attention.kernels import mlr_cpu
 
-    def spy(*args, **kwargs):
-        calls.append(args[3])
-        return mlr_attention_blocked(*args, **kwargs)
+    def spy(fn):
+        def wrapped(*args, **kwargs):
+            calls.append(fn.__name__)
+            return fn(*args, **kwargs)
+        return wrapped
 
-    monkeypatch.setattr(blocked, "mlr_attention_blocked", spy)
+    monkeypatch.setattr(blocked, "mlr_attention_blocked", spy(blocked.mlr_attention_blocked))
+    monkeypatch.setattr(mlr_cpu, "mlr_attention_cpu", spy(mlr_cpu.mlr_attention_cpu))
+    if not kernel:
+        monkeypatch.setattr(mlr_cpu, "available", lambda: False)
+    elif not mlr_cpu.available():
+        pytest.skip("the C++ kernel cannot be built here (no compiler or ninja)")
     q = torch.randn(1, 2, 16, 4, dtype=torch.float64)
     out = dispatched_mlr_attention(q, q, q, (2, 2))
-    assert calls == [(2, 2)]
+    assert calls == ["mlr_attention_cpu" if kernel else "mlr_attention_blocked"]
     torch.testing.assert_close(out, mlr_attention_reference(q, q, q, (2, 2)), rtol=1e-10, atol=1e-10)

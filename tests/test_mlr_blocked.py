@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import structured_attention.functional.mlr_blocked as mb
-from structured_attention.functional import mlr_attention
+from structured_attention.functional import mlr_attention_reference as mlr_attention
 from structured_attention.functional.mlr_blocked import mlr_attention_blocked
 
 TOL = 1e-9

@@ -2,7 +2,7 @@
 
 Without a CUDA device the kernels run on CPU tensors under Triton's interpreter
 (``TRITON_INTERPRET=1``, set before Triton is imported). Outputs and gradients are compared with the
-exact reference :func:`structured_attention.functional.mlr_attention` evaluated in float32.
+exact reference :func:`structured_attention.functional.mlr_attention_reference` evaluated in float32.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton", reason="triton is not installed (pip install 'triton>=3.0')")
 
-from structured_attention.functional import mlr_attention  # noqa: E402
+from structured_attention.functional import mlr_attention_reference as mlr_attention  # noqa: E402
 from structured_attention.kernels import HAS_TRITON, mlr_attention_triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -300,8 +300,10 @@ def mlr_attention(
     depth_normalize: bool = False,
 ) -> torch.Tensor:
     """MLR attention with the contract of :func:`mlr_attention_reference`, on the fastest correct path:
-    the Triton kernel for CUDA tensors when Triton is installed, the tiled O(T * tile)-memory path
-    (:func:`~structured_attention.functional.mlr_blocked.mlr_attention_blocked`) on the CPU, the exact
+    the Triton kernel for CUDA tensors when Triton is installed; on the CPU the fused C++ kernel
+    (:func:`~structured_attention.kernels.mlr_cpu.mlr_attention_cpu`, built on first use) or, where
+    it cannot be built, the blocked PyTorch path
+    (:func:`~structured_attention.functional.mlr_blocked.mlr_attention_blocked`); the exact
     reference otherwise."""
     if isinstance(q, torch.Tensor) and q.is_cuda and q.dtype in _TRITON_DTYPES:
         from structured_attention.kernels import HAS_TRITON, mlr_attention_triton  # imports Triton lazily
@@ -309,7 +311,11 @@ def mlr_attention(
         if HAS_TRITON:
             return mlr_attention_triton(q, k, v, ranks, block_sizes, causal, scale, depth_normalize)
     if isinstance(q, torch.Tensor) and q.device.type == "cpu":
-        from structured_attention.functional.mlr_blocked import mlr_attention_blocked  # it imports this module
+        from structured_attention.kernels import mlr_cpu  # it imports this module
+
+        if mlr_cpu.available():
+            return mlr_cpu.mlr_attention_cpu(q, k, v, ranks, block_sizes, causal, scale, depth_normalize)
+        from structured_attention.functional.mlr_blocked import mlr_attention_blocked
 
         return mlr_attention_blocked(q, k, v, ranks, block_sizes, causal, scale, depth_normalize)
     return mlr_attention_reference(q, k, v, ranks, block_sizes, causal, scale, depth_normalize)

@@ -1,0 +1,376 @@
+// Fused MLR attention for CPU: forward and backward, flash-style, in O(T * tile) memory.
+//
+// Contract (checked and prepared by structured_attention/kernels/mlr_cpu.py):
+//   q (N, T, R) queries already multiplied by the scale; k (N, T, R); v (N, T, Dv);
+//   sizes: block size per level (s_1 >= T, nested); offsets: R_d = r_1 + ... + r_d, d = 0..L.
+// Score of pair (i, j) at depth d(i, j) = #{l : i / s_l == j / s_l}:
+//   S(i, j) = <q_i[:R_d], k_j[:R_d]>  (divided by d if depth_normalize), masked to j <= i if causal.
+//
+// Each query tile of BQ rows walks its keys in pieces of at most BK columns, cut at the tile's
+// block boundaries so that almost every piece has one depth d for all its pairs: its score is then
+// ONE matmul over the prefix R_d of the head dims (the reason MLR needs fewer FLOPs). Pieces that
+// straddle finer blocks (near the diagonal) add the finer levels' products where the blocks match.
+// The softmax is online (running max and sum per row); the backward recomputes each piece's
+// probabilities from the saved log-sum-exp and works on transposed pieces (keys x queries) so that
+// every product is a row-major matmul over contiguous memory.
+//
+// Matmuls of float use oneDNN's batch-reduce GEMM (at::native::cpublas::brgemm), the ukernel
+// PyTorch's own CPU flash attention uses; double (for tests) uses plain loops.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/native/CPUBlas.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+
+// C (M x N, ldc) = A (M x K, lda) @ B (K x N, ldb), all row-major; accumulate into C if add.
+void matmul(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C,
+            int64_t ldc, bool add) {
+  if (K == 0) {
+    if (!add)
+      for (int64_t i = 0; i < M; ++i) std::fill(C + i * ldc, C + i * ldc + N, 0.f);
+    return;
+  }
+  at::native::cpublas::brgemm(M, N, K, lda, ldb, ldc, add, A, B, C, false);
+}
+
+void matmul(int64_t M, int64_t N, int64_t K, const double* A, int64_t lda, const double* B, int64_t ldb, double* C,
+            int64_t ldc, bool add) {
+  for (int64_t i = 0; i < M; ++i) {
+    double* c = C + i * ldc;
+    if (!add) std::fill(c, c + N, 0.0);
+    for (int64_t p = 0; p < K; ++p) {
+      const double a = A[i * lda + p];
+      const double* b = B + p * ldb;
+      for (int64_t j = 0; j < N; ++j) c[j] += a * b[j];
+    }
+  }
+}
+
+void release_matmul(float*) { at::native::cpublas::brgemm_release(false); }
+void release_matmul(double*) {}
+
+// y[i] = exp(x[i] - sub) for float (vectorised) and double; returns the sum.
+float exp_shift_sum(float* x, int64_t n, float sub) {
+  const Vec vsub(sub);
+  Vec acc(0.f);
+  int64_t i = 0;
+  for (; i + Vec::size() <= n; i += Vec::size()) {
+    Vec e = (Vec::loadu(x + i) - vsub).exp_u20();
+    e.store(x + i);
+    acc = acc + e;
+  }
+  float sum = at::vec::vec_reduce_all<float>([](const Vec& a, const Vec& b) { return a + b; }, acc);
+  for (; i < n; ++i) {
+    x[i] = std::exp(x[i] - sub);
+    sum += x[i];
+  }
+  return sum;
+}
+
+double exp_shift_sum(double* x, int64_t n, double sub) {
+  double sum = 0.0;
+  for (int64_t i = 0; i < n; ++i) {
+    x[i] = std::exp(x[i] - sub);
+    sum += x[i];
+  }
+  return sum;
+}
+
+// y[i] = exp(x[i] - sub[i]) elementwise (a row of a transposed piece against per-query lse).
+void exp_minus(float* x, const float* sub, int64_t n) {
+  int64_t i = 0;
+  for (; i + Vec::size() <= n; i += Vec::size()) (Vec::loadu(x + i) - Vec::loadu(sub + i)).exp_u20().store(x + i);
+  for (; i < n; ++i) x[i] = std::exp(x[i] - sub[i]);
+}
+
+void exp_minus(double* x, const double* sub, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) x[i] = std::exp(x[i] - sub[i]);
+}
+
+template <typename T>
+T row_max(const T* x, int64_t n) {
+  T m = -std::numeric_limits<T>::infinity();
+  for (int64_t i = 0; i < n; ++i) m = std::max(m, x[i]);
+  return m;
+}
+
+template <>
+float row_max<float>(const float* x, int64_t n) {
+  float m = -std::numeric_limits<float>::infinity();
+  int64_t i = 0;
+  if (n >= Vec::size()) {
+    Vec acc = Vec::loadu(x);
+    for (i = Vec::size(); i + Vec::size() <= n; i += Vec::size()) acc = at::vec::maximum(acc, Vec::loadu(x + i));
+    m = at::vec::vec_reduce_all<float>([](const Vec& a, const Vec& b) { return at::vec::maximum(a, b); }, acc);
+  }
+  for (; i < n; ++i) m = std::max(m, x[i]);
+  return m;
+}
+
+// The nested block structure and the per-level prefix widths.
+struct Levels {
+  std::vector<int64_t> sizes;    // s_l, level 0 first
+  std::vector<int64_t> offsets;  // R_d for d = 0..L
+  int64_t L() const { return static_cast<int64_t>(sizes.size()); }
+
+  // Number of levels whose block holds both i and j.
+  int64_t depth(int64_t i, int64_t j) const {
+    int64_t d = 0;
+    for (int64_t s : sizes) {
+      if (i / s != j / s) break;
+      ++d;
+    }
+    return d;
+  }
+
+  // For rows [i0, i1) x cols [j0, j1): every pair has depth >= dmin, none has depth > dmax.
+  void depth_range(int64_t i0, int64_t i1, int64_t j0, int64_t j1, int64_t* dmin, int64_t* dmax) const {
+    *dmin = 0;
+    *dmax = 0;
+    for (int64_t l = 0; l < L(); ++l) {
+      const int64_t s = sizes[l];
+      const int64_t rb0 = i0 / s, rb1 = (i1 - 1) / s, cb0 = j0 / s, cb1 = (j1 - 1) / s;
+      if (rb0 == rb1 && cb0 == cb1 && rb0 == cb0) {
+        *dmin = *dmax = l + 1;
+      } else if (!(rb1 < cb0 || cb1 < rb0)) {
+        *dmax = l + 1;
+      }
+    }
+  }
+};
+
+// Key pieces [j0, j1) of query tile [i0, i1): cut at the tile's block boundaries, at most bk wide.
+std::vector<std::pair<int64_t, int64_t>> key_pieces(const Levels& lv, int64_t i0, int64_t i1, int64_t end,
+                                                    int64_t bk) {
+  std::vector<int64_t> cuts = {0, end};
+  for (int64_t s : lv.sizes) {
+    for (int64_t x : {i0, i1 - 1}) {
+      const int64_t b = (x / s) * s;
+      for (int64_t c : {b, b + s})
+        if (c > 0 && c < end) cuts.push_back(c);
+    }
+  }
+  std::sort(cuts.begin(), cuts.end());
+  cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
+  std::vector<std::pair<int64_t, int64_t>> pieces;
+  for (size_t c = 0; c + 1 < cuts.size(); ++c) {
+    const int64_t a = cuts[c], b = cuts[c + 1];
+    const int64_t n = (b - a + bk - 1) / bk;
+    const int64_t w = (b - a + n - 1) / n;  // equal widths
+    for (int64_t x = a; x < b; x += w) pieces.emplace_back(x, std::min(x + w, b));
+  }
+  return pieces;
+}
+
+// Scores of rows [i0, i0 + m) x cols [j0, j0 + n) into S (m x n, row-major), "transposed" when
+// rows index keys and cols queries. A_rows: (T, R) row-major rows of the row side; B_colsT: the
+// column side transposed, (R, T). Adds finer levels where the blocks match, scales by 1/depth
+// (depth_normalize) and writes -inf where the pair is in the causal future.
+template <typename scalar_t>
+void piece_scores(const Levels& lv, int64_t T, int64_t R, int64_t dmin, int64_t dmax, int64_t i0, int64_t m,
+                  int64_t j0, int64_t n, bool rows_are_keys, const scalar_t* A_rows, const scalar_t* B_colsT,
+                  bool causal, bool depth_normalize, scalar_t* S, scalar_t* G) {
+  const int64_t w = lv.offsets[dmin];
+  matmul(m, n, w, A_rows + i0 * R, R, B_colsT + j0, T, S, n, false);
+  for (int64_t l = dmin; l < dmax; ++l) {  // levels that only some pairs share
+    const int64_t o0 = lv.offsets[l], o1 = lv.offsets[l + 1], s = lv.sizes[l];
+    matmul(m, n, o1 - o0, A_rows + i0 * R + o0, R, B_colsT + o0 * T + j0, T, G, n, false);
+    for (int64_t a = 0; a < m; ++a)
+      for (int64_t b = 0; b < n; ++b)
+        if ((i0 + a) / s == (j0 + b) / s) S[a * n + b] += G[a * n + b];
+  }
+  if (depth_normalize) {
+    if (dmin == dmax) {
+      if (dmin > 1) {
+        const scalar_t f = scalar_t(1) / scalar_t(dmin);
+        for (int64_t x = 0; x < m * n; ++x) S[x] *= f;
+      }
+    } else {
+      for (int64_t a = 0; a < m; ++a)
+        for (int64_t b = 0; b < n; ++b) S[a * n + b] /= scalar_t(lv.depth(i0 + a, j0 + b));
+    }
+  }
+  if (causal) {  // query index > key index is allowed; mask key > query
+    const scalar_t ninf = -std::numeric_limits<scalar_t>::infinity();
+    for (int64_t a = 0; a < m; ++a)
+      for (int64_t b = 0; b < n; ++b) {
+        const int64_t r = i0 + a, c = j0 + b;
+        if (rows_are_keys ? r > c : c > r) S[a * n + b] = ninf;
+      }
+  }
+}
+
+template <typename scalar_t>
+void forward_kernel(const at::Tensor& q, const at::Tensor& kT, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
+                    const Levels& lv, bool causal, bool depth_normalize, int64_t bq, int64_t bk) {
+  const int64_t N = q.size(0), T = q.size(1), R = q.size(2), Dv = v.size(2);
+  const int64_t n_tiles = (T + bq - 1) / bq;
+  const scalar_t* qp = q.data_ptr<scalar_t>();
+  const scalar_t* kTp = kT.data_ptr<scalar_t>();
+  const scalar_t* vp = v.data_ptr<scalar_t>();
+  scalar_t* op = out.data_ptr<scalar_t>();
+  scalar_t* lp = lse.data_ptr<scalar_t>();
+  at::parallel_for(0, N * n_tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<scalar_t> S(bq * bk), G(bq * bk), acc(bq * Dv), mx(bq), sum(bq);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t h = task / n_tiles, i0 = (task % n_tiles) * bq, i1 = std::min(i0 + bq, T), m = i1 - i0;
+      const scalar_t* qh = qp + h * T * R;
+      const scalar_t* kTh = kTp + h * R * T;
+      const scalar_t* vh = vp + h * T * Dv;
+      std::fill(acc.begin(), acc.end(), scalar_t(0));
+      std::fill(mx.begin(), mx.end(), -std::numeric_limits<scalar_t>::infinity());
+      std::fill(sum.begin(), sum.end(), scalar_t(0));
+      for (auto [j0, j1] : key_pieces(lv, i0, i1, causal ? i1 : T, bk)) {
+        const int64_t n = j1 - j0;
+        int64_t dmin, dmax;
+        lv.depth_range(i0, i1, j0, j1, &dmin, &dmax);
+        const bool masked = causal && j1 - 1 > i0;
+        piece_scores(lv, T, R, dmin, dmax, i0, m, j0, n, false, qh, kTh, masked, depth_normalize, S.data(), G.data());
+        for (int64_t a = 0; a < m; ++a) {  // online softmax: rescale the row, add this piece's exps
+          scalar_t* row = S.data() + a * n;
+          const scalar_t new_max = std::max(mx[a], row_max(row, n));
+          const scalar_t piece_sum = exp_shift_sum(row, n, new_max);
+          const scalar_t keep = std::exp(mx[a] - new_max);  // 0 for the row's first piece
+          sum[a] = sum[a] * keep + piece_sum;
+          mx[a] = new_max;
+          if (keep != scalar_t(1))
+            for (int64_t d = 0; d < Dv; ++d) acc[a * Dv + d] *= keep;
+        }
+        matmul(m, Dv, n, S.data(), n, vh + j0 * Dv, Dv, acc.data(), Dv, true);
+      }
+      for (int64_t a = 0; a < m; ++a) {
+        const scalar_t inv = scalar_t(1) / sum[a];
+        for (int64_t d = 0; d < Dv; ++d) op[(h * T + i0 + a) * Dv + d] = acc[a * Dv + d] * inv;
+        lp[h * T + i0 + a] = mx[a] + std::log(sum[a]);
+      }
+    }
+    release_matmul(static_cast<scalar_t*>(nullptr));
+  });
+}
+
+template <typename scalar_t>
+void backward_kernel(const at::Tensor& q, const at::Tensor& qT, const at::Tensor& k, const at::Tensor& kT,
+                     const at::Tensor& v, const at::Tensor& gout, const at::Tensor& goutT, const at::Tensor& lse,
+                     const at::Tensor& delta, at::Tensor& dqT, at::Tensor& dk, at::Tensor& dv, const Levels& lv,
+                     bool causal, bool depth_normalize, int64_t bq, int64_t bk) {
+  const int64_t N = q.size(0), T = q.size(1), R = q.size(2), Dv = v.size(2);
+  const int64_t n_tiles = (T + bq - 1) / bq;
+  // One head per task: a head's dk and dv rows receive updates from every query tile.
+  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+    std::vector<scalar_t> P(bk * bq), G(bk * bq), dS(bk * bq), lse_t(bq), delta_t(bq);
+    for (int64_t h = begin; h < end; ++h) {
+      const scalar_t* qh = q.data_ptr<scalar_t>() + h * T * R;
+      const scalar_t* qTh = qT.data_ptr<scalar_t>() + h * R * T;
+      const scalar_t* kh = k.data_ptr<scalar_t>() + h * T * R;
+      const scalar_t* kTh = kT.data_ptr<scalar_t>() + h * R * T;
+      const scalar_t* vh = v.data_ptr<scalar_t>() + h * T * Dv;
+      const scalar_t* gh = gout.data_ptr<scalar_t>() + h * T * Dv;
+      const scalar_t* gTh = goutT.data_ptr<scalar_t>() + h * Dv * T;
+      const scalar_t* lh = lse.data_ptr<scalar_t>() + h * T;
+      const scalar_t* dh = delta.data_ptr<scalar_t>() + h * T;
+      scalar_t* dqTh = dqT.data_ptr<scalar_t>() + h * R * T;
+      scalar_t* dkh = dk.data_ptr<scalar_t>() + h * T * R;
+      scalar_t* dvh = dv.data_ptr<scalar_t>() + h * T * Dv;
+      for (int64_t t = 0; t < n_tiles; ++t) {
+        const int64_t i0 = t * bq, i1 = std::min(i0 + bq, T), m = i1 - i0;
+        for (auto [j0, j1] : key_pieces(lv, i0, i1, causal ? i1 : T, bk)) {
+          const int64_t n = j1 - j0;
+          int64_t dmin, dmax;
+          lv.depth_range(i0, i1, j0, j1, &dmin, &dmax);
+          const bool masked = causal && j1 - 1 > i0;
+          // P^T (keys x queries) = exp(S^T - lse[query])
+          piece_scores(lv, T, R, dmin, dmax, j0, n, i0, m, true, kh, qTh, masked, depth_normalize, P.data(), G.data());
+          for (int64_t b = 0; b < n; ++b) exp_minus(P.data() + b * m, lh + i0, m);
+          // dv[keys] += P^T dO[queries]
+          matmul(n, Dv, m, P.data(), m, gh + i0 * Dv, Dv, dvh + j0 * Dv, Dv, true);
+          // dS^T = P^T * (V[keys] dO^T - delta[query])
+          matmul(n, m, Dv, vh + j0 * Dv, Dv, gTh + i0, T, dS.data(), m, false);
+          for (int64_t b = 0; b < n; ++b)
+            for (int64_t a = 0; a < m; ++a) dS[b * m + a] = P[b * m + a] * (dS[b * m + a] - dh[i0 + a]);
+          if (depth_normalize) {
+            for (int64_t b = 0; b < n; ++b)
+              for (int64_t a = 0; a < m; ++a) {
+                const int64_t d = dmin == dmax ? dmin : lv.depth(i0 + a, j0 + b);
+                if (d > 1) dS[b * m + a] /= scalar_t(d);
+              }
+          }
+          // dk[keys, :R_dmin] += dS^T q[queries];  dq^T[:R_dmin, queries] += k^T[:, keys] dS^T
+          const int64_t w = lv.offsets[dmin];
+          matmul(n, w, m, dS.data(), m, qh + i0 * R, R, dkh + j0 * R, R, true);
+          matmul(w, m, n, kTh + j0, T, dS.data(), m, dqTh + i0, T, true);
+          for (int64_t l = dmin; l < dmax; ++l) {  // finer levels: only the pairs in a shared block
+            const int64_t o0 = lv.offsets[l], o1 = lv.offsets[l + 1], s = lv.sizes[l];
+            for (int64_t b = 0; b < n; ++b)
+              for (int64_t a = 0; a < m; ++a)
+                G[b * m + a] = (i0 + a) / s == (j0 + b) / s ? dS[b * m + a] : scalar_t(0);
+            matmul(n, o1 - o0, m, G.data(), m, qh + i0 * R + o0, R, dkh + j0 * R + o0, R, true);
+            matmul(o1 - o0, m, n, kTh + o0 * T + j0, T, G.data(), m, dqTh + o0 * T + i0, T, true);
+          }
+        }
+      }
+    }
+    release_matmul(static_cast<scalar_t*>(nullptr));
+  });
+}
+
+Levels make_levels(const std::vector<int64_t>& sizes, const std::vector<int64_t>& offsets) {
+  TORCH_CHECK(!sizes.empty() && offsets.size() == sizes.size() + 1, "mlr_cpu: one offset per level plus R_0 = 0");
+  return Levels{sizes, offsets};
+}
+
+void check_input(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.dim() == 3, "mlr_cpu: ", name,
+              " must be a contiguous 3-D CPU tensor");
+  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble, "mlr_cpu: ", name,
+              " must be float32 or float64");
+}
+
+}  // namespace
+
+std::vector<at::Tensor> mlr_forward(const at::Tensor& q, const at::Tensor& kT, const at::Tensor& v,
+                                    std::vector<int64_t> sizes, std::vector<int64_t> offsets, bool causal,
+                                    bool depth_normalize, int64_t bq, int64_t bk) {
+  for (auto [t, name] : {std::pair{&q, "q"}, {&kT, "kT"}, {&v, "v"}}) check_input(*t, name);
+  const Levels lv = make_levels(sizes, offsets);
+  auto out = at::empty({q.size(0), q.size(1), v.size(2)}, q.options());
+  auto lse = at::empty({q.size(0), q.size(1)}, q.options());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "mlr_forward", [&] {
+    forward_kernel<scalar_t>(q, kT, v, out, lse, lv, causal, depth_normalize, bq, bk);
+  });
+  return {out, lse};
+}
+
+std::vector<at::Tensor> mlr_backward(const at::Tensor& q, const at::Tensor& qT, const at::Tensor& k,
+                                     const at::Tensor& kT, const at::Tensor& v, const at::Tensor& gout,
+                                     const at::Tensor& goutT, const at::Tensor& lse, const at::Tensor& delta,
+                                     std::vector<int64_t> sizes, std::vector<int64_t> offsets, bool causal,
+                                     bool depth_normalize, int64_t bq, int64_t bk) {
+  for (auto [t, name] : {std::pair{&q, "q"}, {&qT, "qT"}, {&k, "k"}, {&kT, "kT"}, {&v, "v"}, {&gout, "gout"},
+                         {&goutT, "goutT"}})
+    check_input(*t, name);
+  const Levels lv = make_levels(sizes, offsets);
+  auto dqT = at::zeros_like(qT);
+  auto dk = at::zeros_like(k);
+  auto dv = at::zeros_like(v);
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "mlr_backward", [&] {
+    backward_kernel<scalar_t>(q, qT, k, kT, v, gout, goutT, lse, delta, dqT, dk, dv, lv, causal, depth_normalize, bq,
+                              bk);
+  });
+  return {dqT, dk, dv};
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("forward", &mlr_forward, "MLR attention forward: (out, lse)");
+  m.def("backward", &mlr_backward, "MLR attention backward: (dq^T, dk, dv)");
+}
