@@ -31,7 +31,7 @@ def test_bench_mlr_compares_paths_with_sdpa(tmp_path):
     args = ["bench", "mlr", "--ranks", "4|2|1|1", "--v-dim", "8", "--no-memory", "--profile", "--out", str(tmp_path), *TINY]
     assert main(args) == 0
     rows = json.loads((tmp_path / "mlr.json").read_text())["results"]
-    assert [r["case"] for r in rows] == ["sdpa", "mlr", "mlr_reference"] * 2
+    assert [r["case"] for r in rows] == ["sdpa", "mlr", "mlr_blocked", "mlr_reference"] * 2
     report = (tmp_path / "mlr-profile.txt").read_text()
     assert "== mlr, T=32, forward+backward ==" in report and "Self CPU" in report
 

@@ -29,10 +29,11 @@ import torch
 import torch.nn.functional as F
 
 from ..attention import build_attention
-from ..functional import mlr_attention, mlr_attention_reference
+from ..functional import mlr_attention, mlr_attention_blocked, mlr_attention_reference
 
 LAYER_KINDS = "mha,swa:128,global_swa:32|32:window=128,mlr:8|8|8|8|8|8|8|8"
-MLR_PATHS = "sdpa,mlr,mlr_reference"
+MLR_PATHS = "sdpa,mlr,mlr_blocked,mlr_reference"
+_MLR_FUNCTIONS = {"mlr": mlr_attention, "mlr_blocked": mlr_attention_blocked, "mlr_reference": mlr_attention_reference}
 
 Step = Callable[[], Any]
 
@@ -46,7 +47,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     layers.add_argument("--decode-cache", type=int, default=None, help="cache length for decode timing (default: longest seq-len minus decode steps)")
     layers.add_argument("--decode-steps", type=int, default=16, help="tokens decoded per timed run (default 16)")
     mlr = what.add_parser("mlr", help="time the MLR attention primitive against scaled_dot_product_attention")
-    mlr.add_argument("--paths", default=MLR_PATHS, help=f"comma-separated: sdpa, mlr (dispatched), mlr_reference (default {MLR_PATHS})")
+    mlr.add_argument("--paths", default=MLR_PATHS, help=f"comma-separated: sdpa, mlr (dispatched: the C++ kernel on CPU, Triton on CUDA), mlr_blocked (the PyTorch fallback), mlr_reference (default {MLR_PATHS})")
     mlr.add_argument("--ranks", default="8|8|8|8|8|8|8|8", help="MLR ranks per level; their sum is the q/k head dim (default 8|8|8|8|8|8|8|8)")
     mlr.add_argument("--v-dim", type=int, default=64, help="value head dim Dv (default 64)")
     for p in (layers, mlr):
@@ -88,11 +89,11 @@ def _build_case(name: str, args: argparse.Namespace, seq_len: int) -> tuple[Step
             # SDPA needs equal q/k/v head dims: pad q and k to Dv when the ranks sum to less.
             pad = max(args.v_dim - sum(ranks), 0)
             call = lambda: F.scaled_dot_product_attention(F.pad(q, (0, pad)), F.pad(k, (0, pad)), v, is_causal=True)  # noqa: E731
-        elif name in ("mlr", "mlr_reference"):
-            fn = mlr_attention if name == "mlr" else mlr_attention_reference
+        elif name in _MLR_FUNCTIONS:
+            fn = _MLR_FUNCTIONS[name]
             call = lambda: fn(q, k, v, ranks)  # noqa: E731
         else:
-            raise ValueError(f"--paths: expected names among sdpa, mlr, mlr_reference, got {name!r}")
+            raise ValueError(f"--paths: expected names among sdpa, {', '.join(_MLR_FUNCTIONS)}, got {name!r}")
 
     def forward() -> None:
         with torch.no_grad():
