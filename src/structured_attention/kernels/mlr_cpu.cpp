@@ -173,22 +173,44 @@ std::vector<std::pair<int64_t, int64_t>> key_pieces(const Levels& lv, int64_t i0
   return pieces;
 }
 
+// Calls fn(a0, a1, b0, b1) for each level block of size s meeting both [i0, i1) and [j0, j1): the
+// sub-rectangle [a0, a1) x [b0, b1) of pairs that share that block.
+template <typename Fn>
+void for_each_shared_block(int64_t s, int64_t i0, int64_t i1, int64_t j0, int64_t j1, Fn fn) {
+  for (int64_t b = (std::max(i0, j0) / s) * s; b < std::min(i1, j1); b += s) {
+    const int64_t a0 = std::max(i0, b), a1 = std::min(i1, b + s), b0 = std::max(j0, b), b1 = std::min(j1, b + s);
+    if (a0 < a1 && b0 < b1) fn(a0, a1, b0, b1);
+  }
+}
+
+// Depth of every pair of the piece rows [i0, i0 + m) x cols [j0, j0 + n) into D (m x n).
+template <typename scalar_t>
+void piece_depths(const Levels& lv, int64_t dmin, int64_t dmax, int64_t i0, int64_t m, int64_t j0, int64_t n,
+                  scalar_t* D) {
+  std::fill(D, D + m * n, scalar_t(dmin));
+  for (int64_t l = dmin; l < dmax; ++l)
+    for_each_shared_block(lv.sizes[l], i0, i0 + m, j0, j0 + n, [&](int64_t a0, int64_t a1, int64_t b0, int64_t b1) {
+      for (int64_t a = a0; a < a1; ++a)
+        for (int64_t b = b0; b < b1; ++b) D[(a - i0) * n + (b - j0)] += scalar_t(1);
+    });
+}
+
 // Scores of rows [i0, i0 + m) x cols [j0, j0 + n) into S (m x n, row-major), "transposed" when
 // rows index keys and cols queries. A_rows: (T, R) row-major rows of the row side; B_colsT: the
-// column side transposed, (R, T). Adds finer levels where the blocks match, scales by 1/depth
-// (depth_normalize) and writes -inf where the pair is in the causal future.
+// column side transposed, (R, T). The prefix R_dmin is one matmul; each finer level that only some
+// pairs share adds its product on the sub-rectangles of its shared blocks. Then 1/depth
+// (depth_normalize; D is scratch) and -inf where the pair is in the causal future.
 template <typename scalar_t>
 void piece_scores(const Levels& lv, int64_t T, int64_t R, int64_t dmin, int64_t dmax, int64_t i0, int64_t m,
                   int64_t j0, int64_t n, bool rows_are_keys, const scalar_t* A_rows, const scalar_t* B_colsT,
-                  bool causal, bool depth_normalize, scalar_t* S, scalar_t* G) {
-  const int64_t w = lv.offsets[dmin];
-  matmul(m, n, w, A_rows + i0 * R, R, B_colsT + j0, T, S, n, false);
-  for (int64_t l = dmin; l < dmax; ++l) {  // levels that only some pairs share
-    const int64_t o0 = lv.offsets[l], o1 = lv.offsets[l + 1], s = lv.sizes[l];
-    matmul(m, n, o1 - o0, A_rows + i0 * R + o0, R, B_colsT + o0 * T + j0, T, G, n, false);
-    for (int64_t a = 0; a < m; ++a)
-      for (int64_t b = 0; b < n; ++b)
-        if ((i0 + a) / s == (j0 + b) / s) S[a * n + b] += G[a * n + b];
+                  bool causal, bool depth_normalize, scalar_t* S, scalar_t* D) {
+  matmul(m, n, lv.offsets[dmin], A_rows + i0 * R, R, B_colsT + j0, T, S, n, false);
+  for (int64_t l = dmin; l < dmax; ++l) {
+    const int64_t o0 = lv.offsets[l], o1 = lv.offsets[l + 1];
+    for_each_shared_block(lv.sizes[l], i0, i0 + m, j0, j0 + n, [&](int64_t a0, int64_t a1, int64_t b0, int64_t b1) {
+      matmul(a1 - a0, b1 - b0, o1 - o0, A_rows + a0 * R + o0, R, B_colsT + o0 * T + b0, T,
+             S + (a0 - i0) * n + (b0 - j0), n, true);
+    });
   }
   if (depth_normalize) {
     if (dmin == dmax) {
@@ -197,8 +219,8 @@ void piece_scores(const Levels& lv, int64_t T, int64_t R, int64_t dmin, int64_t 
         for (int64_t x = 0; x < m * n; ++x) S[x] *= f;
       }
     } else {
-      for (int64_t a = 0; a < m; ++a)
-        for (int64_t b = 0; b < n; ++b) S[a * n + b] /= scalar_t(lv.depth(i0 + a, j0 + b));
+      piece_depths(lv, dmin, dmax, i0, m, j0, n, D);
+      for (int64_t x = 0; x < m * n; ++x) S[x] /= D[x];
     }
   }
   if (causal) {  // query index > key index is allowed; mask key > query
@@ -268,7 +290,7 @@ void backward_kernel(const at::Tensor& q, const at::Tensor& qT, const at::Tensor
   const int64_t n_tiles = (T + bq - 1) / bq;
   // One head per task: a head's dk and dv rows receive updates from every query tile.
   at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
-    std::vector<scalar_t> P(bk * bq), G(bk * bq), dS(bk * bq), lse_t(bq), delta_t(bq);
+    std::vector<scalar_t> P(bk * bq), G(bk * bq), dS(bk * bq);
     for (int64_t h = begin; h < end; ++h) {
       const scalar_t* qh = q.data_ptr<scalar_t>() + h * T * R;
       const scalar_t* qTh = qT.data_ptr<scalar_t>() + h * R * T;
@@ -298,24 +320,26 @@ void backward_kernel(const at::Tensor& q, const at::Tensor& qT, const at::Tensor
           matmul(n, m, Dv, vh + j0 * Dv, Dv, gTh + i0, T, dS.data(), m, false);
           for (int64_t b = 0; b < n; ++b)
             for (int64_t a = 0; a < m; ++a) dS[b * m + a] = P[b * m + a] * (dS[b * m + a] - dh[i0 + a]);
-          if (depth_normalize) {
-            for (int64_t b = 0; b < n; ++b)
-              for (int64_t a = 0; a < m; ++a) {
-                const int64_t d = dmin == dmax ? dmin : lv.depth(i0 + a, j0 + b);
-                if (d > 1) dS[b * m + a] /= scalar_t(d);
-              }
+          if (depth_normalize) {  // the scores were divided by the depth; so is their gradient
+            if (dmin == dmax) {
+              if (dmin > 1)
+                for (int64_t x = 0; x < n * m; ++x) dS[x] /= scalar_t(dmin);
+            } else {
+              piece_depths(lv, dmin, dmax, j0, n, i0, m, G.data());
+              for (int64_t x = 0; x < n * m; ++x) dS[x] /= G[x];
+            }
           }
           // dk[keys, :R_dmin] += dS^T q[queries];  dq^T[:R_dmin, queries] += k^T[:, keys] dS^T
           const int64_t w = lv.offsets[dmin];
           matmul(n, w, m, dS.data(), m, qh + i0 * R, R, dkh + j0 * R, R, true);
           matmul(w, m, n, kTh + j0, T, dS.data(), m, dqTh + i0, T, true);
           for (int64_t l = dmin; l < dmax; ++l) {  // finer levels: only the pairs in a shared block
-            const int64_t o0 = lv.offsets[l], o1 = lv.offsets[l + 1], s = lv.sizes[l];
-            for (int64_t b = 0; b < n; ++b)
-              for (int64_t a = 0; a < m; ++a)
-                G[b * m + a] = (i0 + a) / s == (j0 + b) / s ? dS[b * m + a] : scalar_t(0);
-            matmul(n, o1 - o0, m, G.data(), m, qh + i0 * R + o0, R, dkh + j0 * R + o0, R, true);
-            matmul(o1 - o0, m, n, kTh + o0 * T + j0, T, G.data(), m, dqTh + o0 * T + i0, T, true);
+            const int64_t o0 = lv.offsets[l], o1 = lv.offsets[l + 1];
+            for_each_shared_block(lv.sizes[l], j0, j1, i0, i1, [&](int64_t b0, int64_t b1, int64_t a0, int64_t a1) {
+              const scalar_t* sub = dS.data() + (b0 - j0) * m + (a0 - i0);  // keys [b0, b1) x queries [a0, a1)
+              matmul(b1 - b0, o1 - o0, a1 - a0, sub, m, qh + a0 * R + o0, R, dkh + b0 * R + o0, R, true);
+              matmul(o1 - o0, a1 - a0, b1 - b0, kTh + o0 * T + b0, T, sub, m, dqTh + o0 * T + a0, T, true);
+            });
           }
         }
       }
