@@ -78,15 +78,10 @@ def add_parsers(top: argparse._SubParsersAction, train: argparse._SubParsersActi
 
 def run_train_lm(args: argparse.Namespace) -> int:
     from ..experiments.lm import load_lm_config, train_lm
-    from ..training import NonFiniteLossError
 
     config = load_lm_config(args.config, args.overrides)
     with one_line_warnings("train"):
-        try:
-            result = train_lm(config, resume=args.resume)
-        except NonFiniteLossError as err:
-            print(f"sattn train: error: {err}", file=sys.stderr)
-            return 1
+        result = train_lm(config, resume=args.resume)
     if result["rank"] == 0:
         print(f"final validation loss {result['final_val_loss']:.4f} nats/token, {result['final_val_bpb']:.4f} bits per byte")
         print(f"trained {result['steps']} steps, {result['tokens']:,} tokens in {result['wall_s']:.1f} s; checkpoint {result['checkpoint']}")

@@ -50,12 +50,17 @@ def run_plot(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from ..training.loop import TrainingStopped
+
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
     except (ValueError, FileNotFoundError) as err:
         print(f"sattn {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except TrainingStopped as err:  # a NaN loss, or SIGTERM / Ctrl-C after saving a checkpoint
+        print(f"sattn {args.command}: {err}", file=sys.stderr)
+        return err.exit_code
 
 
 if __name__ == "__main__":

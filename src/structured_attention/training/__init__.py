@@ -12,7 +12,7 @@ The experiments themselves (language modelling, ...) live in :mod:`structured_at
 
 from .checkpoint import LoadedCheckpoint, find_checkpoints, load_checkpoint, save_checkpoint
 from .config import OptimConfig, RunConfig, apply_overrides, config_from_dict, config_to_dict, load_config
-from .loop import FitResult, NonFiniteLossError, Task, fit
+from .loop import FitResult, NonFiniteLossError, Task, TrainingInterrupted, TrainingStopped, fit
 from .optim import build_optimizer, lr_at, mup_lr_multipliers, param_groups
 
 __all__ = [
@@ -22,6 +22,8 @@ __all__ = [
     "OptimConfig",
     "RunConfig",
     "Task",
+    "TrainingInterrupted",
+    "TrainingStopped",
     "apply_overrides",
     "build_optimizer",
     "config_from_dict",

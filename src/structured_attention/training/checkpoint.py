@@ -209,6 +209,8 @@ def save_checkpoint(
     model_tensors = {k: v.detach().cpu().contiguous() for k, v in model_state.items() if k not in aliases}
     optim_tensors, groups = flatten_optimizer_state(optim_state)
 
+    for stale in root.glob(".tmp-*"):  # left behind by a writer that was killed mid-save
+        shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
     final = root / f"step-{step:08d}"
     tmp_dir = Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-step-{step:08d}-"))
     try:

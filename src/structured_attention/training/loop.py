@@ -18,7 +18,9 @@ the rest, nanoGPT style, in one readable function:
    ``run.keep_best``, and ``run.patience`` evaluations without improvement stop the run early;
    every ``log_every`` steps a progress line on stderr and a JSON line in
    ``<out_dir>/metrics.jsonl``; every ``checkpoint_every`` steps and at the end a checkpoint in
-   ``<out_dir>/ckpt/`` (rank 0 writes).
+   ``<out_dir>/ckpt/`` (rank 0 writes);
+6. SIGTERM (a scheduler pre-empting the job) or SIGINT (Ctrl-C) lets the current step finish, saves
+   a checkpoint and raises :class:`TrainingInterrupted`; ``--resume`` continues from it exactly.
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ import json
 import math
 import random
 import shutil
+import signal
 import sys
+import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -52,11 +56,55 @@ from .config import OptimConfig, RunConfig, config_to_dict
 from .distributed import DistInfo, all_reduce_mean, barrier, cleanup_distributed, setup_distributed, wrap_model
 from .optim import build_optimizer, lr_at
 
-__all__ = ["FitResult", "NonFiniteLossError", "Task", "autocast_context", "fit", "seed_everything"]
+__all__ = [
+    "FitResult",
+    "NonFiniteLossError",
+    "Task",
+    "TrainingInterrupted",
+    "TrainingStopped",
+    "autocast_context",
+    "fit",
+    "seed_everything",
+]
 
 
-class NonFiniteLossError(RuntimeError):
-    """The training loss became NaN or infinite; the message names the step."""
+class TrainingStopped(RuntimeError):
+    """Training ended before ``run.steps``; the message says why, at which step and what was kept.
+    ``exit_code`` is the status the command line exits with."""
+
+    exit_code = 1
+
+
+class NonFiniteLossError(TrainingStopped):
+    """The training loss became NaN or infinite; the message names the step and the last good checkpoint."""
+
+
+class TrainingInterrupted(TrainingStopped):
+    """SIGTERM or SIGINT arrived; a checkpoint of the last finished step was saved first."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.exit_code = 128 + signum  # the shell's convention for a process ended by a signal
+
+
+@contextlib.contextmanager
+def _stop_signals() -> Any:
+    """While training, SIGTERM and SIGINT only record that they arrived (``got["signal"]``), so the
+    loop can finish its step and checkpoint. Signal handlers exist on the main thread only."""
+    got: dict[str, int | None] = {"signal": None}
+    if threading.current_thread() is not threading.main_thread():
+        yield got
+        return
+
+    def record(signum: int, frame: Any) -> None:
+        got["signal"] = signum
+
+    previous = {sig: signal.signal(sig, record) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield got
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 class Task(ABC):
@@ -241,6 +289,15 @@ class MetricsLogger:
             self.wandb.finish()
 
 
+def _agreed_signal(signum: int | None, info: DistInfo) -> int:
+    """The signal any rank received (0 if none): all ranks must stop, and save, at the same step."""
+    if not info.enabled:
+        return signum or 0
+    flag = torch.tensor(float(signum or 0), device=info.device)
+    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+    return int(flag)
+
+
 def _model_diff(saved: dict[str, Any], current: dict[str, Any]) -> str:
     diffs = [f"model.{k}={saved.get(k)!r} in the checkpoint, {current.get(k)!r} now" for k in current if saved.get(k) != current.get(k)]
     return "; ".join(diffs[:3])
@@ -379,76 +436,85 @@ def _fit(task: Task, resume: bool, info: DistInfo, stream: TextIO | None) -> Fit
     stopped_early = False
     done = start_step
     model.train()
-    for step in range(start_step, run.steps):
-        lr = lr_at(step, run.steps, optim_cfg)
-        for group in optimizer.param_groups:
-            group["lr"] = lr * group["lr_mult"]
-        loss_sum = torch.zeros((), device=device)
-        for micro in range(run.grad_accum):
-            batch = task.batch(step * run.grad_accum + micro, info.rank, info.world_size, device)
-            sync = contextlib.nullcontext()
-            if info.enabled and not run.fsdp and micro < run.grad_accum - 1:
-                sync = model.no_sync()  # type: ignore[operator]
-            with sync:
-                with autocast_context(run.autocast, device):
-                    loss = task.loss(step_fn_model, batch)
-                (loss / run.grad_accum).backward()
-            loss_sum += loss.detach().float()
-        step_loss = float(all_reduce_mean(loss_sum / run.grad_accum, info))
-        if not math.isfinite(step_loss):
-            where = f"; the last good checkpoint is {last_ckpt}" if last_ckpt else ""
-            raise NonFiniteLossError(
-                f"training stopped: the loss is {step_loss} at step {step + 1}{where} "
-                f"(try a lower optim.lr, or optim.grad_clip > 0)"
-            )
-        if optim_cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), optim_cfg.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    try:
+        with _stop_signals() as signals:
+            for step in range(start_step, run.steps):
+                lr = lr_at(step, run.steps, optim_cfg)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr * group["lr_mult"]
+                loss_sum = torch.zeros((), device=device)
+                for micro in range(run.grad_accum):
+                    batch = task.batch(step * run.grad_accum + micro, info.rank, info.world_size, device)
+                    sync = contextlib.nullcontext()
+                    if info.enabled and not run.fsdp and micro < run.grad_accum - 1:
+                        sync = model.no_sync()  # type: ignore[operator]
+                    with sync:
+                        with autocast_context(run.autocast, device):
+                            loss = task.loss(step_fn_model, batch)
+                        (loss / run.grad_accum).backward()
+                    loss_sum += loss.detach().float()
+                step_loss = float(all_reduce_mean(loss_sum / run.grad_accum, info))
+                if not math.isfinite(step_loss):
+                    where = f"; the last good checkpoint is {last_ckpt}" if last_ckpt else ""
+                    raise NonFiniteLossError(
+                        f"training stopped: the loss is {step_loss} at step {step + 1}{where} "
+                        f"(try a lower optim.lr, or optim.grad_clip > 0)"
+                    )
+                if optim_cfg.grad_clip > 0:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), optim_cfg.grad_clip)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
 
-        done = step + 1
-        losses.append(step_loss)
-        tokens_this_run += tokens_per_step
-        do_eval = done == run.steps or (run.eval_every > 0 and done % run.eval_every == 0)
-        improved = False
-        if do_eval or done % run.log_every == 0:
-            tokens = done * tokens_per_step
-            rate = progress.rate(tokens_this_run)
-            record: dict[str, Any] = {
-                "step": done, "loss": step_loss, "lr": lr, "tokens": tokens, "flops": tokens * flops_per_token,
-                "tokens_per_s": rate, "elapsed_s": time.perf_counter() - t_start,
-            }
-            extra = ""
-            if do_eval:
-                metrics = _evaluate(task, model, device, run.autocast)
-                record.update(metrics)
-                final = record
-                extra = _format_metrics(metrics)
-                if metrics["val_loss"] < tracker["best_val_loss"]:
-                    improved = True
-                    tracker.update(best_val_loss=metrics["val_loss"], best_step=done, best=metrics, bad_evals=0)
-                else:
-                    tracker["bad_evals"] += 1
-            logger.log(record)
-            if info.is_main:
-                progress.line(done, step_loss, lr, rate, extra)
-            progress.mark()
-        if improved and run.keep_best:
-            save(done, best_dir, keep=1)
-        stop = run.patience > 0 and tracker["bad_evals"] >= run.patience
-        if stop:
-            stopped_early = True
-            say(f"early stop at step {done}: no better val loss in {run.patience} evaluations "
-                f"(best {tracker['best_val_loss']:.4f} at step {tracker['best_step']})")
-        if stop or done == run.steps or (run.checkpoint_every > 0 and done % run.checkpoint_every == 0):
-            last_ckpt = save(done, ckpt_dir, keep=2) or last_ckpt
-        if stop:
-            break
+                done = step + 1
+                losses.append(step_loss)
+                tokens_this_run += tokens_per_step
+                do_eval = done == run.steps or (run.eval_every > 0 and done % run.eval_every == 0)
+                improved = False
+                if do_eval or done % run.log_every == 0:
+                    tokens = done * tokens_per_step
+                    rate = progress.rate(tokens_this_run)
+                    record: dict[str, Any] = {
+                        "step": done, "loss": step_loss, "lr": lr, "tokens": tokens, "flops": tokens * flops_per_token,
+                        "tokens_per_s": rate, "elapsed_s": time.perf_counter() - t_start,
+                    }
+                    extra = ""
+                    if do_eval:
+                        metrics = _evaluate(task, model, device, run.autocast)
+                        record.update(metrics)
+                        final = record
+                        extra = _format_metrics(metrics)
+                        if metrics["val_loss"] < tracker["best_val_loss"]:
+                            improved = True
+                            tracker.update(best_val_loss=metrics["val_loss"], best_step=done, best=metrics, bad_evals=0)
+                        else:
+                            tracker["bad_evals"] += 1
+                    logger.log(record)
+                    if info.is_main:
+                        progress.line(done, step_loss, lr, rate, extra)
+                    progress.mark()
+                if improved and run.keep_best:
+                    save(done, best_dir, keep=1)
+                early = run.patience > 0 and tracker["bad_evals"] >= run.patience
+                if early:
+                    stopped_early = True
+                    say(f"early stop at step {done}: no better val loss in {run.patience} evaluations "
+                        f"(best {tracker['best_val_loss']:.4f} at step {tracker['best_step']})")
+                interrupt = _agreed_signal(signals["signal"], info)
+                if interrupt or early or done == run.steps or (run.checkpoint_every > 0 and done % run.checkpoint_every == 0):
+                    last_ckpt = save(done, ckpt_dir, keep=2) or last_ckpt
+                if interrupt:
+                    name = signal.Signals(interrupt).name
+                    raise TrainingInterrupted(
+                        f"{name} received: stopped after step {done} with a checkpoint in {last_ckpt or ckpt_dir} "
+                        f"(continue with --resume)", interrupt)
+                if early:
+                    break
+    finally:  # TensorBoard / W&B writers are closed however training ends
+        logger.close()
     wall = time.perf_counter() - t_start
 
     if start_step >= run.steps or not final:  # nothing trained: still report the validation metrics
         final = {"step": done, **_evaluate(task, model, device, run.autocast)}
-    logger.close()
 
     trained = raw_model
     if run.fsdp and info.enabled:  # gather the full weights (a collective) into a fresh model on rank 0
