@@ -289,23 +289,42 @@ def markdown_table(records: list[dict[str, Any]]) -> str:
 
 
 def _check_args(args: argparse.Namespace) -> None:
+    """Every argument, before anything is timed: one ValueError line naming the bad one."""
     for name in ("n_heads", "batch", "repeats", "d_model", "decode_steps", "v_dim"):
         value = getattr(args, name, 1)
         if value <= 0:
             raise ValueError(f"--{name.replace('_', '-')}: expected a positive integer, got {value}")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup: expected a non-negative integer, got {args.warmup}")
     try:
         seq_lens = [int(t) for t in args.seq_lens.split(",")]
     except ValueError:
-        raise ValueError(f"--seq-lens: expected comma-separated integers, got {args.seq_lens!r}") from None
-    if args.what == "attention" and args.decode_cache is not None:
-        limit = max(seq_lens) - args.decode_steps
-        if not 0 < args.decode_cache <= limit:
-            raise ValueError(f"--decode-cache: expected 1..{limit} (longest seq-len minus decode steps), got {args.decode_cache}")
+        seq_lens = []
+    if not seq_lens or min(seq_lens) <= 0:
+        raise ValueError(f"--seq-lens: expected comma-separated positive integers, got {args.seq_lens!r}")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise ValueError(f"--device: expected a torch device such as 'cpu' or 'cuda', got {args.device!r}") from None
+    if device.type not in ("cpu", "cuda") or (device.type == "cuda" and not torch.cuda.is_available()):
+        raise ValueError(f"--device: expected 'cpu' or an available CUDA device, got {args.device!r}")
+    if args.what == "attention":
+        for kind in _case_names(args):  # a malformed spec or one that does not fit the width fails here
+            build_attention(kind, d_model=args.d_model, n_heads=args.n_heads, max_seq_len=max(seq_lens))
+        if args.decode_cache is not None:
+            limit = max(seq_lens) - args.decode_steps
+            if not 0 < args.decode_cache <= limit:
+                raise ValueError(f"--decode-cache: expected 1..{limit} (longest seq-len minus decode steps), got {args.decode_cache}")
     if args.what == "mlr":
         try:
-            [int(r) for r in args.ranks.split("|")]
+            ranks = [int(r) for r in args.ranks.split("|")]
         except ValueError:
-            raise ValueError(f"--ranks: expected integers separated by '|', got {args.ranks!r}") from None
+            ranks = []
+        if not ranks or min(ranks) <= 0:
+            raise ValueError(f"--ranks: expected positive integers separated by '|', got {args.ranks!r}")
+        unknown = [p for p in _case_names(args) if p != "sdpa" and p not in _MLR_FUNCTIONS]
+        if unknown:
+            raise ValueError(f"--paths: expected names among sdpa, {', '.join(_MLR_FUNCTIONS)}, got {unknown[0]!r}")
 
 
 def profile(args: argparse.Namespace, path: Path) -> None:

@@ -45,6 +45,8 @@ def describe_rows(args: argparse.Namespace) -> list[list[str]]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.bytes_per_number <= 0:
+        raise ValueError(f"--bytes-per-number: expected a positive integer, got {args.bytes_per_number}")
     header = ["kind", "params", "score FLOPs/token", "attention FLOPs", "KV bytes/token"]
     rows = describe_rows(args)
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]

@@ -193,13 +193,12 @@ def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
             steps = max(1, round(budget / (tokens_per_step * per_token[kind])))
             for lr in lrs:
                 name = f"{slug(kind)}-w{width}-lr{lr:g}"
-                runs.append({
-                    "name": name, "kind": kind, "width": width, "lr": lr, "steps": steps,
-                    "flops": steps * tokens_per_step * per_token[kind],
-                    "overrides": [*args.overrides, f"model.d_model={width}", f"model.n_heads={shape['n_heads']}",
-                                  f"model.attention={kind}", f"optim.lr={lr}", f"run.steps={steps}",
-                                  f"run.out_dir={Path(args.out) / name}", "run.sample_tokens=0"],
-                })
+                overrides = [*args.overrides, f"model.d_model={width}", f"model.n_heads={shape['n_heads']}",
+                             f"model.attention={kind}", f"optim.lr={lr}", f"run.steps={steps}",
+                             f"run.out_dir={Path(args.out) / name}", "run.sample_tokens=0"]
+                load_lm_config(args.config, overrides)  # every run's config is valid before any trains
+                runs.append({"name": name, "kind": kind, "width": width, "lr": lr, "steps": steps,
+                             "flops": steps * tokens_per_step * per_token[kind], "overrides": overrides})
     return runs
 
 

@@ -11,14 +11,22 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from . import bench, describe, lm
 
 EXPERIMENTS = {module.EXPERIMENT: module for module in (lm,)}
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage mistakes end with one line naming the command and the problem (``--help`` shows usage)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sattn", description="structured attention: costs, training and benchmarks")
+    parser = _Parser(prog="sattn", description="structured attention: costs, training and benchmarks")
     sub = parser.add_subparsers(dest="command", required=True)
     describe.add_parser(sub)
     bench.add_parser(sub)
