@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import random
 import shutil
 import signal
@@ -186,6 +187,18 @@ def autocast_context(mode: str, device: torch.device) -> contextlib.AbstractCont
     return contextlib.nullcontext()
 
 
+def resident_mib() -> float:
+    """This process's resident memory in MiB (the peak where /proc is absent)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+        return peak / (2**20 if sys.platform == "darwin" else 2**10)
+
+
 def _fmt_time(seconds: float) -> str:
     if not math.isfinite(seconds):
         return "?"
@@ -203,7 +216,9 @@ def _fmt_count(x: float) -> str:
 
 
 class Progress:
-    """A one-line progress report on stderr: step, loss, lr, tokens/s, elapsed and ETA."""
+    """A one-line progress report on stderr (step, loss, lr, tokens/s, elapsed and ETA), and the
+    time accounting of each logging window: wall time per step and the part of it spent waiting
+    for batches."""
 
     def __init__(self, total_steps: int, start_step: int, stream: TextIO | None = None) -> None:
         self.total = total_steps
@@ -212,12 +227,21 @@ class Progress:
         self.t0 = time.perf_counter()
         self.last_t = self.t0
         self.last_tokens = 0
+        self.last_step = start_step
+        self.data_s = 0.0
 
-    def rate(self, tokens_done: int) -> float:
+    def window(self, tokens_done: int, step: int) -> dict[str, float]:
+        """Since the last window: ``tokens_per_s``, ``step_s`` (wall seconds per step) and
+        ``data_s`` (seconds per step spent getting batches)."""
         now = time.perf_counter()
-        rate = (tokens_done - self.last_tokens) / max(now - self.last_t, 1e-9)
-        self.last_t, self.last_tokens = now, tokens_done
-        return rate
+        steps = max(step - self.last_step, 1)
+        stats = {
+            "tokens_per_s": (tokens_done - self.last_tokens) / max(now - self.last_t, 1e-9),
+            "step_s": (now - self.last_t) / steps,
+            "data_s": self.data_s / steps,
+        }
+        self.last_t, self.last_tokens, self.last_step, self.data_s = now, tokens_done, step, 0.0
+        return stats
 
     def mark(self) -> None:
         """Restart the tokens/s window (after an evaluation, so it does not count as training)."""
@@ -444,7 +468,9 @@ def _fit(task: Task, resume: bool, info: DistInfo, stream: TextIO | None) -> Fit
                     group["lr"] = lr * group["lr_mult"]
                 loss_sum = torch.zeros((), device=device)
                 for micro in range(run.grad_accum):
+                    t_data = time.perf_counter()
                     batch = task.batch(step * run.grad_accum + micro, info.rank, info.world_size, device)
+                    progress.data_s += time.perf_counter() - t_data
                     sync = contextlib.nullcontext()
                     if info.enabled and not run.fsdp and micro < run.grad_accum - 1:
                         sync = model.no_sync()  # type: ignore[operator]
@@ -472,10 +498,10 @@ def _fit(task: Task, resume: bool, info: DistInfo, stream: TextIO | None) -> Fit
                 improved = False
                 if do_eval or done % run.log_every == 0:
                     tokens = done * tokens_per_step
-                    rate = progress.rate(tokens_this_run)
+                    timing = progress.window(tokens_this_run, done)
                     record: dict[str, Any] = {
                         "step": done, "loss": step_loss, "lr": lr, "tokens": tokens, "flops": tokens * flops_per_token,
-                        "tokens_per_s": rate, "elapsed_s": time.perf_counter() - t_start,
+                        **timing, "elapsed_s": time.perf_counter() - t_start, "rss_mib": resident_mib(),
                     }
                     extra = ""
                     if do_eval:
@@ -490,7 +516,7 @@ def _fit(task: Task, resume: bool, info: DistInfo, stream: TextIO | None) -> Fit
                             tracker["bad_evals"] += 1
                     logger.log(record)
                     if info.is_main:
-                        progress.line(done, step_loss, lr, rate, extra)
+                        progress.line(done, step_loss, lr, timing["tokens_per_s"], extra)
                     progress.mark()
                 if improved and run.keep_best:
                     save(done, best_dir, keep=1)
@@ -526,7 +552,8 @@ def _fit(task: Task, resume: bool, info: DistInfo, stream: TextIO | None) -> Fit
             trained = task.build_model()
             trained.load_state_dict(full)
             trained = trained.to(device)
-    metric_keys = [k for k in final if k not in ("step", "loss", "lr", "tokens", "flops", "tokens_per_s", "elapsed_s")]
+    metric_keys = [k for k in final if k not in ("step", "loss", "lr", "tokens", "flops", "tokens_per_s", "step_s",
+                                                 "data_s", "elapsed_s", "rss_mib")]
     return FitResult(
         steps=done,
         losses=losses,
