@@ -27,6 +27,17 @@ def test_bench_attention_writes_json_and_plot(tmp_path, capsys):
     assert "| case | T |" in capsys.readouterr().out
 
 
+def test_bench_lm_reports_training_tokens_per_second(tmp_path, capsys):
+    args = ["bench", "lm", "--kinds", "mha,mlr:4|4", "--d-model", "16", "--n-layers", "1", "--batch", "2",
+            "--no-memory", "--out", str(tmp_path), *TINY]
+    assert main(args) == 0
+    rows = json.loads((tmp_path / "lm.json").read_text())["results"]
+    assert [(r["case"], r["seq_len"]) for r in rows] == [("mha", 16), ("mlr:4|4", 16), ("mha", 32), ("mlr:4|4", 32)]
+    for r in rows:  # tokens per second of one training forward+backward: batch x T / its time
+        assert r["train_tokens_per_s"] == pytest.approx(2 * r["seq_len"] / (r["forward_backward_ms"] / 1e3))
+    assert "train tokens/s" in capsys.readouterr().out
+
+
 def test_bench_mlr_compares_paths_with_sdpa(tmp_path):
     args = ["bench", "mlr", "--ranks", "4|2|1|1", "--v-dim", "8", "--no-memory", "--profile", "--out", str(tmp_path), *TINY]
     assert main(args) == 0

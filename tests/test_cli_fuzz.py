@@ -36,6 +36,8 @@ COMMANDS: dict[str, tuple[list[str], dict[str, st.SearchStrategy]]] = {
     "bench attention": ([], {"--kinds": bad_spec, "--d-model": bad_int, "--seq-lens": bad_list, "--n-heads": bad_int,
                              "--batch": bad_int, "--repeats": bad_int, "--warmup": bad_int, "--decode-cache": bad_int,
                              "--decode-steps": bad_int, "--dtype": not_a_number, "--device": not_a_number}),
+    "bench lm": ([], {"--kinds": bad_spec, "--d-model": bad_int, "--n-layers": bad_int, "--seq-lens": bad_list,
+                      "--n-heads": bad_int, "--batch": bad_int}),
     "bench mlr": ([], {"--ranks": bad_spec, "--v-dim": bad_int, "--seq-lens": bad_list, "--paths": not_a_number,
                        "--n-heads": bad_int, "--batch": bad_int, "--repeats": bad_int}),
     "eval": (["--checkpoint", "/nonexistent/ckpt"], {"--checkpoint": missing_path, "--max-batches": bad_int,

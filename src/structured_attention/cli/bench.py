@@ -1,7 +1,9 @@
-"""``sattn bench attention`` and ``sattn bench mlr``: timings in one run, next to standard attention.
+"""``sattn bench attention|mlr|lm``: timings in one run, next to standard attention.
 
 ``attention`` times whole layers of each kind (``mha`` runs PyTorch SDPA); ``mlr`` times the MLR
-primitive on ``(B, H, T, R)`` tensors against ``scaled_dot_product_attention`` at the same dims.
+primitive on ``(B, H, T, R)`` tensors against ``scaled_dot_product_attention`` at the same dims;
+``lm`` times a training step's forward and backward of a whole GPT per attention kind (its
+training tokens/s).
 For each case and sequence length: forward ms and forward+backward ms, peak memory of
 forward+backward (CUDA allocator peak; on the CPU the growth of the resident set, sampled in a
 fresh process per case), and, for layers, decode ms per token at a given cache length.
@@ -30,8 +32,10 @@ import torch.nn.functional as F
 
 from ..attention import build_attention
 from ..functional import mlr_attention, mlr_attention_blocked, mlr_attention_reference
+from ..models import GPT, GPTConfig
 
 LAYER_KINDS = "mha,swa:128,global_swa:32|32:window=128,mlr:8|8|8|8|8|8|8|8"
+LM_KINDS = "mha,swa:128,global_swa:32|32:window=128,mlr:16|16|16|16,mlr:32|16|8|8"
 MLR_PATHS = "sdpa,mlr,mlr_blocked,mlr_reference"
 _MLR_FUNCTIONS = {"mlr": mlr_attention, "mlr_blocked": mlr_attention_blocked, "mlr_reference": mlr_attention_reference}
 
@@ -46,14 +50,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     layers.add_argument("--d-model", type=int, default=512, help="width (default 512)")
     layers.add_argument("--decode-cache", type=int, default=None, help="cache length for decode timing (default: longest seq-len minus decode steps)")
     layers.add_argument("--decode-steps", type=int, default=16, help="tokens decoded per timed run (default 16)")
+    lm = what.add_parser("lm", help="time a GPT's training forward+backward per attention kind against mha")
+    lm.add_argument("--kinds", default=LM_KINDS, help=f"comma-separated attention specs, the first is the baseline (default {LM_KINDS})")
+    lm.add_argument("--d-model", type=int, default=256, help="width (default 256)")
+    lm.add_argument("--n-layers", type=int, default=4, help="layers (default 4)")
     mlr = what.add_parser("mlr", help="time the MLR attention primitive against scaled_dot_product_attention")
     mlr.add_argument("--paths", default=MLR_PATHS, help=f"comma-separated: sdpa, mlr (dispatched: the C++ kernel on CPU, Triton on CUDA), mlr_blocked (the PyTorch fallback), mlr_reference (default {MLR_PATHS})")
     mlr.add_argument("--ranks", default="8|8|8|8|8|8|8|8", help="MLR ranks per level; their sum is the q/k head dim (default 8|8|8|8|8|8|8|8)")
     mlr.add_argument("--v-dim", type=int, default=64, help="value head dim Dv (default 64)")
-    for p in (layers, mlr):
-        p.add_argument("--seq-lens", default="1024,2048,4096", help="comma-separated sequence lengths (default 1024,2048,4096)")
-        p.add_argument("--n-heads", type=int, default=8, help="heads (default 8)")
-        p.add_argument("--batch", type=int, default=1, help="batch size (default 1)")
+    for p in (layers, mlr, lm):
+        p.add_argument("--seq-lens", default="1024,2048,4096" if p is not lm else "1024",
+                       help="comma-separated sequence lengths (default 1024,2048,4096; lm: 1024)")
+        p.add_argument("--n-heads", type=int, default=8 if p is not lm else 4, help="heads (default 8; lm: 4)")
+        p.add_argument("--batch", type=int, default=1 if p is not lm else 4, help="batch size (default 1; lm: 4)")
         p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
         p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
         p.add_argument("--warmup", type=int, default=1, help="untimed rounds first (default 1)")
@@ -66,7 +75,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 # -- cases ------------------------------------------------------------------------------------------
 def _case_names(args: argparse.Namespace) -> list[str]:
-    return (args.kinds if args.what == "attention" else args.paths).split(",")
+    return (args.paths if args.what == "mlr" else args.kinds).split(",")
 
 
 def _build_case(name: str, args: argparse.Namespace, seq_len: int) -> tuple[Step, Step]:
@@ -79,6 +88,13 @@ def _build_case(name: str, args: argparse.Namespace, seq_len: int) -> tuple[Step
         x = torch.randn(args.batch, seq_len, args.d_model, device=device, dtype=dtype, requires_grad=True)
         call: Step = lambda: layer(x)  # noqa: E731
         params: list[torch.Tensor] = [x, *layer.parameters()]
+    elif args.what == "lm":
+        config = GPTConfig(vocab_size=256, n_layers=args.n_layers, d_model=args.d_model, n_heads=args.n_heads,
+                           max_seq_len=seq_len, attention=name)
+        model = GPT(config).to(device=device, dtype=dtype)
+        idx = torch.randint(0, 256, (args.batch, seq_len + 1), device=device)
+        call = lambda: model(idx[:, :-1], idx[:, 1:])[1]  # noqa: E731
+        params = list(model.parameters())
     else:
         ranks = tuple(int(r) for r in args.ranks.split("|"))
         shape = (args.batch, args.n_heads, seq_len)
@@ -211,6 +227,8 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "speedup_forward": statistics.median(x / y for x, y in zip(fwd[base], fwd[name])),
                 "speedup_forward_backward": statistics.median(x / y for x, y in zip(fwd_bwd[base], fwd_bwd[name])),
             }
+            if args.what == "lm":
+                record["train_tokens_per_s"] = args.batch * seq_len / (record["forward_backward_ms"] / 1e3)
             if not args.no_memory:
                 record["peak_memory_mib"] = _peak_memory_mib(name, args, seq_len)
             records.append(record)
@@ -277,7 +295,8 @@ def markdown_table(records: list[dict[str, Any]]) -> str:
     cols = [
         ("case", "case", "{}"), ("seq_len", "T", "{}"), ("forward_ms", "fwd ms", "{:.2f}"),
         ("forward_backward_ms", "fwd+bwd ms", "{:.2f}"), ("peak_memory_mib", "peak MiB", "{:.1f}"),
-        ("decode_ms_per_token", "decode ms/token", "{:.3f}"), ("speedup_forward", "fwd speed-up", "{:.2f}x"),
+        ("decode_ms_per_token", "decode ms/token", "{:.3f}"), ("train_tokens_per_s", "train tokens/s", "{:.0f}"),
+        ("speedup_forward", "fwd speed-up", "{:.2f}x"),
         ("speedup_forward_backward", "fwd+bwd speed-up", "{:.2f}x"), ("speedup_decode", "decode speed-up", "{:.2f}x"),
     ]
     cols = [c for c in cols if any(c[0] in r for r in records)]
@@ -308,9 +327,12 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--device: expected a torch device such as 'cpu' or 'cuda', got {args.device!r}") from None
     if device.type not in ("cpu", "cuda") or (device.type == "cuda" and not torch.cuda.is_available()):
         raise ValueError(f"--device: expected 'cpu' or an available CUDA device, got {args.device!r}")
-    if args.what == "attention":
+    if args.what in ("attention", "lm"):
         for kind in _case_names(args):  # a malformed spec or one that does not fit the width fails here
             build_attention(kind, d_model=args.d_model, n_heads=args.n_heads, max_seq_len=max(seq_lens))
+    if args.what == "lm" and args.n_layers <= 0:
+        raise ValueError(f"--n-layers: expected a positive integer, got {args.n_layers}")
+    if args.what == "attention":
         if args.decode_cache is not None:
             limit = max(seq_lens) - args.decode_steps
             if not 0 < args.decode_cache <= limit:
