@@ -117,7 +117,8 @@ def test_validation_names_the_parameter():
         mlr_attention_cpu(q, k, v, (4, 4), (16, 6))
 
 
-def test_a_failed_build_warns_once_and_mlr_attention_falls_back(monkeypatch):
+@pytest.mark.parametrize("failure", ["build", "self-check"])
+def test_a_failed_build_or_self_check_warns_once_and_mlr_attention_falls_back(monkeypatch, failure):
     import torch.utils.cpp_extension as cpp
 
     def broken(*args, **kwargs):
@@ -125,7 +126,7 @@ def test_a_failed_build_warns_once_and_mlr_attention_falls_back(monkeypatch):
 
     monkeypatch.setattr(mlr_cpu, "_module", None)
     monkeypatch.setattr(mlr_cpu, "_failed", False)
-    monkeypatch.setattr(cpp, "load", broken)
+    monkeypatch.setattr(cpp, "load", broken) if failure == "build" else monkeypatch.setattr(mlr_cpu, "_self_check", broken)
     with pytest.warns(UserWarning, match="could not be built.*no compiler here"):
         assert mlr_cpu.load() is None
     assert not mlr_cpu.available()  # no second attempt, no second warning

@@ -60,17 +60,33 @@ def load() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load as build
 
-        _module = build(
+        module = build(
             name=f"sattn_mlr_cpu_{isa.lower()}",
             sources=[str(_SOURCE)],
             extra_cflags=["-O3", *_FLAGS.get(isa, []), f"-DCPU_CAPABILITY={isa}", f"-DCPU_CAPABILITY_{isa}"],
             verbose=False,
         )
-    except Exception as err:  # no compiler, no ninja, a failed build: use the PyTorch path
+        _self_check(module)
+        _module = module
+    except Exception as err:  # no compiler, no ninja, a failed build or self-check: use the PyTorch path
         _failed = True
         warnings.warn(f"structured_attention: the C++ MLR attention kernel could not be built ({str(err).splitlines()[0]}); "
                       "using the slower blocked PyTorch path", stacklevel=2)
     return _module
+
+
+def _self_check(module: ModuleType) -> None:
+    """One tiny forward against the exact reference: a kernel that cannot run here (the GEMM
+    library refusing this CPU) or computes wrongly is never used."""
+    from structured_attention.functional.mlr import mlr_attention_reference
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 24, 4, generator=g) for _ in range(3))
+    out, _ = module.forward((q * 0.5).reshape(2, 24, 4), k.reshape(2, 24, 4).transpose(1, 2).contiguous(),
+                            v.reshape(2, 24, 4), [32, 8], [0, 2, 4], True, False, BLOCK_Q, BLOCK_K)
+    ref = mlr_attention_reference(q, k, v, (2, 2), (32, 8), scale=0.5)
+    if not torch.allclose(out.reshape(ref.shape), ref, atol=1e-4, rtol=1e-4):
+        raise RuntimeError("self-check: the kernel's output differs from the reference")
 
 
 def available() -> bool:
