@@ -9,7 +9,7 @@ examples before it.
   the ``y`` predictions divided by the active dimensions;
 - :func:`error_curves`: MSE normalised by ``d`` against the number of in-context examples, for the
   model and the baselines of :mod:`.icl_baselines` on the same prompts;
-- :func:`train_icl` -> dict, :func:`load_icl` (a trained model from a checkpoint).
+- :func:`train_icl` -> dict (per-step losses, error curves, curriculum-exact training FLOPs).
 
 Training FLOPs follow the curriculum: a step at ``T`` tokens per prompt costs
 ``batch x T x 6 x RegressionTransformer.forward_flops_per_position(T)`` (:func:`training_flops`).
@@ -28,8 +28,8 @@ from .._checks import require
 from ..data.regression import Curriculum, Prompts, sample_prompts
 from ..models.regression import RegressionTransformer
 from ..models.transformer import TransformerConfig
-from ..training.checkpoint import LoadedCheckpoint, check_compatible, load_checkpoint
-from ..training.config import OptimConfig, RunConfig, config_from_dict, load_config
+from ..training.config import OptimConfig, RunConfig, load_config
+from ..training.distributed import DistInfo
 from ..training.loop import Task, fit
 from .icl_baselines import baseline_predictions
 
@@ -40,7 +40,6 @@ __all__ = [
     "RegressionConfig",
     "build_icl_model",
     "error_curves",
-    "load_icl",
     "load_icl_config",
     "steps_for_budget",
     "train_icl",
@@ -209,7 +208,7 @@ class ICLTask(Task):
         super().__init__(config)
         self.val: Prompts | None = None
 
-    def setup(self, info: Any) -> None:
+    def setup(self, info: DistInfo) -> None:
         self.val = validation_prompts(self.config)
 
     def describe(self) -> str:
@@ -276,17 +275,3 @@ def train_icl(config: ICLConfig, *, resume: bool = False, stream: TextIO | None 
                    flops=training_flops(model, config, result.steps) * result.world_size,
                    params=sum(p.numel() for p in model.parameters()))
     return out
-
-
-def load_icl(path: str | Path, device: str | torch.device = "cpu") -> tuple[RegressionTransformer, ICLConfig, LoadedCheckpoint]:
-    """``(model in eval mode, config, checkpoint)`` from the newest valid checkpoint at ``path``."""
-    ckpt = load_checkpoint(path)
-    try:
-        config = config_from_dict(ICLConfig, ckpt.state["config"])
-    except (KeyError, TypeError) as e:
-        raise ValueError(f"checkpoint {ckpt.path}: state.json lacks {e}") from None
-    model = build_icl_model(config)
-    check_compatible(model, ckpt.model_state, str(ckpt.path))
-    model.load_state_dict(ckpt.model_state)
-    return model.to(device).eval(), config, ckpt
-
