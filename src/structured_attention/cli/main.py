@@ -13,9 +13,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from . import bench, describe, lm
+from . import bench, describe, icl, lm
 
-EXPERIMENTS = {module.EXPERIMENT: module for module in (lm,)}
+EXPERIMENTS = {module.EXPERIMENT: module for module in (lm, icl)}
 
 
 class _Parser(argparse.ArgumentParser):

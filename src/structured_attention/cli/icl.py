@@ -1,0 +1,272 @@
+"""``sattn train icl`` and ``sattn sweep icl``: in-context linear regression (SPEC section 4).
+
+```
+sattn train icl [--config FILE] [section.key=value ...] [--resume]
+sattn sweep icl [--config FILE] --widths 16,32,64 --kinds "mha@8;mha@1;bilinear_btt:1@8;bilinear_mlr:8|4|2@8" \
+    --lrs 1e-3 --base-steps 3000 --out DIR [section.key=value ...]
+sattn plot DIR
+```
+
+A kind is an attention spec and its number of heads, ``SPEC@HEADS`` (``mha@8`` is 8-head
+attention, ``mha@1`` one full-rank head with head dim = width); without ``@`` it has ``--heads``.
+
+The sweep matches training FLOPs per width, as ``sattn sweep lm`` does: the budget is what
+``--base-steps`` steps of the first kind cost (``experiments.icl.training_flops``: 6 x the
+forward multiply-adds per position x positions, step by step along the curriculum, so shorter
+early prompts cost less); every other kind trains for as many steps as the same budget buys.
+``sattn plot`` draws the error at ``N - 1`` in-context examples versus width and versus training
+FLOPs, the error versus the number of examples, and writes a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from .common import one_line_warnings, run_grid, slug
+
+EXPERIMENT = "icl"
+
+
+def add_parsers(top: argparse._SubParsersAction, train: argparse._SubParsersAction,
+                sweep: argparse._SubParsersAction) -> None:
+    t = train.add_parser(
+        "icl",
+        help="train an in-context linear regression model",
+        description="Train a causal transformer on in-context linear regression from a YAML config plus "
+        "section.key=value overrides, e.g. task.n_dims=16 model.attention=bilinear_btt:1 model.d_model=32.",
+    )
+    t.add_argument("--config", default=None, help="YAML config file (default: built-in defaults)")
+    t.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
+    t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in run.out_dir/ckpt")
+    t.set_defaults(run=run_train_icl)
+
+    s = sweep.add_parser("icl", help="widths x attention kinds x learning rates at matched training FLOPs")
+    s.add_argument("--config", default=None, help="base YAML config (default: built-in defaults)")
+    s.add_argument("--widths", default="16,32,64", help="comma-separated d_model values (default 16,32,64)")
+    s.add_argument("--kinds", default="mha@8;mha@1;bilinear_btt:1@8;bilinear_mlr:8|4|2@8",
+                   help="';'-separated SPEC@HEADS kinds; the first sets the FLOP budget "
+                        "(default mha@8;mha@1;bilinear_btt:1@8;bilinear_mlr:8|4|2@8)")
+    s.add_argument("--heads", type=int, default=8, help="heads of a kind given without @HEADS (default 8)")
+    s.add_argument("--lrs", default="1e-3", help="comma-separated learning rates (default 1e-3)")
+    s.add_argument("--base-steps", type=int, default=3000, help="steps of the first kind at each width (default 3000)")
+    s.add_argument("--out", default="runs/sweep-icl", help="sweep folder (default runs/sweep-icl)")
+    s.add_argument("--dry-run", action="store_true", help="print the planned runs and exit")
+    s.add_argument("overrides", nargs="*", help="section.key=value overrides of the base config")
+    s.set_defaults(run=run_sweep)
+
+
+def _summary(result: dict[str, Any], n_dims: int) -> list[str]:
+    """A few points of the model's and the baselines' error curves (normalised MSE)."""
+    curves = result["curves"]
+    n = len(curves["model"])
+    ks = sorted({k for k in (0, n_dims // 2, n_dims, n - 1) if 0 <= k < n})
+    head = "in-context examples | " + " | ".join(f"{k:>7d}" for k in ks)
+    rows = [head, "-" * len(head)]
+    for name, curve in curves.items():
+        rows.append(f"{name:>19s} | " + " | ".join(f"{curve[k]:7.4f}" for k in ks))
+    return rows
+
+
+def run_train_icl(args: argparse.Namespace) -> int:
+    from ..experiments.icl import load_icl_config, train_icl
+    from ..training import NonFiniteLossError
+
+    config = load_icl_config(args.config, args.overrides)
+    with one_line_warnings("train"):
+        try:
+            result = train_icl(config, resume=args.resume)
+        except NonFiniteLossError as err:
+            print(f"sattn train: error: {err}", file=sys.stderr)
+            return 1
+    if result["rank"] != 0:
+        return 0
+    out = Path(result["out_dir"])
+    (out / "curves.json").write_text(json.dumps(result["curves"]) + "\n")
+    d, n = config.task.n_dims, config.task.points
+    print(f"normalised MSE with {n - 1} in-context examples (d={d}): model {result['mse_last']:.4f}, "
+          f"least squares {result['curves']['least_squares'][-1]:.4f}, averaging {result['curves']['averaging'][-1]:.4f}")
+    print("\n".join(_summary(result, d)))
+    print(f"trained {result['steps']} steps, {result['flops']:.3e} training FLOPs in {result['wall_s']:.1f} s; "
+          f"checkpoint {result['checkpoint']}; curves in {out / 'curves.json'}")
+    return 0
+
+
+def parse_kinds(text: str, default_heads: int) -> list[tuple[str, int]]:
+    """``"mha@8;bilinear_btt:1"`` -> ``[("mha", 8), ("bilinear_btt:1", default_heads)]``."""
+    kinds = []
+    for item in (k.strip() for k in text.split(";")):
+        if not item:
+            continue
+        spec, _, heads = item.partition("@")
+        try:
+            h = int(heads) if heads else default_heads
+        except ValueError:
+            raise ValueError(f"--kinds: expected SPEC@HEADS with an integer HEADS, got {item!r}") from None
+        if h <= 0 or not spec.strip():
+            raise ValueError(f"--kinds: expected SPEC@HEADS with a spec and a positive HEADS, got {item!r}")
+        kinds.append((spec.strip(), h))
+    if not kinds:
+        raise ValueError("--kinds: expected at least one attention spec")
+    return kinds
+
+
+def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every run of the sweep: its name, overrides, steps and training FLOPs."""
+    from ..experiments.icl import build_icl_model, load_icl_config, steps_for_budget, training_flops
+
+    base = load_icl_config(args.config, args.overrides)
+    kinds = parse_kinds(args.kinds, args.heads)
+    try:
+        widths = [int(w) for w in args.widths.split(",")]
+        lrs = [float(x) for x in args.lrs.split(",")]
+    except ValueError:
+        raise ValueError(f"--widths/--lrs: expected comma-separated numbers, got {args.widths!r} / {args.lrs!r}") from None
+    if any(w <= 0 for w in widths):
+        raise ValueError(f"--widths: expected positive integers, got {args.widths!r}")
+    if args.base_steps <= 0:
+        raise ValueError(f"--base-steps: expected a positive integer, got {args.base_steps}")
+    runs = []
+    for width in widths:
+        configs = {}
+        for spec, heads in kinds:
+            shape = [f"model.d_model={width}", f"model.n_heads={heads}", f"model.attention={spec}"]
+            try:
+                configs[(spec, heads)] = (shape, load_icl_config(args.config, [*args.overrides, *shape]))
+            except ValueError as e:
+                raise ValueError(f"--kinds {spec}@{heads} at width {width}: {e}") from None
+        first = configs[kinds[0]][1]
+        budget = training_flops(build_icl_model(first), first, args.base_steps)
+        for spec, heads in kinds:
+            shape, config = configs[(spec, heads)]
+            model = build_icl_model(config)
+            steps = args.base_steps if (spec, heads) == kinds[0] else steps_for_budget(model, config, budget)
+            for lr in lrs:
+                name = f"{slug(spec)}-h{heads}-w{width}-lr{lr:g}"
+                runs.append({
+                    "name": name, "kind": f"{spec}@{heads}", "attention": spec, "heads": heads, "width": width,
+                    "lr": lr, "steps": steps, "flops": training_flops(model, config, steps),
+                    "params": sum(p.numel() for p in model.parameters()),
+                    "overrides": [*args.overrides, *shape, f"optim.lr={lr}", f"run.steps={steps}",
+                                  f"run.out_dir={Path(args.out) / name}"],
+                })
+    return runs
+
+
+def _throughput(run_dir: Path) -> float | None:
+    path = run_dir / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    speeds = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r]
+    return statistics.median(speeds) if speeds else None
+
+
+def run_sweep(args: argparse.Namespace) -> int:
+    runs = plan(args)
+    out = Path(args.out)
+    print(f"sweep: {len(runs)} runs in {out}")
+    for r in runs:
+        print(f"  {r['name']:44s} steps {r['steps']:6d}  training FLOPs {r['flops']:.3e}")
+    if args.dry_run:
+        return 0
+    from ..experiments.icl import load_icl_config, train_icl
+
+    def train_one(r: dict[str, Any]) -> dict[str, Any]:
+        with one_line_warnings("sweep"):
+            result = train_icl(load_icl_config(args.config, r["overrides"]))
+        return {"mse_last": result["mse_last"], "curves": result["curves"], "flops": result["flops"],
+                "steps_done": result["steps"], "wall_s": result["wall_s"], "tokens_per_s": _throughput(out / r["name"]),
+                "n_dims": result["config"]["task"]["n_dims"]}
+
+    results = run_grid(out, EXPERIMENT, runs, train_one)
+    for r in results:
+        print(f"{r['name']}: normalised MSE {r['mse_last']:.4f} with {len(r['curves']['model']) - 1} examples")
+    return 0
+
+
+def _best_per_kind_width(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    best: dict[tuple[str, int], dict[str, Any]] = {}
+    for r in results:
+        key = (r["kind"], r["width"])
+        if key not in best or r["mse_last"] < best[key]["mse_last"]:
+            best[key] = r
+    return sorted(best.values(), key=lambda r: (r["width"], r["flops"]))
+
+
+BASELINE_STYLE = {"least_squares": ":", "ridge": "-.", "3nn": "--", "averaging": (0, (1, 3))}
+
+
+def plot(results: list[dict[str, Any]], out: Path) -> int:
+    """``icl.md`` (the table) and ``icl_width.png``, ``icl_flops.png``, ``icl_examples.png`` in
+    ``out`` from a sweep's results (best learning rate per kind and width)."""
+    best = _best_per_kind_width(results)
+    out.mkdir(parents=True, exist_ok=True)
+    n_examples = len(best[0]["curves"]["model"]) - 1
+    d = best[0].get("n_dims")
+    at_d = f"MSE at {d} ex." if d is not None else "MSE at d ex."
+    lines = [f"| kind | width | lr | steps | training FLOPs | params | MSE at {n_examples} ex. | {at_d} | tokens/s |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in best:
+        tps = f"{r['tokens_per_s']:.0f}" if r.get("tokens_per_s") else ""
+        mse_d = f"{r['curves']['model'][d]:.4f}" if d is not None and d <= n_examples else ""
+        lines.append(f"| {r['kind'].replace('|', chr(92) + '|')} | {r['width']} | {r['lr']:g} | {r['steps']} | "
+                     f"{r['flops']:.3e} | {r['params']:,} | {r['mse_last']:.4f} | {mse_d} | {tps} |")
+    baselines = best[0]["curves"]
+    lines += ["", f"Baselines on the same prompts (normalised MSE with {n_examples} examples): "
+              + ", ".join(f"{k} {v[-1]:.4f}" for k, v in baselines.items() if k != "model")]
+    table = "\n".join(lines)
+    (out / "icl.md").write_text(table + "\n")
+    print(table)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install 'structured-attention[bench]'): no PNG written")
+        return 0
+    kinds = list(dict.fromkeys(r["kind"] for r in best))
+    ylabel = f"normalised MSE, {n_examples} in-context examples"
+
+    def baseline_lines(ax: Any) -> None:
+        for name, style in BASELINE_STYLE.items():
+            if baselines[name][-1] > 1e-6:  # noiseless least squares is exactly 0 from d examples on
+                ax.axhline(baselines[name][-1], color="grey", linestyle=style, linewidth=1, label=name)
+
+    for key, xlabel, fname in (("width", "width (d_model)", "icl_width.png"), ("flops", "training FLOPs", "icl_flops.png")):
+        fig, ax = plt.subplots(figsize=(6.5, 4.5))
+        for kind in kinds:
+            pts = sorted((r[key], r["mse_last"]) for r in best if r["kind"] == kind)
+            ax.plot(*zip(*pts), marker="o", label=kind)
+        baseline_lines(ax)
+        ax.set(xscale="log", yscale="log", xlabel=xlabel, ylabel=ylabel, title=f"in-context regression, d={d}")
+        if key == "width":
+            ax.set_xticks(sorted({r["width"] for r in best}), labels=[str(w) for w in sorted({r["width"] for r in best})])
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / fname, dpi=120)
+        plt.close(fig)
+
+    widths = sorted({r["width"] for r in best})
+    fig, axes = plt.subplots(1, len(widths), figsize=(4.2 * len(widths), 4), sharey=True, squeeze=False)
+    for ax, width in zip(axes[0], widths):
+        for kind in kinds:
+            for r in best:
+                if r["kind"] == kind and r["width"] == width:
+                    ax.plot(r["curves"]["model"], label=kind)
+        for name, style in BASELINE_STYLE.items():
+            ax.plot([max(v, 1e-4) for v in baselines[name]], color="grey", linestyle=style, linewidth=1, label=name)
+        ax.set(yscale="log", xlabel="in-context examples", title=f"width {width}")
+        ax.set_ylim(1e-4, 10)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].set_ylabel("normalised MSE")
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "icl_examples.png", dpi=120)
+    plt.close(fig)
+    print(f"wrote {out / 'icl_width.png'}, {out / 'icl_flops.png'}, {out / 'icl_examples.png'} and {out / 'icl.md'}")
+    return 0

@@ -1,0 +1,80 @@
+"""Classical in-context regression baselines, computed on the same prompts as the model.
+
+Each takes ``xs: (B, N, d)`` and ``ys: (B, N)`` and returns predictions ``(B, N)`` where entry
+``i`` uses only the ``i`` examples ``(x_j, y_j), j < i`` and the query ``x_i`` (entry 0, with no
+examples, predicts 0). Computed in float64.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._checks import check_positive_int, require
+
+__all__ = ["BASELINES", "averaging", "baseline_predictions", "least_squares", "nearest_neighbours", "ridge"]
+
+
+def _check(xs: torch.Tensor, ys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    require(xs.dim() == 3 and ys.shape == xs.shape[:2], "xs/ys", "shapes (B, N, d) and (B, N)",
+            (tuple(xs.shape), tuple(ys.shape)))
+    return xs.double(), ys.double()
+
+
+def least_squares(xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
+    """The minimum-norm least-squares fit of the examples (the pseudo-inverse), which interpolates
+    them while there are fewer than ``d``."""
+    xs, ys = _check(xs, ys)
+    out = torch.zeros_like(ys)
+    for i in range(1, xs.shape[1]):
+        w = torch.linalg.pinv(xs[:, :i]) @ ys[:, :i, None]  # (B, d, 1)
+        out[:, i] = (xs[:, i, None] @ w)[:, 0, 0]
+    return out
+
+
+def ridge(xs: torch.Tensor, ys: torch.Tensor, lam: float) -> torch.Tensor:
+    """``w = (X^T X + lam I)^{-1} X^T y`` on the examples; with noise variance ``lam`` and
+    ``w ~ N(0, I)`` this is the Bayes-optimal (posterior-mean) predictor."""
+    require(lam > 0, "ridge lambda", "a positive number", lam)
+    xs, ys = _check(xs, ys)
+    eye = torch.eye(xs.shape[-1], dtype=xs.dtype)
+    out = torch.zeros_like(ys)
+    for i in range(1, xs.shape[1]):
+        x, y = xs[:, :i], ys[:, :i, None]
+        w = torch.linalg.solve(x.transpose(1, 2) @ x + lam * eye, x.transpose(1, 2) @ y)
+        out[:, i] = (xs[:, i, None] @ w)[:, 0, 0]
+    return out
+
+
+def nearest_neighbours(xs: torch.Tensor, ys: torch.Tensor, k: int = 3) -> torch.Tensor:
+    """The mean ``y`` of the ``k`` examples nearest to the query in Euclidean distance (of all of
+    them while there are fewer than ``k``)."""
+    check_positive_int(k, "k")
+    xs, ys = _check(xs, ys)
+    dist = torch.cdist(xs, xs)  # (B, N, N): row i holds the query's distance to every example
+    out = torch.zeros_like(ys)
+    for i in range(1, xs.shape[1]):
+        idx = dist[:, i, :i].topk(min(k, i), dim=1, largest=False).indices
+        out[:, i] = ys[:, :i].gather(1, idx).mean(1)
+    return out
+
+
+def averaging(xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
+    """``w = mean_j y_j x_j`` (one gradient step from zero, as in Garg et al.)."""
+    xs, ys = _check(xs, ys)
+    counts = torch.arange(xs.shape[1], dtype=xs.dtype).clamp(min=1)
+    # running sums over the examples strictly before each query
+    sums = torch.cumsum(ys[..., None] * xs, dim=1) - ys[..., None] * xs
+    return (sums * xs).sum(-1) / counts
+
+
+BASELINES = ("least_squares", "ridge", "3nn", "averaging")
+
+
+def baseline_predictions(xs: torch.Tensor, ys: torch.Tensor, ridge_lambda: float) -> dict[str, torch.Tensor]:
+    """Every baseline's predictions, by name (:data:`BASELINES`)."""
+    return {
+        "least_squares": least_squares(xs, ys),
+        "ridge": ridge(xs, ys, ridge_lambda),
+        "3nn": nearest_neighbours(xs, ys, 3),
+        "averaging": averaging(xs, ys),
+    }

@@ -1,0 +1,68 @@
+"""``sattn train icl``, ``sattn sweep icl`` and ``sattn plot`` on tiny runs, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from structured_attention.cli.main import main
+from structured_attention.experiments.icl import build_icl_model, load_icl_config, training_flops
+
+TINY = ["task.n_dims=2", "task.n_points=5", "model.max_seq_len=9", "model.d_model=8", "model.n_layers=1",
+        "model.n_heads=1", "run.batch_size=4", "run.eval_batches=2", "run.log_every=1", "optim.warmup_steps=0"]
+
+
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["model.attention=nope"], "model.attention"),
+        (["task.n_dims=0"], "task.n_dims"),
+        (["task.n_points=0"], "task.n_points"),
+        (["task.n_dims=4", "task.sparsity=5"], "task.sparsity"),
+        (["task.nope=1"], "task.nope"),
+        (["task.n_dims=16", "model.max_seq_len=32"], "model.max_seq_len"),
+        (["task.dims_start=0", "task.curriculum_every=10"], "dims_start"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line_naming_the_parameter(overrides, needle, capsys, tmp_path):
+    assert main(["train", "icl", f"run.out_dir={tmp_path}", *overrides]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0] and err[0].startswith("sattn train: error:")
+
+
+def test_bad_sweep_kinds_exit_2(capsys, tmp_path):
+    assert main(["sweep", "icl", "--kinds", "mha@x", "--out", str(tmp_path), "--dry-run"]) == 2
+    assert "--kinds" in capsys.readouterr().err
+    assert main(["sweep", "icl", "--kinds", "mha@3", "--widths", "16", "--out", str(tmp_path), "--dry-run"]) == 2
+    assert "n_heads" in capsys.readouterr().err
+
+
+def test_train_icl_prints_the_error_against_the_baselines_and_writes_the_curves(capsys, tmp_path):
+    assert main(["train", "icl", *TINY, "run.steps=4", f"run.out_dir={tmp_path}"]) == 0
+    out = capsys.readouterr().out
+    assert "normalised MSE with 4 in-context examples (d=2)" in out and "least_squares" in out
+    curves = json.loads((tmp_path / "curves.json").read_text())
+    assert set(curves) == {"model", "least_squares", "ridge", "3nn", "averaging"} and len(curves["model"]) == 5
+
+
+def test_sweep_matches_training_flops_and_plots(capsys, tmp_path):
+    kinds = "mha@2;mha@1;bilinear_btt:1@2"
+    args = ["sweep", "icl", "--widths", "8", "--kinds", kinds, "--base-steps", "6", "--out", str(tmp_path), *TINY,
+            "task.points_start=3", "task.curriculum_every=2"]
+    assert main([*args, "--dry-run"]) == 0
+    assert main(args) == 0
+    results = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("*/result.json"))]
+    assert len(results) == 3
+    budget = next(r["flops"] for r in results if r["kind"] == "mha@2")
+    for r in results:
+        cfg = load_icl_config(None, r["overrides"])
+        per_step = training_flops(build_icl_model(cfg), cfg, r["steps"] + 1) - training_flops(build_icl_model(cfg), cfg, r["steps"])
+        assert abs(r["flops"] - budget) <= per_step / 2 + 1e-6  # the nearest whole number of steps
+        assert r["steps_done"] == r["steps"] and 0 < r["mse_last"]
+    capsys.readouterr()
+    assert main(["plot", str(tmp_path), "--out", str(tmp_path / "plots")]) == 0
+    for name in ("icl.md", "icl_width.png", "icl_flops.png", "icl_examples.png"):
+        assert (tmp_path / "plots" / name).is_file()
+    table = (tmp_path / "plots" / "icl.md").read_text()
+    assert table.count("| bilinear_btt:1@2 | 8 |") == 1 and "least_squares" in table
