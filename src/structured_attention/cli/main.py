@@ -12,9 +12,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from . import bench, describe, lm
+from . import bench, describe, lm, ts
 
-EXPERIMENTS = {module.EXPERIMENT: module for module in (lm,)}
+EXPERIMENTS = {module.EXPERIMENT: module for module in (lm, ts)}
 
 
 def build_parser() -> argparse.ArgumentParser:
