@@ -165,3 +165,27 @@ def test_the_real_etth1_file_has_the_standard_window_counts():
     data = load_series(ETTH1, lookback=512, horizon=96)
     assert data.dataset == "ETTh1" and data.columns == ("HUFL", "HULL", "MUFL", "MULL", "LUFL", "LULL", "OT")
     assert [data.n_windows(s) for s in ("train", "val", "test")] == [8640 - 512 - 96 + 1, 2785, 2785]
+
+
+def test_linear_skip_starts_at_the_ridge_fit_of_the_training_windows(tmp_path):
+    config = small_config(tmp_path, "model.linear_skip=true", "run.skip_ridge=3.0")
+    task = ForecastTask(config)
+    task.setup(None)
+    model = task.build_model()
+    data = task.data
+    feats, targets = [], []
+    for i in range(data.n_windows("train")):  # every channel of every window, by hand
+        for c in range(data.n_channels):
+            x = data.values[i:i + 48, c].astype(np.float64)
+            y = data.values[i + 48:i + 72, c].astype(np.float64)
+            feats.append(x - x.mean())  # error in data units: (y - m) - W (x - m)
+            targets.append(y - x.mean())
+    # ridge as an augmented least-squares problem
+    aug = np.vstack([np.array(feats), np.sqrt(3.0) * np.eye(48)])
+    w, *_ = np.linalg.lstsq(aug, np.vstack([np.array(targets), np.zeros((48, 24))]), rcond=None)
+    np.testing.assert_allclose(model.skip.weight.detach().numpy(), w.T, rtol=1e-4, atol=1e-5)
+    assert not model.skip.bias.detach().any()
+    # the fresh model is that linear forecaster: its test MSE is what train_ts reports for it
+    result = train_ts(config)
+    fresh = forecast_metrics(model, data, "test")
+    assert result["skip_test_mse"] == pytest.approx(fresh["mse"], rel=1e-5)

@@ -107,3 +107,45 @@ def test_config_validation_is_one_line():
         tiny("patch", patch_len=64)
     with pytest.raises(ValueError, match="model.head_dropout"):
         tiny("patch", head_dropout=1.0)
+
+
+@pytest.mark.parametrize("final_norm", [False, True])
+def test_without_final_norm_the_residual_stream_reaches_the_head(final_norm):
+    # With every residual branch silenced the encoder is the identity (plus positions), so the
+    # patch model is the linear forecaster embed -> head; a final LayerNorm would break that.
+    torch.manual_seed(0)
+    model = build_forecaster(tiny("patch", "mlr:4|2|1|1", final_norm=final_norm)).eval()
+    with torch.no_grad():
+        for block in model.backbone.blocks:
+            block.attn.out_proj.weight.zero_()
+            block.mlp.down.weight.zero_()
+    h = torch.randn(2, model.config.n_tokens, 16)
+    want = h + model.backbone.pos_emb.weight
+    if final_norm:
+        want = torch.nn.functional.layer_norm(want, (16,), model.backbone.ln_f.weight, model.backbone.ln_f.bias)
+    torch.testing.assert_close(model.backbone(h), want)
+
+
+def test_linear_skip_starts_as_revin_plus_a_linear_map_over_time():
+    torch.manual_seed(0)
+    config = tiny("patch", "mlr:4|2|1|1", linear_skip=True, revin_affine=False)
+    model = build_forecaster(config).eval()
+    x = torch.randn(3, 32, 3) * 4 + 1
+    mean = x.mean(1, keepdim=True)
+    std = torch.sqrt(x.var(1, keepdim=True, unbiased=False) + 1e-5)
+    z = ((x - mean) / std).transpose(1, 2)  # (B, C, L)
+    want = (z @ model.skip.weight.T + model.skip.bias).transpose(1, 2) * std + mean
+    torch.testing.assert_close(model(x), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="model.linear_skip: expected false for the point family"):
+        tiny("point", linear_skip=True)
+
+
+def test_linear_skip_keeps_channel_independence():
+    torch.manual_seed(0)
+    model = build_forecaster(tiny("patch", "mha", linear_skip=True))
+    torch.nn.init.normal_(model.head.weight, std=0.02)  # trained, not at its zero start
+    model.eval()
+    x = torch.randn(2, 32, 3)
+    x2 = x.clone()
+    x2[:, :, 0] += torch.randn(2, 32)
+    torch.testing.assert_close(model(x)[:, :, 1:], model(x2)[:, :, 1:], rtol=1e-5, atol=1e-6)

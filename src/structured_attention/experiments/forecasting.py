@@ -69,6 +69,14 @@ class TSRunConfig(RunConfig):
     keep_best: bool = True  # the test split is scored with the best-validation model
     patience: int = 5
     examples: int = 3  # test windows whose forecasts test.json keeps (for plots)
+    # model.linear_skip starts at the ridge-regression fit (squared error + skip_ridge * |W|^2) on
+    # the training windows; see fit_linear_skip
+    skip_ridge: float = 100.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(self.skip_ridge >= 0, "run.skip_ridge", "a non-negative number", self.skip_ridge)
+        require(isinstance(self.examples, int) and self.examples >= 0, "run.examples", "a non-negative integer", self.examples)
 
 
 @dataclass(frozen=True)
@@ -170,7 +178,11 @@ class ForecastTask(Task):
                 f"| {per_epoch} steps per epoch")
 
     def build_model(self) -> nn.Module:
-        return build_forecaster(self.config.model)
+        assert self.data is not None
+        model = build_forecaster(self.config.model)
+        if getattr(model, "skip", None) is not None:
+            fit_linear_skip(model, self.data, self.config.run.skip_ridge)
+        return model
 
     def train_windows(self, index: int, rank: int, world_size: int) -> np.ndarray:
         """The training-window indices of this rank's share of global batch ``index``: epoch
@@ -217,13 +229,44 @@ class ForecastTask(Task):
                 "dataset": self.data.dataset}
 
 
+@torch.no_grad()
+def fit_linear_skip(model: nn.Module, data: SeriesData, ridge: float, chunk: int = 1024) -> None:
+    """Set ``model.skip`` (``Linear(L -> H)``, shared by the channels) to the ridge-regression fit of
+    every training window's horizon from its lookback, channel by channel, with a zero bias.
+
+    The skip acts on RevIN's normalised series ``z = (x - m) / s`` (lookback mean ``m``, standard
+    deviation ``s``; RevIN starts as the identity) and its output is scaled back, so with a zero
+    bias its error in the data's units is ``(y - m) - W (x - m)``. The fit minimises that (the
+    metric's units, not the normalised ones, which would weight quiet windows by ``1 / s^2``) plus
+    ``ridge * |W|^2``. (A bias would add ``b s``, an offset that follows the lookback's spread and
+    does not carry over to later periods.) Without RevIN it regresses ``y`` on ``x``."""
+    L, H = data.lookback, data.horizon
+    xx = torch.zeros(L, L, dtype=torch.float64)
+    xy = torch.zeros(L, H, dtype=torch.float64)
+    n = data.n_windows("train")
+    for a in range(0, n, chunk):
+        x, y = data.windows("train", np.arange(a, min(a + chunk, n)))
+        x = torch.from_numpy(x).double().transpose(1, 2).flatten(0, 1)  # (windows * C, L)
+        y = torch.from_numpy(y).double().transpose(1, 2).flatten(0, 1)  # (windows * C, H)
+        if model.revin is not None:
+            mean = x.mean(1, keepdim=True)
+            x, y = x - mean, y - mean
+        xx += x.T @ x
+        xy += x.T @ y
+    w = torch.linalg.solve(xx + ridge * torch.eye(L, dtype=torch.float64), xy)  # (L, H)
+    model.skip.weight.copy_(w.T.float())
+    model.skip.bias.zero_()
+
+
 def train_ts(config: TSConfig, *, resume: bool = False, stream: TextIO | None = None) -> dict[str, Any]:
     """Train a forecaster as ``config`` says (see :func:`training.fit`), then score the
     best-validation model (``<out_dir>/best/``; the last one without ``run.keep_best``) on every
-    validation and test window. Writes and returns ``<out_dir>/test.json``: ``test_mse``,
-    ``test_mae``, ``val_mse``, ``val_mae``, ``best_step``, ``steps``, ``stopped_early``, ``wall_s``,
-    ``params`` and ``examples`` (``run.examples`` test windows of the target channel: the lookback,
-    the truth and the forecast, normalised)."""
+    test window. Writes and returns ``<out_dir>/test.json``: ``test_mse``, ``test_mae``,
+    ``val_mse`` and ``val_mae`` (the best evaluation's, on the validation windows ``evaluate``
+    uses), ``best_step``, ``steps``, ``stopped_early``, ``wall_s``, ``params``, ``examples``
+    (``run.examples`` test windows of the target channel: the lookback, the truth and the
+    forecast, normalised) and, with ``model.linear_skip``, ``skip_test_mse`` / ``skip_test_mae``
+    (the ridge-fitted skip alone)."""
     task = ForecastTask(config)
     result = fit(task, resume=resume, stream=stream)
     if result.model is None:  # a non-zero rank under torchrun: rank 0 reports
@@ -236,13 +279,12 @@ def train_ts(config: TSConfig, *, resume: bool = False, stream: TextIO | None = 
     assert data is not None
     device = next(model.parameters()).device
     test = forecast_metrics(model, data, "test", config.run.batch_size, device)
-    val = forecast_metrics(model, data, "val", config.run.batch_size, device)
     index = _spread(data.n_windows("test"), config.run.examples) if config.run.examples else np.zeros(0, np.int64)
     forecast = predict(model, data, "test", index, config.run.batch_size, device)
     x, y = data.windows("test", index)
     t = data.target_index
     out = {
-        "test_mse": test["mse"], "test_mae": test["mae"], "val_mse": val["mse"], "val_mae": val["mae"],
+        "test_mse": test["mse"], "test_mae": test["mae"], "val_mse": result.best["val_loss"], "val_mae": result.best["val_mae"],
         "best_step": result.best_step, "steps": result.steps, "stopped_early": result.stopped_early,
         "wall_s": result.wall_s, "params": sum(p.numel() for p in model.parameters()),
         "test_windows": data.n_windows("test"),
@@ -253,6 +295,9 @@ def train_ts(config: TSConfig, *, resume: bool = False, stream: TextIO | None = 
             for k, i in enumerate(index)
         ],
     }
+    if getattr(model, "skip", None) is not None:  # a fresh model is the ridge-fitted linear skip alone
+        skip = forecast_metrics(task.build_model().to(device), data, "test", config.run.batch_size, device)
+        out.update(skip_test_mse=skip["mse"], skip_test_mae=skip["mae"])
     (Path(result.out_dir) / "test.json").write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")
     return out
 

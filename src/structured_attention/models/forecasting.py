@@ -12,7 +12,13 @@ encoder whose attention kind (``mha``, ``swa:<w>``, ``mlr:<ranks>``, ``bilinear_
   channel is its own sequence of patches (``patch_len`` steps every ``stride`` steps, the end
   padded with ``stride`` copies of the last value, so ``N = (L - patch_len) / stride + 2``
   tokens), so MLR attention's levels are nested groups of patches; a flatten head maps the
-  ``N x D`` features of a channel to its ``H`` values.
+  ``N x D`` features of a channel to its ``H`` values. With ``linear_skip`` a linear map over time
+  (``L -> H``, shared by the channels) of the normalised series is added to the head's output
+  (RLinear-style), and the encoder starts from zero and learns what the linear map misses.
+
+Neither family has a LayerNorm after the encoder by default (``final_norm=False``): the head
+reads the residual stream, so the model always holds a linear forecaster (embedding -> head) to
+which attention and the MLPs add; a final LayerNorm would normalise every token and lose it.
 
 Reversible instance normalisation (:class:`RevIN`, on by default in both) takes each window's
 per-channel mean and standard deviation out before the model and puts them back after, so the
@@ -101,8 +107,14 @@ class ForecasterConfig:
     dropout: float = 0.2
     head_dropout: float = 0.0  # before the output head
     qk_norm: bool = False
+    # False: no LayerNorm after the encoder, so the head sees the residual stream and the model
+    # holds a linear forecaster (embedding -> head) plus what attention and the MLPs add to it
+    final_norm: bool = False
     patch_len: int = 16  # patch family only
     stride: int = 8  # patch family only
+    # patch family: add a linear map over time, Linear(L -> H) shared by the channels, of each
+    # normalised channel (RLinear-style); the encoder's head starts at zero and learns the residual
+    linear_skip: bool = False
     revin: bool = True
     revin_affine: bool = True
 
@@ -113,6 +125,7 @@ class ForecasterConfig:
         require(0 <= self.head_dropout < 1, "model.head_dropout", "a probability in [0, 1)", self.head_dropout)
         if self.family == "patch":
             require(self.patch_len <= self.lookback, "model.patch_len", f"at most the lookback {self.lookback}", self.patch_len)
+        require(not self.linear_skip or self.family == "patch", "model.linear_skip", "false for the point family", self.linear_skip)
 
     @property
     def n_tokens(self) -> int:
@@ -130,7 +143,7 @@ class ForecasterConfig:
         return TransformerConfig(
             n_layers=self.n_layers, d_model=self.d_model, n_heads=self.n_heads, max_seq_len=self.n_tokens,
             attention=self.attention, positions=self.positions, mlp_ratio=self.mlp_ratio, dropout=self.dropout,
-            qk_norm=self.qk_norm, causal=False,
+            qk_norm=self.qk_norm, causal=False, final_norm=self.final_norm,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -211,17 +224,25 @@ class PatchForecaster(_Forecaster):
         self.embed = nn.Linear(config.patch_len, config.d_model)
         self.head_drop = nn.Dropout(config.head_dropout)
         self.head = nn.Linear(config.n_tokens * config.d_model, config.horizon)
+        self.skip = nn.Linear(config.lookback, config.horizon) if config.linear_skip else None
+        if self.skip is not None:  # start as the linear forecaster; the encoder adds to it
+            nn.init.zeros_(self.head.weight)
+            nn.init.zeros_(self.head.bias)
 
     def _forecast(self, x: torch.Tensor) -> torch.Tensor:
         b, _, ch = x.shape
-        patches = patchify(x.transpose(1, 2), self.config.patch_len, self.config.stride)  # (B, C, N, P)
-        h = self.backbone(self.embed(patches.flatten(0, 1)))  # (B * C, N, D)
+        series = x.transpose(1, 2).flatten(0, 1)  # (B * C, L): one row per channel
+        patches = patchify(series, self.config.patch_len, self.config.stride)  # (B * C, N, P)
+        h = self.backbone(self.embed(patches))  # (B * C, N, D)
         y = self.head(self.head_drop(h.flatten(1)))  # (B * C, H)
+        if self.skip is not None:
+            y = y + self.skip(series)
         return y.view(b, ch, -1).transpose(1, 2)
 
     def _io_flops_per_example(self) -> float:
         c = self.config
-        return c.n_channels * (c.n_tokens * c.patch_len * c.d_model + c.n_tokens * c.d_model * c.horizon)
+        skip = c.lookback * c.horizon if c.linear_skip else 0
+        return c.n_channels * (c.n_tokens * c.patch_len * c.d_model + c.n_tokens * c.d_model * c.horizon + skip)
 
 
 def build_forecaster(config: ForecasterConfig) -> PointForecaster | PatchForecaster:
