@@ -79,19 +79,7 @@ class LMConfig:
             f"at most model.max_seq_len={self.model.max_seq_len}",
             self.run.seq_len,
         )
-        # An unknown attention kind, a malformed spec or ranks that do not fit the head dimension
-        # fail here, with the attention layer's own one-line message: each distinct layer
-        # configuration is built once (one attention layer each; cheap).
-        from ..attention.base import build_attention
-
-        seen = []
-        try:
-            for attention in self.model.attention_configs():
-                if attention not in seen:
-                    seen.append(attention)
-                    build_attention(attention)
-        except ValueError as e:
-            raise ValueError(f"model.attention={self.model.attention!r}: {e}") from None
+        self.model.check_attention()
 
 
 def load_lm_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> LMConfig:

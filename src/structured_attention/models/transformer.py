@@ -61,6 +61,19 @@ class TransformerConfig:
         )
         return [AttentionConfig(**{**shared, **spec}) for spec in parse_attention_pattern(self.attention, self.n_layers)]
 
+    def check_attention(self) -> None:
+        """Raise ``ValueError("model.attention=...: <the layer's one-line message>")`` for an
+        unknown kind, a malformed spec or ranks that do not fit the head dimension: each distinct
+        layer configuration is built once (one attention layer each; cheap)."""
+        seen: list[AttentionConfig] = []
+        try:
+            for attention in self.attention_configs():
+                if attention not in seen:
+                    seen.append(attention)
+                    build_attention(attention)
+        except ValueError as e:
+            raise ValueError(f"model.attention={self.attention!r}: {e}") from None
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
