@@ -120,7 +120,7 @@ def test_bad_inputs_end_with_one_line_and_status_2(tmp_path, capsys, problem):
     args = [f"data.source={path}", "data.lookback=48", "data.horizon=24", f"run.out_dir={tmp_path / 'r'}"]
     expected = {"missing": "missing value in column 'a' at line 11", "text": "non-numeric value 'n/k'",
                 "short": "too few for lookback 48 + horizon 24", "target": "target: expected one of the columns",
-                "blocks": "model.attention='mlr:4|2|1|1' over 7 tokens"}[problem]
+                "blocks": "model.attention='mlr:4|2|1|1': block_sizes"}[problem]
     if problem in ("missing", "text"):
         lines[10] = lines[10].split(",")[0] + ("," if problem == "missing" else ",n/k") + "," + lines[10].split(",")[2]
         path.write_text("\n".join(lines) + "\n")
@@ -134,6 +134,8 @@ def test_bad_inputs_end_with_one_line_and_status_2(tmp_path, capsys, problem):
     code, err = run_cli(capsys, "train", "ts", *args)
     assert code == 2 and len(err.splitlines()) == 1 and err.startswith("sattn train: error:")
     assert expected in err
+    if problem == "blocks":
+        assert "context=7" in err  # 7 patches
 
 
 def test_cli_sweep_is_resumable_and_plots_tables_and_pngs(tmp_path, capsys):
@@ -157,6 +159,11 @@ def test_cli_sweep_is_resumable_and_plots_tables_and_pngs(tmp_path, capsys):
     assert "mlr:4\\|4 MSE" in table and "PatchTST/64 MSE / MAE" in table and "(n=2)" in table
     mse = [json.loads((out / f"patch-mha-h24-s{s}" / "result.json").read_text())["test_mse"] for s in (0, 1)]
     assert f"{np.mean(mse):.3f} ± {np.std(mse, ddof=1):.3f}" in table
+    mlr = [json.loads((out / f"patch-mlr-4-4-h24-s{s}" / "result.json").read_text())["test_mse"] for s in (0, 1)]
+    change = 100 * (np.mean(mlr) - np.mean(mse)) / np.mean(mse)
+    wins = sum(a < b for a, b in zip(mlr, mse))
+    assert "Test MSE change against mha, paired by seed" in table
+    assert f"| 24 | {change:+.2f}% (lower in {wins} of 2 seeds) |" in table
     assert (docs / "patch-mse.png").stat().st_size > 0 and (docs / "patch-forecast.png").stat().st_size > 0
 
 

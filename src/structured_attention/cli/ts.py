@@ -156,12 +156,16 @@ def _groups(results: list[dict[str, Any]]) -> dict[tuple[str, int, str], list[di
 
 
 def table(results: list[dict[str, Any]], family: str) -> str:
-    """Markdown: per horizon, each kind's test MSE and MAE (mean ± std over seeds) and the
-    published ETTh1 figures."""
+    """Markdown: per horizon, each kind's test MSE and MAE (mean ± std over seeds), the linear
+    skip alone where the model has one, and the published ETTh1 figures."""
     groups = {k: v for k, v in _groups(results).items() if k[0] == family}
     kinds = list(dict.fromkeys(k[2] for k in groups))
     horizons = sorted({k[1] for k in groups})
-    head = ["horizon", *[f"{k} MSE" for k in kinds], *[f"{k} MAE" for k in kinds], *[f"{p} MSE / MAE" for p in PUBLISHED]]
+    # the ridge-fitted linear skip alone (model.linear_skip), the same for every kind and seed
+    skip = {h: [r for (_, rh, _), rs in groups.items() if rh == h for r in rs if "skip_test_mse" in r] for h in horizons}
+    head = ["horizon", *[f"{k} MSE" for k in kinds], *[f"{k} MAE" for k in kinds]]
+    head += ["linear skip alone MSE / MAE"] if any(skip.values()) else []
+    head += [f"{p} MSE / MAE" for p in PUBLISHED]
     lines = ["| " + " | ".join(h.replace("|", "\\|") for h in head) + " |", "|" + "---|" * len(head)]
     for h in horizons:
         cells = [str(h)]
@@ -169,9 +173,30 @@ def table(results: list[dict[str, Any]], family: str) -> str:
             for k in kinds:
                 rs = groups.get((family, h, k), [])
                 cells.append(f"{_mean_std([r[metric] for r in rs])} (n={len(rs)})" if rs else "")
+        if any(skip.values()):
+            rs = skip[h]
+            cells.append(f"{statistics.mean(r['skip_test_mse'] for r in rs):.3f} / "
+                         f"{statistics.mean(r['skip_test_mae'] for r in rs):.3f}" if rs else "")
         for figures in PUBLISHED.values():
             cells.append("{:.3f} / {:.3f}".format(*figures[h]) if h in figures else "")
         lines.append("| " + " | ".join(cells) + " |")
+    if len(kinds) > 1:  # each kind against the first, seed by seed (same seed: same init and batches)
+        base = kinds[0]
+        lines += ["", f"Test MSE change against {base.replace('|', chr(92) + '|')}, paired by seed (negative: lower error):", "",
+                  "| horizon | " + " | ".join(k.replace("|", "\\|") for k in kinds[1:]) + " |", "|" + "---|" * len(kinds)]
+        for h in horizons:
+            ref = {r["seed"]: r["test_mse"] for r in groups.get((family, h, base), [])}
+            cells = [str(h)]
+            for k in kinds[1:]:
+                pairs = [(r["test_mse"], ref[r["seed"]]) for r in groups.get((family, h, k), []) if r["seed"] in ref]
+                if not pairs:
+                    cells.append("")
+                    continue
+                mean_k = statistics.mean(a for a, _ in pairs)
+                mean_b = statistics.mean(b for _, b in pairs)
+                wins = sum(a < b for a, b in pairs)
+                cells.append(f"{100 * (mean_k - mean_b) / mean_b:+.2f}% (lower in {wins} of {len(pairs)} seeds)")
+            lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -91,18 +91,9 @@ class TSConfig:
         if (self.model.lookback, self.model.horizon) != (self.data.lookback, self.data.horizon):
             model = dataclasses.replace(self.model, lookback=self.data.lookback, horizon=self.data.horizon)
             object.__setattr__(self, "model", model)
-        # An unknown attention kind, bad ranks, or MLR block sizes that do not divide the token
-        # count fail here with the layer's own one-line message (one layer built per distinct kind).
-        from ..attention.base import build_attention
-
-        seen = []
-        try:
-            for attention in self.model.backbone_config().attention_configs():
-                if attention not in seen:
-                    seen.append(attention)
-                    build_attention(attention)
-        except ValueError as e:
-            raise ValueError(f"model.attention={self.model.attention!r} over {self.model.n_tokens} tokens: {e}") from None
+        # An unknown kind, bad ranks or MLR block sizes that do not divide the token count
+        # (the context) fail here with the layer's one-line message.
+        self.model.backbone_config().check_attention()
 
 
 def load_ts_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> TSConfig:
