@@ -13,9 +13,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from . import bench, describe, icl, lm
+from . import bench, describe, icl, lm, ts
 
-EXPERIMENTS = {module.EXPERIMENT: module for module in (lm, icl)}
+EXPERIMENTS = {module.EXPERIMENT: module for module in (lm, icl, ts)}
 
 
 class _Parser(argparse.ArgumentParser):

@@ -50,7 +50,6 @@ import math
 import os
 import sys
 import sysconfig
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,6 +58,7 @@ from typing import Any
 import numpy as np
 
 from .._checks import require
+from .._files import atomic_write
 from .tokenizers import TOKENIZERS, ByteTokenizer, CharTokenizer, Tokenizer, tokenizer_from_json
 
 __all__ = [
@@ -302,23 +302,6 @@ def _cache_key(tokenizer_name: str, train_b: bytes, val_b: bytes) -> str:
     return h.hexdigest()
 
 
-def _atomic_write(path: Path, write) -> None:
-    """Write via a temporary file in ``path``'s folder, then ``os.replace`` it into place."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".tmp-{path.name}-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-
-
 def _open_shards(folder: Path) -> tuple[dict[str, Any], np.ndarray, np.ndarray] | None:
     """The cached (meta, train, val) in ``folder``, or None when it is absent or incomplete."""
     try:
@@ -400,9 +383,9 @@ def load_corpus(
             "val_documents": val_names,
         }
         folder.mkdir(parents=True, exist_ok=True)
-        _atomic_write(folder / "train.bin", lambda f: f.write(train_ids.tobytes()))
-        _atomic_write(folder / "val.bin", lambda f: f.write(val_ids.tobytes()))
-        _atomic_write(folder / "meta.json", lambda f: f.write(json.dumps(meta, ensure_ascii=False).encode("utf-8")))
+        atomic_write(folder / "train.bin", lambda p: Path(p).write_bytes(train_ids.tobytes()))
+        atomic_write(folder / "val.bin", lambda p: Path(p).write_bytes(val_ids.tobytes()))
+        atomic_write(folder / "meta.json", lambda p: Path(p).write_text(json.dumps(meta, ensure_ascii=False), encoding="utf-8"))
         cached = _open_shards(folder)
         if cached is None:  # pragma: no cover - only if the filesystem lost what was just written
             raise OSError(f"cache_dir: could not read back the shards written to {str(folder)!r}")

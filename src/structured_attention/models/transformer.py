@@ -41,6 +41,9 @@ class TransformerConfig:
     attn_scale: str = "sp"
     bias: bool = False
     causal: bool = True
+    # a LayerNorm on the output; without it the residual stream reaches the head unnormalised, so
+    # a linear path runs from the input embeddings to the output (forecasters want that)
+    final_norm: bool = True
 
     def __post_init__(self) -> None:
         for name in ("n_layers", "d_model", "n_heads", "max_seq_len"):
@@ -101,7 +104,8 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Learned positions (if configured), the blocks and a final LayerNorm: ``(B, T, D) -> (B, T, D)``."""
+    """Learned positions (if configured), the blocks and a final LayerNorm (unless
+    ``final_norm=False``): ``(B, T, D) -> (B, T, D)``."""
 
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
@@ -109,7 +113,7 @@ class Transformer(nn.Module):
         self.pos_emb = nn.Embedding(config.max_seq_len, config.d_model) if config.positions == "learned" else None
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config, a) for a in config.attention_configs())
-        self.ln_f = nn.LayerNorm(config.d_model)
+        self.ln_f = nn.LayerNorm(config.d_model) if config.final_norm else nn.Identity()
 
     def forward(self, x: torch.Tensor, caches: list[KVCache] | None = None) -> torch.Tensor:
         """Features of embeddings ``x: (B, T, D)``; with ``caches`` they continue the cached sequence."""

@@ -40,6 +40,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from .._files import atomic_write
+
 __all__ = [
     "CHECKPOINT_FORMAT",
     "LoadedCheckpoint",
@@ -82,22 +84,6 @@ def _fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
-
-
-def _atomic_write(path: Path, write) -> None:
-    """``write(tmp_path)``, fsync, then ``os.replace`` onto ``path``."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".tmp-{path.name}-")
-    os.close(fd)
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as f:
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def _b64(t: torch.Tensor) -> str:
@@ -214,8 +200,8 @@ def save_checkpoint(
     final = root / f"step-{step:08d}"
     tmp_dir = Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-step-{step:08d}-"))
     try:
-        _atomic_write(tmp_dir / MODEL_FILE, lambda p: save_file(model_tensors, p, metadata={"format": CHECKPOINT_FORMAT}))
-        _atomic_write(tmp_dir / OPTIM_FILE, lambda p: save_file(optim_tensors, p, metadata={"format": CHECKPOINT_FORMAT}))
+        atomic_write(tmp_dir / MODEL_FILE, lambda p: save_file(model_tensors, p, metadata={"format": CHECKPOINT_FORMAT}))
+        atomic_write(tmp_dir / OPTIM_FILE, lambda p: save_file(optim_tensors, p, metadata={"format": CHECKPOINT_FORMAT}))
         payload = {
             **state,
             "format": CHECKPOINT_FORMAT,
@@ -230,7 +216,7 @@ def save_checkpoint(
             with open(p, "w", encoding="utf-8") as f:
                 f.write(text)
 
-        _atomic_write(tmp_dir / STATE_FILE, write_json)
+        atomic_write(tmp_dir / STATE_FILE, write_json)
         _fsync_dir(tmp_dir)
         if final.exists():  # re-saving the same step: move the old one aside first
             shutil.rmtree(final)

@@ -1,0 +1,249 @@
+"""Forecasters over the shared :class:`Transformer` backbone (SPEC section 4, time series).
+
+Both map a lookback window ``x: (B, L, C)`` to a forecast ``(B, H, C)``, with a bidirectional
+encoder whose attention kind (``mha``, ``swa:<w>``, ``mlr:<ranks>``, ``bilinear_mlr:<ranks>``,
+``bilinear_btt:<rank>``, per layer if wanted) comes from the config:
+
+- ``family='point'`` (:class:`PointForecaster`, the authors' setting): one token per time step
+  (all channels of that step embedded together), 2 layers of width 512 with 8 heads by default;
+  a linear map over time (``L -> H`` tokens) and one over features (``D -> C``) read the forecast
+  off the encoder's features.
+- ``family='patch'`` (:class:`PatchForecaster`, PatchTST-style): channel-independent -- every
+  channel is its own sequence of patches (``patch_len`` steps every ``stride`` steps, the end
+  padded with ``stride`` copies of the last value, so ``N = (L - patch_len) / stride + 2``
+  tokens), so MLR attention's levels are nested groups of patches; a flatten head maps the
+  ``N x D`` features of a channel to its ``H`` values. With ``linear_skip`` a linear map over time
+  (``L -> H``, shared by the channels) of the normalised series is added to the head's output
+  (RLinear-style), and the encoder starts from zero and learns what the linear map misses.
+
+Neither family has a LayerNorm after the encoder by default (``final_norm=False``): the head
+reads the residual stream, so the model always holds a linear forecaster (embedding -> head) to
+which attention and the MLPs add; a final LayerNorm would normalise every token and lose it.
+
+Reversible instance normalisation (:class:`RevIN`, on by default in both) takes each window's
+per-channel mean and standard deviation out before the model and puts them back after, so the
+model sees level- and scale-free inputs (the distribution shift between ETT's splits is large).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._checks import check_positive_int, require
+from ..matrices.base import Fan
+from .transformer import Transformer, TransformerConfig, init_gpt2_, parameter_fans
+
+__all__ = [
+    "ForecasterConfig",
+    "PatchForecaster",
+    "PointForecaster",
+    "RevIN",
+    "build_forecaster",
+    "n_patches",
+    "patchify",
+]
+
+
+def n_patches(lookback: int, patch_len: int, stride: int) -> int:
+    """Patches of a ``lookback``-step series padded at the end with ``stride`` copies of its last value."""
+    return (lookback + stride - patch_len) // stride + 1
+
+
+def patchify(x: torch.Tensor, patch_len: int, stride: int) -> torch.Tensor:
+    """``(..., L) -> (..., N, patch_len)``: patch ``n`` is ``x_pad[n * stride : n * stride + patch_len]``
+    where ``x_pad`` is ``x`` followed by ``stride`` copies of its last value (PatchTST's end padding)."""
+    x = torch.cat([x, x[..., -1:].expand(*x.shape[:-1], stride)], dim=-1)
+    return x.unfold(-1, patch_len, stride)
+
+
+class RevIN(nn.Module):
+    """Reversible instance normalisation (Kim et al., 2022) over the time axis of ``(B, T, C)``:
+    ``normalize`` returns ``(x - mean) / std * weight + bias`` and the statistics, ``denormalize``
+    inverts it on the forecast. ``weight`` starts at 1 and ``bias`` at 0 (learned if ``affine``)."""
+
+    def __init__(self, n_channels: int, affine: bool = True, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(n_channels)) if affine else None
+        self.bias = nn.Parameter(torch.zeros(n_channels)) if affine else None
+
+    def normalize(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        mean = x.mean(dim=1, keepdim=True).detach()
+        std = torch.sqrt(x.var(dim=1, keepdim=True, unbiased=False) + self.eps).detach()
+        x = (x - mean) / std
+        if self.weight is not None:
+            x = x * self.weight + self.bias
+        return x, (mean, std)
+
+    def denormalize(self, y: torch.Tensor, stats: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        mean, std = stats
+        if self.weight is not None:
+            y = (y - self.bias) / (self.weight + self.eps**2)  # eps^2 keeps a weight near 0 finite
+        return y * std + mean
+
+
+@dataclass(frozen=True)
+class ForecasterConfig:
+    """A forecaster. ``n_channels``, ``lookback`` and ``horizon`` come from the data (the
+    experiment fills them in); the rest is the architecture."""
+
+    family: str = "patch"  # "point" (a token per time step) or "patch" (PatchTST-style)
+    n_channels: int = 7
+    lookback: int = 512
+    horizon: int = 96
+    n_layers: int = 3
+    d_model: int = 64
+    n_heads: int = 4
+    # an attention spec, or a comma-separated per-layer pattern; always bidirectional here
+    attention: str = "mha"
+    positions: str = "learned"  # "learned", "rotary" or "none" (bilinear kinds need learned or none)
+    mlp_ratio: float = 4.0
+    dropout: float = 0.2
+    head_dropout: float = 0.0  # before the output head
+    qk_norm: bool = False
+    # False: no LayerNorm after the encoder, so the head sees the residual stream and the model
+    # holds a linear forecaster (embedding -> head) plus what attention and the MLPs add to it
+    final_norm: bool = False
+    patch_len: int = 16  # patch family only
+    stride: int = 8  # patch family only
+    # patch family: add a linear map over time, Linear(L -> H) shared by the channels, of each
+    # normalised channel (RLinear-style); the encoder's head starts at zero and learns the residual
+    linear_skip: bool = False
+    revin: bool = True
+    revin_affine: bool = True
+
+    def __post_init__(self) -> None:
+        require(self.family in ("point", "patch"), "model.family", "'point' or 'patch'", self.family)
+        for name in ("n_channels", "lookback", "horizon", "patch_len", "stride"):
+            check_positive_int(getattr(self, name), f"model.{name}")
+        require(0 <= self.head_dropout < 1, "model.head_dropout", "a probability in [0, 1)", self.head_dropout)
+        if self.family == "patch":
+            require(self.patch_len <= self.lookback, "model.patch_len", f"at most the lookback {self.lookback}", self.patch_len)
+        require(not self.linear_skip or self.family == "patch", "model.linear_skip", "false for the point family", self.linear_skip)
+
+    @property
+    def n_tokens(self) -> int:
+        """The encoder's sequence length: ``lookback`` time steps, or the number of patches."""
+        return self.lookback if self.family == "point" else n_patches(self.lookback, self.patch_len, self.stride)
+
+    @property
+    def tokens_per_example(self) -> int:
+        """Encoder positions per lookback window: one sequence (point) or one per channel (patch)."""
+        return self.n_tokens if self.family == "point" else self.n_channels * self.n_tokens
+
+    def backbone_config(self) -> TransformerConfig:
+        """The bidirectional encoder; its context is exactly the token count, so MLR attention's
+        default block sizes are ``n_tokens / 2^(l-1)``."""
+        return TransformerConfig(
+            n_layers=self.n_layers, d_model=self.d_model, n_heads=self.n_heads, max_seq_len=self.n_tokens,
+            attention=self.attention, positions=self.positions, mlp_ratio=self.mlp_ratio, dropout=self.dropout,
+            qk_norm=self.qk_norm, causal=False, final_norm=self.final_norm,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class _Forecaster(nn.Module, ABC):
+    """What both families share: RevIN around ``_forecast``, the backbone, accounting, muP fans."""
+
+    def __init__(self, config: ForecasterConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.revin = RevIN(config.n_channels, config.revin_affine) if config.revin else None
+        self.backbone = Transformer(config.backbone_config())
+        init_gpt2_(self.backbone, config.n_layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The forecast ``(B, H, C)`` of lookback windows ``x: (B, L, C)``."""
+        c = self.config
+        require(x.dim() == 3 and x.shape[1:] == (c.lookback, c.n_channels), "x",
+                f"a (batch, lookback={c.lookback}, channels={c.n_channels}) tensor", tuple(x.shape))
+        if self.revin is None:
+            return self._forecast(x)
+        x, stats = self.revin.normalize(x)
+        return self.revin.denormalize(self._forecast(x), stats)
+
+    @abstractmethod
+    def _forecast(self, x: torch.Tensor) -> torch.Tensor:
+        """``(B, L, C) -> (B, H, C)`` on normalised inputs."""
+
+    @abstractmethod
+    def _io_flops_per_example(self) -> float:
+        """Multiply-adds of the input embedding and the output head for one window."""
+
+    def forward_flops_per_token(self) -> float:
+        """Multiply-adds of one forward per encoder position: the backbone
+        (:meth:`Transformer.forward_flops_per_position`) plus the input and output maps' share."""
+        c = self.config
+        return self.backbone.forward_flops_per_position(c.n_tokens) + self._io_flops_per_example() / c.tokens_per_example
+
+    def training_flops_per_token(self) -> float:
+        """2 FLOPs per multiply-add, times 3 for forward and backward."""
+        return 6 * self.forward_flops_per_token()
+
+    def parameter_fans(self) -> dict[str, Fan]:
+        return parameter_fans(self)
+
+
+class PointForecaster(_Forecaster):
+    """One token per time step: ``Linear(C -> D)``, the encoder over the ``L`` steps, then
+    ``Linear(L -> H)`` over time and ``Linear(D -> C)`` over features."""
+
+    def __init__(self, config: ForecasterConfig) -> None:
+        super().__init__(config)
+        self.embed = nn.Linear(config.n_channels, config.d_model)
+        self.time_proj = nn.Linear(config.lookback, config.horizon)
+        self.head_drop = nn.Dropout(config.head_dropout)
+        self.out = nn.Linear(config.d_model, config.n_channels)
+
+    def _forecast(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.backbone(self.embed(x))  # (B, L, D)
+        h = self.time_proj(h.transpose(1, 2)).transpose(1, 2)  # (B, H, D)
+        return self.out(self.head_drop(h))
+
+    def _io_flops_per_example(self) -> float:
+        c = self.config
+        return c.lookback * c.n_channels * c.d_model + c.d_model * c.lookback * c.horizon + c.horizon * c.d_model * c.n_channels
+
+
+class PatchForecaster(_Forecaster):
+    """Channel-independent patches: each channel's series is cut into ``N`` patches, embedded by
+    ``Linear(patch_len -> D)``, encoded on its own, and its ``N x D`` features flattened into
+    ``Linear(N * D -> H)``. Nothing mixes channels, so a channel's forecast depends on its own
+    history only."""
+
+    def __init__(self, config: ForecasterConfig) -> None:
+        super().__init__(config)
+        self.embed = nn.Linear(config.patch_len, config.d_model)
+        self.head_drop = nn.Dropout(config.head_dropout)
+        self.head = nn.Linear(config.n_tokens * config.d_model, config.horizon)
+        self.skip = nn.Linear(config.lookback, config.horizon) if config.linear_skip else None
+        if self.skip is not None:  # start as the linear forecaster; the encoder adds to it
+            nn.init.zeros_(self.head.weight)
+            nn.init.zeros_(self.head.bias)
+
+    def _forecast(self, x: torch.Tensor) -> torch.Tensor:
+        b, _, ch = x.shape
+        series = x.transpose(1, 2).flatten(0, 1)  # (B * C, L): one row per channel
+        patches = patchify(series, self.config.patch_len, self.config.stride)  # (B * C, N, P)
+        h = self.backbone(self.embed(patches))  # (B * C, N, D)
+        y = self.head(self.head_drop(h.flatten(1)))  # (B * C, H)
+        if self.skip is not None:
+            y = y + self.skip(series)
+        return y.view(b, ch, -1).transpose(1, 2)
+
+    def _io_flops_per_example(self) -> float:
+        c = self.config
+        skip = c.lookback * c.horizon if c.linear_skip else 0
+        return c.n_channels * (c.n_tokens * c.patch_len * c.d_model + c.n_tokens * c.d_model * c.horizon + skip)
+
+
+def build_forecaster(config: ForecasterConfig) -> PointForecaster | PatchForecaster:
+    return PointForecaster(config) if config.family == "point" else PatchForecaster(config)

@@ -1,0 +1,198 @@
+"""The forecasting experiment: metrics against numpy, reproducible epoch batches, training that
+beats the last-value baseline, the best model scored on the test split, the CLI (one-line errors,
+sweep, plot) -- on small synthetic CSVs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from structured_attention.cli.main import main
+from structured_attention.data.timeseries import load_series
+from structured_attention.experiments.forecasting import (
+    ForecastTask,
+    forecast_metrics,
+    load_forecaster,
+    load_ts_config,
+    train_ts,
+)
+from structured_attention.models.forecasting import ForecasterConfig, build_forecaster
+
+ETTH1 = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "ett" / "ETTh1.csv"
+
+
+def sinusoid_csv(path: Path, n: int = 1200, seed: int = 0) -> Path:
+    """Two channels with a 24-step cycle (and a phase shift), a slow trend and a little noise."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(n)
+    a = np.sin(2 * np.pi * t / 24) + 0.002 * t + 0.05 * rng.normal(size=n)
+    b = 2 * np.cos(2 * np.pi * t / 24 + 0.5) + 0.05 * rng.normal(size=n)
+    rows = ["date,a,OT"] + [f"2020-01-01 {i},{float(x)!r},{float(y)!r}" for i, x, y in zip(t, a, b)]
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def small_config(tmp_path: Path, *overrides: str):
+    base = [
+        f"data.source={sinusoid_csv(tmp_path / 'sine.csv')}", "data.lookback=48", "data.horizon=24",
+        "model.family=patch", "model.n_layers=1", "model.d_model=16", "model.n_heads=2", "model.patch_len=8",
+        "model.stride=4", "model.dropout=0.0", "model.attention=mlr:4|4", "optim.lr=3e-3", "optim.warmup_steps=5",
+        "run.steps=60", "run.batch_size=16", "run.eval_every=20", "run.log_every=20", "run.eval_batches=4",
+        f"run.out_dir={tmp_path / 'run'}",
+    ]
+    return load_ts_config(None, [*base, *overrides])
+
+
+def test_metrics_equal_numpy_over_every_window_including_the_last_partial_batch(tmp_path):
+    data = load_series(sinusoid_csv(tmp_path / "s.csv", n=600), lookback=48, horizon=24)
+    torch.manual_seed(0)
+    model = build_forecaster(ForecasterConfig(family="point", n_channels=2, lookback=48, horizon=24, n_layers=1,
+                                              d_model=16, n_heads=2, dropout=0.0)).eval()
+    a, _ = data.borders["test"]
+    n = data.n_windows("test")
+    assert n % 7 != 0
+    preds, truths = [], []
+    with torch.no_grad():
+        for i in range(n):  # one window at a time, sliced from the scaled array by hand
+            x = data.values[a + i:a + i + 48]
+            preds.append(model(torch.from_numpy(x)[None])[0].numpy())
+            truths.append(data.values[a + i + 48:a + i + 72])
+    err = np.stack(preds).astype(np.float64) - np.stack(truths)
+    got = forecast_metrics(model, data, "test", batch_size=7)
+    assert got["mse"] == pytest.approx(np.mean(err**2), rel=1e-5)
+    assert got["mae"] == pytest.approx(np.mean(np.abs(err)), rel=1e-5)
+
+
+def test_batches_are_a_pure_function_of_seed_and_index_and_cover_each_epoch(tmp_path):
+    task = ForecastTask(small_config(tmp_path, "run.batch_size=8"))
+    task.setup(None)
+    n = task.data.n_windows("train")
+    per_epoch = n // 8
+    epoch = np.concatenate([task.train_windows(i, 0, 1) for i in range(per_epoch)])
+    assert len(np.unique(epoch)) == per_epoch * 8  # no window twice in an epoch
+    assert not np.array_equal(task.train_windows(per_epoch, 0, 1), task.train_windows(0, 0, 1))  # reshuffled
+    x, y = task.batch(3, 0, 1, torch.device("cpu"))
+    wx, wy = task.data.windows("train", task.train_windows(3, 0, 1))
+    torch.testing.assert_close(x, torch.from_numpy(wx))
+    torch.testing.assert_close(y, torch.from_numpy(wy))
+    again = ForecastTask(small_config(tmp_path, "run.batch_size=8"))
+    again.setup(None)
+    np.testing.assert_array_equal(again.train_windows(3, 0, 1), task.train_windows(3, 0, 1))
+    # two ranks of a step together are the one-process global batch of twice the size
+    big = ForecastTask(small_config(tmp_path, "run.batch_size=16"))
+    big.setup(None)
+    both = np.concatenate([task.train_windows(5, 0, 2), task.train_windows(5, 1, 2)])
+    np.testing.assert_array_equal(both, big.train_windows(5, 0, 1))
+
+
+def test_training_beats_the_last_value_baseline_and_scores_the_best_model(tmp_path):
+    config = small_config(tmp_path)
+    result = train_ts(config)
+    data = load_series(config.data.source, lookback=48, horizon=24)
+    x, y = data.windows("test", np.arange(data.n_windows("test")))
+    last_value_mse = float(np.mean((x[:, -1:, :] - y) ** 2))
+    assert result["test_mse"] < 0.2 * last_value_mse
+    assert result["test_windows"] == data.n_windows("test") and result["steps"] == 60
+    saved = json.loads((tmp_path / "run" / "test.json").read_text())
+    assert saved["test_mse"] == pytest.approx(result["test_mse"])
+    ex = saved["examples"][0]
+    assert ex["channel"] == "OT" and len(ex["history"]) == 48 and len(ex["truth"]) == len(ex["forecast"]) == 24
+    # the reported numbers are the best-validation model's, as reloaded from <out_dir>/best
+    model, loaded, ckpt = load_forecaster(tmp_path / "run" / "best")
+    assert ckpt.step == result["best_step"] and loaded.model.n_channels == 2
+    assert ckpt.state["columns"] == ["a", "OT"]
+    assert forecast_metrics(model, data, "test")["mse"] == pytest.approx(result["test_mse"], rel=1e-6)
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str]:
+    code = main(list(argv))
+    return code, capsys.readouterr().err.strip()
+
+
+@pytest.mark.parametrize("problem", ["missing", "text", "short", "target", "blocks"])
+def test_bad_inputs_end_with_one_line_and_status_2(tmp_path, capsys, problem):
+    path = sinusoid_csv(tmp_path / "in.csv", n=400)
+    lines = path.read_text().splitlines()
+    args = [f"data.source={path}", "data.lookback=48", "data.horizon=24", f"run.out_dir={tmp_path / 'r'}"]
+    expected = {"missing": "missing value in column 'a' at line 11", "text": "non-numeric value 'n/k'",
+                "short": "too few for lookback 48 + horizon 24", "target": "target: expected one of the columns",
+                "blocks": "model.attention='mlr:4|2|1|1': block_sizes"}[problem]
+    if problem in ("missing", "text"):
+        lines[10] = lines[10].split(",")[0] + ("," if problem == "missing" else ",n/k") + "," + lines[10].split(",")[2]
+        path.write_text("\n".join(lines) + "\n")
+    elif problem == "short":
+        path.write_text("\n".join(lines[:150]) + "\n")
+    elif problem == "target":
+        args.append("data.target=load")
+    else:  # 48-step lookback, patches of 8 every 8 steps: 7 patches, not divisible by 2^3
+        args += ["model.family=patch", "model.d_model=16", "model.n_heads=2", "model.patch_len=8", "model.stride=8",
+                 "model.attention=mlr:4|2|1|1"]
+    code, err = run_cli(capsys, "train", "ts", *args)
+    assert code == 2 and len(err.splitlines()) == 1 and err.startswith("sattn train: error:")
+    assert expected in err
+    if problem == "blocks":
+        assert "context=7" in err  # 7 patches
+
+
+def test_cli_sweep_is_resumable_and_plots_tables_and_pngs(tmp_path, capsys):
+    sinusoid_csv(tmp_path / "sine.csv", n=600)
+    out = tmp_path / "sweep"
+    argv = ["sweep", "ts", "--horizons", "12,24", "--kinds", "mha;mlr:4|4", "--seeds", "0,1", "--out", str(out),
+            f"data.source={tmp_path / 'sine.csv'}", "data.lookback=48", "model.family=patch", "model.n_layers=1",
+            "model.d_model=16", "model.n_heads=2", "model.patch_len=8", "model.stride=4", "run.steps=4",
+            "run.eval_every=2", "run.batch_size=8", "run.eval_batches=2", "run.log_every=2"]
+    assert main(argv) == 0
+    names = sorted(p.parent.name for p in out.glob("*/result.json"))
+    assert len(names) == 8 and "patch-mlr-4-4-h24-s1" in names
+    result = json.loads((out / "patch-mha-h12-s0" / "result.json").read_text())
+    assert result["horizon"] == 12 and result["kind"] == "mha" and result["test_mse"] > 0
+    capsys.readouterr()
+    assert main(argv) == 0  # everything done: nothing retrains
+    assert "step" not in capsys.readouterr().err
+    docs = tmp_path / "docs"
+    assert main(["plot", str(out), "--out", str(docs)]) == 0
+    table = (docs / "patch.md").read_text()
+    assert "mlr:4\\|4 MSE" in table and "PatchTST/64 MSE / MAE" in table and "(n=2)" in table
+    mse = [json.loads((out / f"patch-mha-h24-s{s}" / "result.json").read_text())["test_mse"] for s in (0, 1)]
+    assert f"{np.mean(mse):.3f} ± {np.std(mse, ddof=1):.3f}" in table
+    mlr = [json.loads((out / f"patch-mlr-4-4-h24-s{s}" / "result.json").read_text())["test_mse"] for s in (0, 1)]
+    change = 100 * (np.mean(mlr) - np.mean(mse)) / np.mean(mse)
+    wins = sum(a < b for a, b in zip(mlr, mse))
+    assert "Test MSE change against mha, paired by seed" in table
+    assert f"| 24 | {change:+.2f}% (lower in {wins} of 2 seeds) |" in table
+    assert (docs / "patch-mse.png").stat().st_size > 0 and (docs / "patch-forecast.png").stat().st_size > 0
+
+
+@pytest.mark.skipif(not ETTH1.is_file(), reason="../shared/data/ett/ETTh1.csv is not beside this checkout")
+def test_the_real_etth1_file_has_the_standard_window_counts():
+    data = load_series(ETTH1, lookback=512, horizon=96)
+    assert data.dataset == "ETTh1" and data.columns == ("HUFL", "HULL", "MUFL", "MULL", "LUFL", "LULL", "OT")
+    assert [data.n_windows(s) for s in ("train", "val", "test")] == [8640 - 512 - 96 + 1, 2785, 2785]
+
+
+def test_linear_skip_starts_at_the_ridge_fit_of_the_training_windows(tmp_path):
+    config = small_config(tmp_path, "model.linear_skip=true", "run.skip_ridge=3.0")
+    task = ForecastTask(config)
+    task.setup(None)
+    model = task.build_model()
+    data = task.data
+    feats, targets = [], []
+    for i in range(data.n_windows("train")):  # every channel of every window, by hand
+        for c in range(data.n_channels):
+            x = data.values[i:i + 48, c].astype(np.float64)
+            y = data.values[i + 48:i + 72, c].astype(np.float64)
+            feats.append(x - x.mean())  # error in data units: (y - m) - W (x - m)
+            targets.append(y - x.mean())
+    # ridge as an augmented least-squares problem
+    aug = np.vstack([np.array(feats), np.sqrt(3.0) * np.eye(48)])
+    w, *_ = np.linalg.lstsq(aug, np.vstack([np.array(targets), np.zeros((48, 24))]), rcond=None)
+    np.testing.assert_allclose(model.skip.weight.detach().numpy(), w.T, rtol=1e-4, atol=1e-5)
+    assert not model.skip.bias.detach().any()
+    # the fresh model is that linear forecaster: its test MSE is what train_ts reports for it
+    result = train_ts(config)
+    fresh = forecast_metrics(model, data, "test")
+    assert result["skip_test_mse"] == pytest.approx(fresh["mse"], rel=1e-5)
