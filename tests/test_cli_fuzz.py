@@ -49,6 +49,12 @@ COMMANDS: dict[str, tuple[list[str], dict[str, st.SearchStrategy]]] = {
     "sweep lm": (["--dry-run"], {"--widths": bad_list, "--head-dim": bad_int, "--kinds": bad_spec, "--lrs": bad_list,
                                  "--base-steps": bad_int, "--config": missing_path}),
     "train lm": ([], {"--config": missing_path}),
+    "sweep icl": (["--dry-run"], {"--widths": bad_list, "--kinds": bad_spec, "--heads": bad_int, "--lrs": bad_list,
+                                  "--base-steps": bad_int, "--config": missing_path}),
+    "train icl": ([], {"--config": missing_path}),
+    "sweep ts": (["--dry-run", "data.source=/nonexistent/ett.csv"],
+                 {"--horizons": bad_list, "--kinds": bad_spec, "--seeds": bad_list, "--config": missing_path}),
+    "train ts": ([], {"--config": missing_path}),
 }
 
 # `train lm` overrides: section.key=value with a wrong value, or an unknown key.
@@ -64,20 +70,43 @@ BAD_OVERRIDES = st.one_of(
     st.tuples(st.just("data.source"), missing_path),
 ).map(lambda kv: f"{kv[0]}={kv[1]}")
 
+# Overrides shared by every experiment's config (model, optim, run sections) and each one's own.
+COMMON_BAD_OVERRIDES = st.one_of(
+    st.tuples(st.sampled_from(["model.d_model", "model.n_layers", "model.n_heads", "run.steps", "run.batch_size"]), bad_int),
+    st.tuples(st.just("optim.lr"), st.one_of(not_a_number, negative)),
+    st.tuples(st.just("model.attention"), bad_spec),
+    st.tuples(st.sampled_from(["model.bogus", "nosection.key", "run", ".steps"]), st.just("1")),
+)
+EXPERIMENT_BAD_OVERRIDES = {
+    "train lm": BAD_OVERRIDES,
+    "train icl": st.one_of(
+        COMMON_BAD_OVERRIDES,
+        st.tuples(st.sampled_from(["task.n_dims", "task.n_points", "task.sparsity", "task.curriculum_every"]), bad_int),
+        st.tuples(st.sampled_from(["task.noise_std", "task.ridge_lambda"]), st.one_of(not_a_number, negative)),
+        st.tuples(st.just("model.causal"), st.just("false")),
+    ),
+    "train ts": st.one_of(
+        COMMON_BAD_OVERRIDES,
+        st.tuples(st.sampled_from(["data.lookback", "data.horizon"]), bad_int),
+        st.tuples(st.sampled_from(["data.features", "data.dataset", "model.family"]), not_a_number),
+        st.tuples(st.just("data.source"), missing_path),
+    ),
+}
+
 
 @st.composite
 def invalid_command(draw) -> list[str]:
     name = draw(st.sampled_from(sorted(COMMANDS)))
     base, flags = COMMANDS[name]
     argv = [*name.split(), *base]
-    mutation = draw(st.sampled_from(["value", "unknown flag"] + (["override"] if name == "train lm" else [])))
+    mutation = draw(st.sampled_from(["value", "unknown flag"] + (["override"] if name in EXPERIMENT_BAD_OVERRIDES else [])))
     if mutation == "value":
         flag = draw(st.sampled_from(sorted(flags)))
         argv += [flag, draw(flags[flag])]
     elif mutation == "unknown flag":
         argv.append(draw(unknown_flag))
     else:
-        argv.append(draw(BAD_OVERRIDES))
+        argv.append(draw(EXPERIMENT_BAD_OVERRIDES[name].map(lambda kv: kv if isinstance(kv, str) else f"{kv[0]}={kv[1]}")))
     return argv
 
 

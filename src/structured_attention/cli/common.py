@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["one_line_warnings", "run_grid", "slug"]
+__all__ = ["number_list", "one_line_warnings", "run_grid", "slug"]
 
 
 @contextlib.contextmanager
@@ -27,6 +27,19 @@ def one_line_warnings(command: str) -> Iterator[None]:
         yield
     finally:
         warnings.showwarning = old
+
+
+def number_list(text: str, flag: str, cast: Callable[[str], Any] = int, *, minimum: float = 1) -> list[Any]:
+    """``"64,128"`` -> ``[64, 128]``; a value that does not parse, is below ``minimum`` or is not
+    finite, or an empty list, is a ``ValueError`` naming ``flag``."""
+    what = "integers" if cast is int else "numbers"
+    try:
+        values = [cast(v) for v in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{flag}: expected comma-separated {what} >= {minimum:g}, got {text!r}") from None
+    if not values or not all(minimum <= v < float("inf") for v in values):
+        raise ValueError(f"{flag}: expected comma-separated {what} >= {minimum:g}, got {text!r}")
+    return values
 
 
 def slug(text: str) -> str:

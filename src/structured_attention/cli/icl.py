@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .common import one_line_warnings, run_grid, slug
+from .common import number_list, one_line_warnings, run_grid, slug
 
 EXPERIMENT = "icl"
 
@@ -120,14 +120,11 @@ def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
     from ..experiments.icl import build_icl_model, load_icl_config, steps_for_budget, training_flops
 
     base = load_icl_config(args.config, args.overrides)
+    if args.heads <= 0:
+        raise ValueError(f"--heads: expected a positive integer, got {args.heads}")
     kinds = parse_kinds(args.kinds, args.heads)
-    try:
-        widths = [int(w) for w in args.widths.split(",")]
-        lrs = [float(x) for x in args.lrs.split(",")]
-    except ValueError:
-        raise ValueError(f"--widths/--lrs: expected comma-separated numbers, got {args.widths!r} / {args.lrs!r}") from None
-    if any(w <= 0 for w in widths):
-        raise ValueError(f"--widths: expected positive integers, got {args.widths!r}")
+    widths = number_list(args.widths, "--widths")
+    lrs = number_list(args.lrs, "--lrs", float, minimum=1e-12)
     if args.base_steps <= 0:
         raise ValueError(f"--base-steps: expected a positive integer, got {args.base_steps}")
     runs = []

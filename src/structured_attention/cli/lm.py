@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ..models.gpt import GPT
-from .common import one_line_warnings, run_grid, slug
+from .common import number_list, one_line_warnings, run_grid, slug
 
 EXPERIMENT = "lm"
 
@@ -168,11 +168,8 @@ def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     base = load_lm_config(args.config, args.overrides)
     kinds = [k.strip() for k in args.kinds.split(";") if k.strip()]
-    try:
-        widths = [int(w) for w in args.widths.split(",")]
-        lrs = [float(x) for x in args.lrs.split(",")]
-    except ValueError:
-        raise ValueError(f"--widths/--lrs: expected comma-separated numbers, got {args.widths!r} / {args.lrs!r}") from None
+    widths = number_list(args.widths, "--widths")
+    lrs = number_list(args.lrs, "--lrs", float, minimum=1e-12)
     for w in widths:
         if w <= 0 or w % args.head_dim:
             raise ValueError(f"--widths: expected multiples of --head-dim={args.head_dim}, got {w}")

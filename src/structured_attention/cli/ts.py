@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .common import one_line_warnings, run_grid, slug
+from .common import number_list, one_line_warnings, run_grid, slug
 
 EXPERIMENT = "ts"
 
@@ -84,26 +84,14 @@ def run_train_ts(args: argparse.Namespace) -> int:
     return 0
 
 
-def _ints(text: str, name: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise ValueError(f"{name}: expected comma-separated integers, got {text!r}") from None
-    if not values or any(v < 0 for v in values):
-        raise ValueError(f"{name}: expected comma-separated non-negative integers, got {text!r}")
-    return values
-
-
 def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every run of the sweep: its name, horizon, kind, seed and overrides (each checked by
     building its config, so a bad kind or horizon fails before anything trains)."""
     from ..experiments.forecasting import load_ts_config
 
     base = load_ts_config(args.config, args.overrides)
-    horizons = _ints(args.horizons, "--horizons")
-    seeds = _ints(args.seeds, "--seeds")
-    if 0 in horizons:
-        raise ValueError(f"--horizons: expected positive integers, got {args.horizons!r}")
+    horizons = number_list(args.horizons, "--horizons")
+    seeds = number_list(args.seeds, "--seeds", minimum=0)
     kinds = [k.strip() for k in args.kinds.split(";") if k.strip()]
     if not kinds:
         raise ValueError("--kinds: expected at least one attention spec")
