@@ -2,7 +2,7 @@
 
 ```
 sattn train ts [--config FILE] [section.key=value ...] [--resume]
-sattn sweep ts [--config FILE] --horizons 96,192,336,720 --kinds "mha;mlr:8|4|2|2" --seeds 0,1,2 [--out DIR]
+sattn sweep ts [--config FILE] --horizons 96,192,336,720 --kinds "mha;mlr:8|4|4" --seeds 0,1,2 [--out DIR]
 sattn plot DIR [--out DOCS_DIR]
 ```
 
@@ -44,7 +44,7 @@ def add_parsers(top: argparse._SubParsersAction, train: argparse._SubParsersActi
         "ts",
         help="train a forecaster (ETT or any CSV) and report test MSE/MAE",
         description="Train a point-token or patch forecaster from a YAML config plus section.key=value "
-        "overrides, e.g. data.source=ETTh1.csv data.horizon=336 model.attention=mlr:8|4|2|2.",
+        "overrides, e.g. data.source=ETTh1.csv data.horizon=336 model.attention=mlr:8|4|4.",
     )
     t.add_argument("--config", default=None, help="YAML config file (default: built-in defaults)")
     t.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
@@ -54,7 +54,7 @@ def add_parsers(top: argparse._SubParsersAction, train: argparse._SubParsersActi
     s = sweep.add_parser("ts", help="horizons x attention kinds x seeds; test MSE/MAE of each")
     s.add_argument("--config", default=None, help="base YAML config (default: built-in defaults)")
     s.add_argument("--horizons", default="96,192,336,720", help="comma-separated horizons (default 96,192,336,720)")
-    s.add_argument("--kinds", default="mha;mlr:8|4|2|2", help="';'-separated attention specs (default mha;mlr:8|4|2|2)")
+    s.add_argument("--kinds", default="mha;mlr:8|4|4", help="';'-separated attention specs (default mha;mlr:8|4|4)")
     s.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")
     s.add_argument("--out", default="runs/sweep-ts", help="sweep folder (default runs/sweep-ts)")
     s.add_argument("--dry-run", action="store_true", help="print the planned runs and exit")
