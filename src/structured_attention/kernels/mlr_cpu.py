@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import os
 import shutil
+import sys
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -60,10 +61,15 @@ def load() -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load as build
 
+        # at::parallel_for runs on one thread unless the extension is compiled with OpenMP; linked
+        # with -fopenmp it binds to the libgomp.so.1 torch has already loaded, so it shares torch's
+        # thread pool and follows torch.set_num_threads.
+        openmp = ["-fopenmp"] if torch.backends.openmp.is_available() and sys.platform.startswith("linux") else []
         module = build(
             name=f"sattn_mlr_cpu_{isa.lower()}",
             sources=[str(_SOURCE)],
-            extra_cflags=["-O3", *_FLAGS.get(isa, []), f"-DCPU_CAPABILITY={isa}", f"-DCPU_CAPABILITY_{isa}"],
+            extra_cflags=["-O3", *_FLAGS.get(isa, []), f"-DCPU_CAPABILITY={isa}", f"-DCPU_CAPABILITY_{isa}", *openmp],
+            extra_ldflags=openmp,
             verbose=False,
         )
         _self_check(module)
