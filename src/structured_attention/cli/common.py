@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import re
@@ -11,7 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["number_list", "one_line_warnings", "run_grid", "slug"]
+__all__ = ["add_sweep_parser", "add_train_parser", "number_list", "one_line_warnings", "run_grid", "slug"]
 
 
 @contextlib.contextmanager
@@ -27,6 +28,30 @@ def one_line_warnings(command: str) -> Iterator[None]:
         yield
     finally:
         warnings.showwarning = old
+
+
+def add_train_parser(train: argparse._SubParsersAction, name: str, help: str, description: str,
+                     run: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
+    """``sattn train <name> [--config FILE] [--resume] [section.key=value ...]``."""
+    t = train.add_parser(name, help=help, description=description)
+    t.add_argument("--config", default=None, help="YAML config file (default: built-in defaults)")
+    t.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
+    t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in run.out_dir/ckpt")
+    t.set_defaults(run=run)
+    return t
+
+
+def add_sweep_parser(sweep: argparse._SubParsersAction, name: str, help: str, out: str,
+                     run: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
+    """``sattn sweep <name> [--config FILE] [--out DIR] [--dry-run] [section.key=value ...]``; the
+    experiment adds its grid's own flags to the returned parser."""
+    s = sweep.add_parser(name, help=help)
+    s.add_argument("--config", default=None, help="base YAML config (default: built-in defaults)")
+    s.add_argument("--out", default=out, help=f"sweep folder (default {out})")
+    s.add_argument("--dry-run", action="store_true", help="print the planned runs and exit")
+    s.add_argument("overrides", nargs="*", help="section.key=value overrides of the base config")
+    s.set_defaults(run=run)
+    return s
 
 
 def number_list(text: str, flag: str, cast: Callable[[str], Any] = int, *, minimum: float = 1) -> list[Any]:

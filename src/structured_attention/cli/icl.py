@@ -27,26 +27,20 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .common import number_list, one_line_warnings, run_grid, slug
+from .common import add_sweep_parser, add_train_parser, number_list, one_line_warnings, run_grid, slug
 
 EXPERIMENT = "icl"
 
 
 def add_parsers(top: argparse._SubParsersAction, train: argparse._SubParsersAction,
                 sweep: argparse._SubParsersAction) -> None:
-    t = train.add_parser(
-        "icl",
-        help="train an in-context linear regression model",
-        description="Train a causal transformer on in-context linear regression from a YAML config plus "
-        "section.key=value overrides, e.g. task.n_dims=16 model.attention=bilinear_btt:1 model.d_model=32.",
-    )
-    t.add_argument("--config", default=None, help="YAML config file (default: built-in defaults)")
-    t.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
-    t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in run.out_dir/ckpt")
-    t.set_defaults(run=run_train_icl)
+    add_train_parser(train, "icl", "train an in-context linear regression model",
+                     "Train a causal transformer on in-context linear regression from a YAML config plus "
+                     "section.key=value overrides, e.g. task.n_dims=16 model.attention=bilinear_btt:1 model.d_model=32.",
+                     run_train_icl)
 
-    s = sweep.add_parser("icl", help="widths x attention kinds x learning rates at matched training FLOPs")
-    s.add_argument("--config", default=None, help="base YAML config (default: built-in defaults)")
+    s = add_sweep_parser(sweep, "icl", "widths x attention kinds x learning rates at matched training FLOPs",
+                         "runs/sweep-icl", run_sweep)
     s.add_argument("--widths", default="16,32,64", help="comma-separated d_model values (default 16,32,64)")
     s.add_argument("--kinds", default="mha@8;mha@1;bilinear_btt:1@8;bilinear_mlr:8|4|2@8",
                    help="';'-separated SPEC@HEADS kinds; the first sets the FLOP budget "
@@ -54,10 +48,6 @@ def add_parsers(top: argparse._SubParsersAction, train: argparse._SubParsersActi
     s.add_argument("--heads", type=int, default=8, help="heads of a kind given without @HEADS (default 8)")
     s.add_argument("--lrs", default="1e-3", help="comma-separated learning rates (default 1e-3)")
     s.add_argument("--base-steps", type=int, default=3000, help="steps of the first kind at each width (default 3000)")
-    s.add_argument("--out", default="runs/sweep-icl", help="sweep folder (default runs/sweep-icl)")
-    s.add_argument("--dry-run", action="store_true", help="print the planned runs and exit")
-    s.add_argument("overrides", nargs="*", help="section.key=value overrides of the base config")
-    s.set_defaults(run=run_sweep)
 
 
 def _summary(result: dict[str, Any], n_dims: int) -> list[str]:

@@ -28,23 +28,16 @@ from pathlib import Path
 from typing import Any
 
 from ..models.gpt import GPT
-from .common import number_list, one_line_warnings, run_grid, slug
+from .common import add_sweep_parser, add_train_parser, number_list, one_line_warnings, run_grid, slug
 
 EXPERIMENT = "lm"
 
 
 def add_parsers(top: argparse._SubParsersAction, train: argparse._SubParsersAction,
                 sweep: argparse._SubParsersAction) -> None:
-    lm = train.add_parser(
-        "lm",
-        help="train a GPT language model",
-        description="Train a GPT language model from a YAML config plus section.key=value overrides, "
-        "e.g. model.attention=mlr:16|16|16|16 optim.lr=3e-3 run.steps=2000.",
-    )
-    lm.add_argument("--config", default=None, help="YAML config file (default: built-in defaults)")
-    lm.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
-    lm.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in run.out_dir/ckpt")
-    lm.set_defaults(run=run_train_lm)
+    add_train_parser(train, "lm", "train a GPT language model",
+                     "Train a GPT language model from a YAML config plus section.key=value overrides, "
+                     "e.g. model.attention=mlr:16|16|16|16 optim.lr=3e-3 run.steps=2000.", run_train_lm)
 
     e = top.add_parser("eval", help="validation loss and bits per byte of a language-model checkpoint")
     e.add_argument("--checkpoint", required=True, help="checkpoint folder, its ckpt/ folder or the run's out_dir")
@@ -62,18 +55,14 @@ def add_parsers(top: argparse._SubParsersAction, train: argparse._SubParsersActi
     g.add_argument("--seed", type=int, default=0)
     g.set_defaults(run=run_generate)
 
-    s = sweep.add_parser("lm", help="widths x attention kinds x learning rates at matched training FLOPs")
-    s.add_argument("--config", default=None, help="base YAML config (default: built-in defaults)")
+    s = add_sweep_parser(sweep, "lm", "widths x attention kinds x learning rates at matched training FLOPs",
+                         "runs/sweep-lm", run_sweep)
     s.add_argument("--widths", default="64,128,256", help="comma-separated d_model values (default 64,128,256)")
     s.add_argument("--head-dim", type=int, default=32, help="head dim; heads = width / head-dim (default 32)")
     s.add_argument("--kinds", default="mha;swa:128;global_swa:16|16;mlr:16|8|4|4",
                    help="';'-separated attention specs; the first sets the FLOP budget (default mha;swa:128;global_swa:16|16;mlr:16|8|4|4)")
     s.add_argument("--lrs", default="1e-3,3e-3", help="comma-separated learning rates (default 1e-3,3e-3)")
     s.add_argument("--base-steps", type=int, default=300, help="steps of the first kind at each width (default 300)")
-    s.add_argument("--out", default="runs/sweep-lm", help="sweep folder (default runs/sweep-lm)")
-    s.add_argument("--dry-run", action="store_true", help="print the planned runs and exit")
-    s.add_argument("overrides", nargs="*", help="section.key=value overrides of the base config")
-    s.set_defaults(run=run_sweep)
 
 
 def run_train_lm(args: argparse.Namespace) -> int:

@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .common import number_list, one_line_warnings, run_grid, slug
+from .common import add_sweep_parser, add_train_parser, number_list, one_line_warnings, run_grid, slug
 
 EXPERIMENT = "ts"
 
@@ -40,26 +40,14 @@ PUBLISHED = {
 
 def add_parsers(top: argparse._SubParsersAction, train: argparse._SubParsersAction,
                 sweep: argparse._SubParsersAction) -> None:
-    t = train.add_parser(
-        "ts",
-        help="train a forecaster (ETT or any CSV) and report test MSE/MAE",
-        description="Train a point-token or patch forecaster from a YAML config plus section.key=value "
-        "overrides, e.g. data.source=ETTh1.csv data.horizon=336 model.attention=mlr:8|4|4.",
-    )
-    t.add_argument("--config", default=None, help="YAML config file (default: built-in defaults)")
-    t.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
-    t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in run.out_dir/ckpt")
-    t.set_defaults(run=run_train_ts)
+    add_train_parser(train, "ts", "train a forecaster (ETT or any CSV) and report test MSE/MAE",
+                     "Train a point-token or patch forecaster from a YAML config plus section.key=value "
+                     "overrides, e.g. data.source=ETTh1.csv data.horizon=336 model.attention=mlr:8|4|4.", run_train_ts)
 
-    s = sweep.add_parser("ts", help="horizons x attention kinds x seeds; test MSE/MAE of each")
-    s.add_argument("--config", default=None, help="base YAML config (default: built-in defaults)")
+    s = add_sweep_parser(sweep, "ts", "horizons x attention kinds x seeds; test MSE/MAE of each", "runs/sweep-ts", run_sweep)
     s.add_argument("--horizons", default="96,192,336,720", help="comma-separated horizons (default 96,192,336,720)")
     s.add_argument("--kinds", default="mha;mlr:8|4|4", help="';'-separated attention specs (default mha;mlr:8|4|4)")
     s.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")
-    s.add_argument("--out", default="runs/sweep-ts", help="sweep folder (default runs/sweep-ts)")
-    s.add_argument("--dry-run", action="store_true", help="print the planned runs and exit")
-    s.add_argument("overrides", nargs="*", help="section.key=value overrides of the base config")
-    s.set_defaults(run=run_sweep)
 
 
 def _report(result: dict[str, Any]) -> str:
