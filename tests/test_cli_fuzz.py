@@ -93,7 +93,7 @@ EXPERIMENT_BAD_OVERRIDES = {
         COMMON_BAD_OVERRIDES,
         st.tuples(st.sampled_from(["data.lookback", "data.horizon"]), bad_int),
         st.tuples(st.sampled_from(["data.features", "data.dataset", "model.family"]),
-                  not_a_number.filter(lambda v: v.strip() not in {"M", "S", "point", "patch", "custom"})),
+                  not_a_number.filter(lambda v: v.strip().lower() not in {"m", "s", "point", "patch", "custom"})),
         st.tuples(st.just("data.source"), missing_path),
     ),
 }

@@ -68,6 +68,8 @@ def test_yaml_and_overrides(tmp_path):
         ("foo.bar=1", r"foo\.bar"),
         ("run.steps=abc", r"run\.steps: expected an integer"),
         ("run.compile=maybe", r"run\.compile: expected a boolean"),
+        ("optim.lr=inf", r"optim\.lr: expected a finite number"),
+        ("optim.grad_clip=nan", r"optim\.grad_clip: expected a finite number"),
         ("model.attention=nosuchkind", r"attention|kind"),
         ("run.seq_len=1024", r"run\.seq_len"),
         ("noequals", r"override"),

@@ -20,6 +20,7 @@ type (``int``, ``float``, ``bool``, ``str``, optionally ``| None`` where ``none`
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass
@@ -141,9 +142,12 @@ def _parse_value(raw: Any, tp: Any, key: str) -> Any:
         if isinstance(raw, bool):
             raise ValueError(f"{key}: expected a number, got {raw!r}")
         try:
-            return float(raw)
+            value = float(raw)
         except (TypeError, ValueError):
             raise ValueError(f"{key}: expected a number, got {raw!r}") from None
+        if not math.isfinite(value):  # no setting means inf or nan; both would only corrupt a run
+            raise ValueError(f"{key}: expected a finite number, got {raw!r}")
+        return value
     if tp is str:
         require(isinstance(raw, (str, int, float)) and not isinstance(raw, bool), key, "a string", raw)
         return str(raw)
