@@ -71,6 +71,11 @@ BAD_OVERRIDES = st.one_of(
     st.tuples(st.just("data.source"), missing_path),
 ).map(lambda kv: f"{kv[0]}={kv[1]}")
 
+def not_none(value: str) -> bool:
+    """Optional fields accept these as None (training.config), so they are not invalid there."""
+    return value.strip().lower() not in ("", "none", "null", "~")
+
+
 # Overrides shared by every experiment's config (model, optim, run sections) and each one's own.
 COMMON_BAD_OVERRIDES = st.one_of(
     st.tuples(st.sampled_from(["model.d_model", "model.n_layers", "model.n_heads", "run.steps", "run.batch_size"]), bad_int),
@@ -83,17 +88,16 @@ EXPERIMENT_BAD_OVERRIDES = {
     "train icl": st.one_of(
         COMMON_BAD_OVERRIDES,
         st.tuples(st.just("task.n_dims"), bad_int),
-        # an empty value is None, which these optional fields accept
-        st.tuples(st.sampled_from(["task.n_points", "task.sparsity"]), bad_int.filter(bool)),
+        st.tuples(st.sampled_from(["task.n_points", "task.sparsity"]), bad_int.filter(not_none)),
         st.tuples(st.just("task.noise_std"), st.one_of(not_a_number, negative)),
-        st.tuples(st.just("task.ridge_lambda"), st.one_of(not_a_number, negative).filter(bool)),
+        st.tuples(st.just("task.ridge_lambda"), st.one_of(not_a_number, negative).filter(not_none)),
         st.tuples(st.just("model.causal"), st.just("false")),
     ),
     "train ts": st.one_of(
         COMMON_BAD_OVERRIDES,
         st.tuples(st.sampled_from(["data.lookback", "data.horizon"]), bad_int),
         st.tuples(st.sampled_from(["data.features", "data.dataset", "model.family"]),
-                  not_a_number.filter(lambda v: v.strip().lower() not in {"m", "s", "point", "patch", "custom"})),
+                  not_a_number.filter(lambda v: not_none(v) and v.strip().lower() not in {"m", "s", "point", "patch", "custom"})),
         st.tuples(st.just("data.source"), missing_path),
     ),
 }
