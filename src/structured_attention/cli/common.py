@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["add_sweep_parser", "add_train_parser", "number_list", "one_line_warnings", "run_grid", "slug"]
+__all__ = ["add_sweep_parser", "add_train_parser", "best_per_kind_width", "number_list", "one_line_warnings", "run_grid", "slug"]
 
 
 @contextlib.contextmanager
@@ -65,6 +65,17 @@ def number_list(text: str, flag: str, cast: Callable[[str], Any] = int, *, minim
     if not values or not all(minimum <= v < float("inf") for v in values):
         raise ValueError(f"{flag}: expected comma-separated {what} >= {minimum:g}, got {text!r}")
     return values
+
+
+def best_per_kind_width(results: list[dict[str, Any]], metric: str) -> list[dict[str, Any]]:
+    """The run with the lowest ``metric`` for each (kind, width) of a sweep (its best learning
+    rate), ordered by width then training FLOPs."""
+    best: dict[tuple[str, int], dict[str, Any]] = {}
+    for r in results:
+        key = (r["kind"], r["width"])
+        if key not in best or r[metric] < best[key][metric]:
+            best[key] = r
+    return sorted(best.values(), key=lambda r: (r["width"], r["flops"]))
 
 
 def slug(text: str) -> str:

@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .common import add_sweep_parser, add_train_parser, number_list, one_line_warnings, run_grid, slug
+from .common import add_sweep_parser, add_train_parser, best_per_kind_width, number_list, one_line_warnings, run_grid, slug
 
 EXPERIMENT = "icl"
 
@@ -174,22 +174,13 @@ def run_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
-def _best_per_kind_width(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    best: dict[tuple[str, int], dict[str, Any]] = {}
-    for r in results:
-        key = (r["kind"], r["width"])
-        if key not in best or r["mse_last"] < best[key]["mse_last"]:
-            best[key] = r
-    return sorted(best.values(), key=lambda r: (r["width"], r["flops"]))
-
-
 BASELINE_STYLE = {"least_squares": ":", "ridge": "-.", "3nn": "--", "averaging": (0, (1, 3))}
 
 
 def plot(results: list[dict[str, Any]], out: Path) -> int:
     """``icl.md`` (the table) and ``icl_width.png``, ``icl_flops.png``, ``icl_examples.png`` in
     ``out`` from a sweep's results (best learning rate per kind and width)."""
-    best = _best_per_kind_width(results)
+    best = best_per_kind_width(results, "mse_last")
     out.mkdir(parents=True, exist_ok=True)
     n_examples = len(best[0]["curves"]["model"]) - 1
     d = best[0].get("n_dims")

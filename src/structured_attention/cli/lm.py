@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ..models.gpt import GPT
-from .common import add_sweep_parser, add_train_parser, number_list, one_line_warnings, run_grid, slug
+from .common import add_sweep_parser, add_train_parser, best_per_kind_width, number_list, one_line_warnings, run_grid, slug
 
 EXPERIMENT = "lm"
 
@@ -226,19 +226,10 @@ def run_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
-def _best_per_kind_width(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    best: dict[tuple[str, int], dict[str, Any]] = {}
-    for r in results:
-        key = (r["kind"], r["width"])
-        if key not in best or r["val_loss"] < best[key]["val_loss"]:
-            best[key] = r
-    return sorted(best.values(), key=lambda r: (r["width"], r["flops"]))
-
-
 def plot(results: list[dict[str, Any]], out: Path) -> int:
     """``lm.png`` (validation bits per byte versus training FLOPs, best learning rate per kind and
     width) and ``lm.md`` (the table) in ``out`` from a sweep's results."""
-    best = _best_per_kind_width(results)
+    best = best_per_kind_width(results, "val_loss")
     out.mkdir(parents=True, exist_ok=True)
     lines = ["| kind | width | best lr | steps | training FLOPs | val bits/byte | tokens/s |", "|---|---|---|---|---|---|---|"]
     for r in best:
