@@ -5,14 +5,18 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import re
+import socket
 import sys
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["add_sweep_parser", "add_train_parser", "best_per_kind_width", "number_list", "one_line_warnings", "run_grid", "slug"]
+from .._files import atomic_write
+
+__all__ = ["add_sweep_parser", "add_train_parser", "best_per_kind_width", "claim_run", "number_list", "one_line_warnings", "run_grid", "slug"]
 
 
 @contextlib.contextmanager
@@ -83,22 +87,67 @@ def slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9.]+", "-", text).strip("-")
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists but belongs to someone else
+        return True
+    return True
+
+
+def claim_run(path: Path) -> str | None:
+    """Create ``path`` as this process's claim on a run (``host pid``). Returns None once claimed,
+    else the holder's ``host pid``. A claim whose process is gone from this host is taken over, so
+    a killed sweep never blocks its own resume; a claim from another host is always respected."""
+    me = f"{socket.gethostname()} {os.getpid()}"
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            holder = path.read_text().strip()
+            host, _, pid = holder.partition(" ")
+            if host == socket.gethostname() and pid.isdigit() and not _alive(int(pid)):
+                path.unlink(missing_ok=True)
+                continue
+            return holder or "a process that is writing its claim"
+        with os.fdopen(fd, "w") as f:
+            f.write(me)
+        return None
+    return "a process that took it over first"
+
+
 def run_grid(
     out: Path, experiment: str, runs: list[dict[str, Any]], train_one: Callable[[dict[str, Any]], dict[str, Any]],
 ) -> list[dict[str, Any]]:
     """Run a sweep: each run (a dict with a unique ``name``) trains in ``out/<name>`` through
     ``train_one(run)``, whose result is stored with the run in ``out/<name>/result.json``. A run
     whose ``result.json`` exists is not trained again, so an interrupted sweep resumes where it
-    stopped. ``out/sweep.json`` names the experiment (for ``sattn plot``). Returns every result."""
+    stopped. A run being trained is claimed by ``out/<name>/claim``, so the same sweep command
+    started in several processes (one per core, or per node on a shared file system) splits the
+    grid between them. ``out/sweep.json`` names the experiment (for ``sattn plot``). Returns the
+    results of every finished run."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "sweep.json").write_text(json.dumps({"experiment": experiment}) + "\n")
     results = []
     for r in runs:
         done = out / r["name"] / "result.json"
         if not done.is_file():
-            result = {**r, **train_one(r)}
             done.parent.mkdir(parents=True, exist_ok=True)
-            done.write_text(json.dumps(result, indent=2))
+            claim = done.parent / "claim"
+            holder = claim_run(claim)
+            if holder is not None:
+                print(f"skip {r['name']}: another sweep process is training it ({holder}; "
+                      f"delete {claim} if that process is gone)", flush=True)
+                continue
+            try:
+                if not done.is_file():  # finished by another process since the check above
+                    result = {**r, **train_one(r)}
+                    text = json.dumps(result, indent=2)
+                    atomic_write(done, lambda tmp: Path(tmp).write_text(text))
+            finally:
+                claim.unlink(missing_ok=True)
         results.append(json.loads(done.read_text()))
         print(f"done {r['name']}", flush=True)
     return results

@@ -1,0 +1,67 @@
+"""``run_grid``: a sweep resumes where it stopped, and sweep processes started side by side split
+the grid through per-run claim files (a live holder is respected, a dead one's claim taken over)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from structured_attention.cli.common import claim_run, run_grid
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def _train(trained: list[str]):
+    def train_one(r):
+        trained.append(r["name"])
+        return {"score": len(r["name"])}
+    return train_one
+
+
+def test_claimed_runs_are_left_to_their_holder_and_dead_claims_are_taken_over(tmp_path):
+    runs = [{"name": n} for n in ("a", "held", "stale", "remote")]
+    host = socket.gethostname()
+    for name, holder in [("held", f"{host} {os.getppid()}"), ("stale", f"{host} {_dead_pid()}"),
+                         ("remote", f"another-host-{host} 1")]:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "claim").write_text(holder)
+
+    trained: list[str] = []
+    results = run_grid(tmp_path, "lm", runs, _train(trained))
+
+    assert trained == ["a", "stale"]
+    assert [r["name"] for r in results] == ["a", "stale"]
+    assert json.loads((tmp_path / "stale" / "result.json").read_text()) == {"name": "stale", "score": 5}
+    assert not (tmp_path / "a" / "claim").exists() and not (tmp_path / "stale" / "claim").exists()
+    assert (tmp_path / "held" / "claim").read_text() == f"{host} {os.getppid()}"
+    assert not (tmp_path / "held" / "result.json").exists()
+
+    # the holder finished and left: a rerun trains only what is still missing
+    (tmp_path / "held" / "claim").unlink()
+    again: list[str] = []
+    results = run_grid(tmp_path, "lm", runs[:3], _train(again))
+    assert again == ["held"] and [r["name"] for r in results] == ["a", "held", "stale"]
+
+
+def test_a_failed_run_releases_its_claim_and_leaves_no_result(tmp_path):
+    def fail(r):
+        raise RuntimeError("diverged")
+
+    with pytest.raises(RuntimeError, match="diverged"):
+        run_grid(tmp_path, "lm", [{"name": "x"}], fail)
+    assert not (tmp_path / "x" / "claim").exists() and not (tmp_path / "x" / "result.json").exists()
+
+
+def test_claim_run_is_exclusive(tmp_path):
+    path = tmp_path / "claim"
+    assert claim_run(path) is None
+    assert claim_run(path) == f"{socket.gethostname()} {os.getpid()}"  # held by this (live) process
