@@ -125,12 +125,13 @@ def test_has_triton_flag_and_clean_import_without_triton():
         "import sys; sys.modules['triton'] = None\n"
         "import structured_attention.kernels as m\n"
         "assert m.HAS_TRITON is False\n"
-        "try:\n"
-        "    m.mlr_attention_triton()\n"
-        "except ImportError as e:\n"
-        "    assert 'triton' in str(e)\n"
-        "else:\n"
-        "    raise SystemExit('no error')\n"
+        "for kernel in (m.mlr_attention_triton, m.mlr_decode_triton):\n"
+        "    try:\n"
+        "        kernel()\n"
+        "    except ImportError as e:\n"
+        "        assert 'triton' in str(e)\n"
+        "    else:\n"
+        "        raise SystemExit('no error')\n"
     )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr

@@ -15,16 +15,10 @@ from torch import nn
 
 from .._checks import require
 from ..functional import mlr_attention, mlr_block_sizes, mlr_score_flops
+from ..functional.mlr_decode import grouped_matmul, mlr_decode
 from .base import Attention, register_attention
 from .cache import KVCache, TokenBuffer
 from .config import AttentionConfig, default_scale
-
-
-def _grouped_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a: (B, H, t, n) @ b: (B, Hk, n, m)`` with query head ``h`` reading ``b``'s head ``h // (H/Hk)``."""
-    bsz, h, t, n = a.shape
-    hk = b.shape[1]
-    return (a.view(bsz, hk, h // hk, t, n) @ b.unsqueeze(2)).view(bsz, h, t, b.shape[-1])
 
 
 @register_attention("mlr")
@@ -86,37 +80,32 @@ class MLRAttention(Attention):
                 cache[f"k{level}"].append(k_l)
             cache["v"].append(v)
         else:
-            out = self._attend_to_cache(q.split(self.ranks, dim=-1), k_levels, v, cache, start)
+            out = self._attend_to_cache(q, k_levels, v, cache, start)
         for level, s in enumerate(self.block_sizes[1:], start=1):
             cache[f"k{level}"].drop_before(end - end % s)  # the next token's level block starts here
         return self.merge_heads(out)
 
     def _attend_to_cache(
-        self, q_levels: tuple[torch.Tensor, ...], k_levels: tuple[torch.Tensor, ...], v: torch.Tensor,
-        cache: KVCache, start: int,
+        self, q: torch.Tensor, k_levels: tuple[torch.Tensor, ...], v: torch.Tensor, cache: KVCache, start: int,
     ) -> torch.Tensor:
         """New queries at positions ``start + [0, t)`` against every cached key: level ``l`` scores
         only the keys held for it (the current level-``l`` block), the compressed-cache read."""
-        device, acc = v.device, torch.promote_types(v.dtype, torch.float32)
+        buffers = [cache[f"k{level}"] for level in range(len(self.ranks))]
+        key_starts = [buffer.start for buffer in buffers]
+        keys = [buffer.append(k_l) for buffer, k_l in zip(buffers, k_levels)]
+        values = cache["v"].append(v)
         t = v.shape[2]
+        if t == 1:  # every key held for level l lies in the token's own level-l block: no masks
+            return mlr_decode(q, keys, key_starts, values, self.ranks, self.scale, self.config.depth_normalize)
+        device, acc = v.device, torch.promote_types(v.dtype, torch.float32)
         end = start + t
         q_pos = torch.arange(start, end, device=device)
-        # One new token: every key held for level l lies in the token's own level-l block (the
-        # buffers were trimmed to it), so no block or causal mask is needed.
-        single = t == 1
         scores = depth = None
-        for level, (q_l, k_l, s) in enumerate(zip(q_levels, k_levels, self.block_sizes)):
-            buffer = cache[f"k{level}"]
-            k_start = buffer.start
-            part = _grouped_matmul(q_l * self.scale, buffer.append(k_l).transpose(-1, -2)).to(acc)
+        for level, (q_l, k_l, k_start, s) in enumerate(zip(q.split(self.ranks, dim=-1), keys, key_starts, self.block_sizes)):
+            part = grouped_matmul(q_l * self.scale, k_l.transpose(-1, -2)).to(acc)
             if level == 0:  # level 1 covers the whole context: every key, from position 0
                 scores = part
                 depth = torch.ones(t, end, dtype=acc, device=device) if self.config.depth_normalize else None
-                continue
-            if single:
-                scores[..., k_start:] += part
-                if depth is not None:
-                    depth[:, k_start:] += 1
                 continue
             same = (q_pos[:, None] // s) == (torch.arange(k_start, end, device=device)[None, :] // s)
             scores[..., k_start:] += part * same
@@ -125,11 +114,9 @@ class MLRAttention(Attention):
         assert scores is not None
         if depth is not None:
             scores = scores / depth
-        if not single:
-            future = torch.arange(end, device=device)[None, :] > q_pos[:, None]
-            scores = scores.masked_fill(future, float("-inf"))
-        weights = torch.softmax(scores, dim=-1).to(v.dtype)
-        return _grouped_matmul(weights, cache["v"].append(v))
+        future = torch.arange(end, device=device)[None, :] > q_pos[:, None]
+        weights = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1).to(v.dtype)
+        return grouped_matmul(weights, values)
 
     def _cache_buffers(self, batch: int, dtype: torch.dtype, device: Any) -> dict[str, TokenBuffer]:
         kv = self.n_kv_heads

@@ -15,6 +15,7 @@ except Exception:  # ImportError, or a broken install
     HAS_TRITON = False
 
 if HAS_TRITON:
+    from structured_attention.kernels.mlr_decode_triton import mlr_decode_triton
     from structured_attention.kernels.mlr_triton import mlr_attention_triton
 else:
 
@@ -25,5 +26,12 @@ else:
             "it is not installed. Use structured_attention.functional.mlr_attention instead."
         )
 
+    def mlr_decode_triton(*args, **kwargs):  # type: ignore[no-redef]
+        """Stand-in used when Triton is not installed; always raises."""
+        raise ImportError(
+            "mlr_decode_triton needs the 'triton' package (pip install 'triton>=3.0'); "
+            "it is not installed. Use structured_attention.functional.mlr_decode instead."
+        )
 
-__all__ = ["HAS_TRITON", "mlr_attention_triton"]
+
+__all__ = ["HAS_TRITON", "mlr_attention_triton", "mlr_decode_triton"]
