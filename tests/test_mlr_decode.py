@@ -80,8 +80,8 @@ def test_triton_kernel_matches_reference(B, H, Hk, T, ranks, block_sizes, Dv, de
     q_new, v = q_new.to(dtype), v.to(dtype)
     ref = mlr_decode_reference(q_new.double(), [k.double() for k in keys], starts, v.double(), ranks, 0.37, depth_normalize)
     # chunks of 32 keys in tiles of 16: several splits to merge and a ragged last tile
-    out = mlr_decode_triton(*(x.to(DEVICE) for x in (q_new,)), [k.to(DEVICE) for k in keys], starts, v.to(DEVICE),
-                            ranks, 0.37, depth_normalize, chunk=32, block_n=16)
+    out = mlr_decode_triton(q_new.to(DEVICE), [k.to(DEVICE) for k in keys], starts, v.to(DEVICE), ranks, 0.37,
+                            depth_normalize, chunk=32, block_n=16)
     assert out.dtype == dtype and out.shape == ref.shape
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.double().cpu(), ref, atol=tol, rtol=tol)
@@ -89,7 +89,7 @@ def test_triton_kernel_matches_reference(B, H, Hk, T, ranks, block_sizes, Dv, de
 
 def test_triton_kernel_default_chunking_and_bad_input():
     q_new, keys, starts, v, _, _ = _step(1, 4, 2, 300, (8, 4, 4), None, 16, torch.float32)
-    q_new, v = q_new.float(), v.float()
+    q_new, keys, v = q_new.float().to(DEVICE), [k.to(DEVICE) for k in keys], v.float().to(DEVICE)
     ref = mlr_decode_reference(q_new, keys, starts, v, (8, 4, 4), 0.5)
     torch.testing.assert_close(mlr_decode_triton(q_new, keys, starts, v, (8, 4, 4), 0.5), ref, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="^chunk: expected a positive multiple of block_n=64"):
@@ -110,8 +110,8 @@ def test_layer_decodes_through_the_kernel_like_its_full_forward(spec, monkeypatc
 
     monkeypatch.setattr(mlr_module, "mlr_decode", kernel)
     torch.manual_seed(0)
-    layer = build_attention(spec, d_model=32, n_heads=2, max_seq_len=64).eval()
-    x = torch.randn(1, 40, 32)
+    layer = build_attention(spec, d_model=32, n_heads=2, max_seq_len=64).to(DEVICE).eval()
+    x = torch.randn(1, 40, 32, device=DEVICE)
     with torch.no_grad():
         full = layer(x)
         cache = layer.new_cache(1)
