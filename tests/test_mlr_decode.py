@@ -66,6 +66,33 @@ def test_bad_arguments_name_the_parameter():
         mlr_decode_reference(q_new.expand(1, 2, 2, 8), keys, starts, v, (4, 4), 1.0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["fp64", "fp32"])
+@pytest.mark.parametrize("depth_normalize", [False, True], ids=["", "dn"])
+@pytest.mark.parametrize("B,H,Hk,T,ranks,block_sizes,Dv", CASES)
+def test_cpu_kernel_matches_reference(B, H, Hk, T, ranks, block_sizes, Dv, depth_normalize, dtype):
+    from structured_attention.kernels import mlr_cpu
+
+    if not mlr_cpu.available():
+        pytest.skip("the C++ kernel cannot be built here (no compiler or ninja)")
+    q_new, keys, starts, v, _, _ = _step(B, H, Hk, T, ranks, block_sizes, Dv, dtype, capacity=5)
+    q_new, v = q_new.to(dtype), v.to(dtype)
+    ref = mlr_decode_reference(q_new.double(), [k.double() for k in keys], starts, v.double(), ranks, 0.37, depth_normalize)
+    out = mlr_cpu.mlr_decode_cpu(q_new, keys, starts, v, ranks, 0.37, depth_normalize)
+    assert out.dtype == dtype and out.shape == ref.shape
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+
+
+def test_dispatch_takes_the_reference_when_gradients_are_needed():
+    from structured_attention.functional.mlr_decode import mlr_decode
+
+    q_new, keys, starts, v, _, _ = _step(1, 2, 2, 30, (4, 4), (32, 8), 4, torch.float64)
+    q_new = q_new.clone().requires_grad_()
+    out = mlr_decode(q_new, keys, starts, v, (4, 4), 0.5)
+    (grad,) = torch.autograd.grad(out.sum(), q_new)
+    assert grad.shape == q_new.shape and grad.abs().sum() > 0
+
+
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install 'triton>=3.0')")
 from structured_attention.kernels import mlr_decode_triton  # noqa: E402
 

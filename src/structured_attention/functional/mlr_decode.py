@@ -96,12 +96,21 @@ def mlr_decode(
     scale: float,
     depth_normalize: bool = False,
 ) -> torch.Tensor:
-    """:func:`mlr_decode_reference`'s contract on the fastest correct path: one fused Triton kernel
-    (split over the keys, flash-decoding style) for CUDA tensors when Triton is installed, else
-    the PyTorch reference."""
+    """:func:`mlr_decode_reference`'s contract on the fastest correct path: a fused Triton kernel
+    (split over the keys, flash-decoding style) for CUDA tensors when Triton is installed, the C++
+    kernel on the CPU when it builds, else the PyTorch reference. The kernels are not
+    differentiable, so a step that needs gradients takes the reference."""
+    args = (q, keys, key_starts, v, ranks, scale, depth_normalize)
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, v, *keys)):
+        return mlr_decode_reference(*args)
     if q.is_cuda:
         from structured_attention.kernels import HAS_TRITON, mlr_decode_triton
 
         if HAS_TRITON:
-            return mlr_decode_triton(q, keys, key_starts, v, ranks, scale, depth_normalize)
-    return mlr_decode_reference(q, keys, key_starts, v, ranks, scale, depth_normalize)
+            return mlr_decode_triton(*args)
+    elif q.device.type == "cpu":
+        from structured_attention.kernels import mlr_cpu
+
+        if mlr_cpu.available():
+            return mlr_cpu.mlr_decode_cpu(*args)
+    return mlr_decode_reference(*args)

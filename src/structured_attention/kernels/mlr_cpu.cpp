@@ -1,4 +1,5 @@
-// Fused MLR attention for CPU: forward and backward, flash-style, in O(T * tile) memory.
+// Fused MLR attention for CPU: forward and backward, flash-style, in O(T * tile) memory, and one
+// decoding step against the compressed cache (decode_kernel, at the end).
 //
 // Contract (checked and prepared by structured_attention/kernels/mlr_cpu.py):
 //   q (N, T, R) queries already multiplied by the scale; k (N, T, R); v (N, T, Dv);
@@ -348,6 +349,77 @@ void backward_kernel(const at::Tensor& q, const at::Tensor& qT, const at::Tensor
   });
 }
 
+// s[j] += <q, k_j> for n keys of r dims, k_j at k + j * st. Short rows go eight keys at a time
+// (eight independent sums rather than one dependent chain per key); long rows vectorise each dot.
+template <typename T>
+void add_key_scores(const T* q, const T* k, int64_t st, int64_t r, int64_t n, T* s) {
+  int64_t j = 0;
+  if (r < 32) {
+    for (; j + 8 <= n; j += 8) {
+      const T* kr = k + j * st;
+      T dot[8] = {};
+      for (int64_t d = 0; d < r; ++d)
+        for (int u = 0; u < 8; ++u) dot[u] += q[d] * kr[u * st + d];
+      for (int u = 0; u < 8; ++u) s[j + u] += dot[u];
+    }
+  }
+  for (; j < n; ++j) {
+    const T* kr = k + j * st;
+    T dot = 0;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t d = 0; d < r; ++d) dot += q[d] * kr[d];
+    s[j] += dot;
+  }
+}
+
+// One decoding step (see functional/mlr_decode.py): query (b, h) scores key j with level l where
+// j >= starts[l] (level l's keys held are those of the token's own block), then a softmax and the
+// values. keys[l] and v are (B, Hk, n, r) views with a contiguous last dim (cache buffers with
+// spare capacity); one task per (b, h) streams its level-1 keys, its finer keys and its values once.
+template <typename T>
+void decode_kernel(const at::Tensor& q, const std::vector<at::Tensor>& keys, const std::vector<int64_t>& starts,
+                   const at::Tensor& v, at::Tensor& out, double scale, bool depth_normalize) {
+  const int64_t B = q.size(0), H = q.size(1), Hk = v.size(1), end = v.size(2), Dv = v.size(3);
+  const int64_t G = H / Hk, L = static_cast<int64_t>(keys.size());
+  std::vector<int64_t> qoff(L + 1, 0);
+  for (int64_t l = 0; l < L; ++l) qoff[l + 1] = qoff[l] + keys[l].size(3);
+  const T* qp = q.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t stop) {
+    std::vector<T> s(end), depth(depth_normalize ? end : 0), acc(Dv);
+    for (int64_t bh = begin; bh < stop; ++bh) {
+      const int64_t b = bh / H, hk = (bh % H) / G;
+      const T* qrow = qp + b * q.stride(0) + (bh % H) * q.stride(1);
+      std::fill(s.begin(), s.end(), T(0));
+      if (depth_normalize) std::fill(depth.begin(), depth.end(), T(0));
+      for (int64_t l = 0; l < L; ++l) {
+        const at::Tensor& k = keys[l];
+        const T* kb = k.data_ptr<T>() + b * k.stride(0) + hk * k.stride(1);
+        const T* ql = qrow + qoff[l];
+        const int64_t r = qoff[l + 1] - qoff[l], st = k.stride(2);
+        add_key_scores(ql, kb, st, r, end - starts[l], s.data() + starts[l]);
+        if (depth_normalize)
+          for (int64_t j = starts[l]; j < end; ++j) depth[j] += 1;
+      }
+      if (depth_normalize)
+        for (int64_t j = 0; j < end; ++j) s[j] *= T(scale) / depth[j];
+      else
+        for (int64_t j = 0; j < end; ++j) s[j] *= T(scale);
+      const T sum = exp_shift_sum(s.data(), end, row_max(s.data(), end));
+      std::fill(acc.begin(), acc.end(), T(0));
+      const T* vb = vp + b * v.stride(0) + hk * v.stride(1);
+      for (int64_t j = 0; j < end; ++j) {
+        const T* vr = vb + j * v.stride(2);
+        const T p = s[j];
+        for (int64_t d = 0; d < Dv; ++d) acc[d] += p * vr[d];
+      }
+      T* orow = op + bh * Dv;
+      for (int64_t d = 0; d < Dv; ++d) orow[d] = acc[d] / sum;
+    }
+  });
+}
+
 Levels make_levels(const std::vector<int64_t>& sizes, const std::vector<int64_t>& offsets) {
   TORCH_CHECK(!sizes.empty() && offsets.size() == sizes.size() + 1, "mlr_cpu: one offset per level plus R_0 = 0");
   return Levels{sizes, offsets};
@@ -394,7 +466,25 @@ std::vector<at::Tensor> mlr_backward(const at::Tensor& q, const at::Tensor& qT, 
   return {dqT, dk, dv};
 }
 
+at::Tensor mlr_decode(const at::Tensor& q, const std::vector<at::Tensor>& keys, std::vector<int64_t> starts,
+                      const at::Tensor& v, double scale, bool depth_normalize) {
+  TORCH_CHECK(q.dim() == 3 && v.dim() == 4 && q.stride(2) == 1 && v.stride(3) == 1,
+              "mlr_cpu: decode takes q (B, H, R) and v (B, Hk, T, Dv) with a contiguous last dim");
+  TORCH_CHECK(!keys.empty() && keys.size() == starts.size(), "mlr_cpu: one key view and start per level");
+  for (const auto& k : keys)
+    TORCH_CHECK(k.dim() == 4 && k.stride(3) == 1 && k.scalar_type() == q.scalar_type() && k.device().is_cpu(),
+                "mlr_cpu: decode keys must be (B, Hk, n, r) CPU views with a contiguous last dim, of q's dtype");
+  TORCH_CHECK(v.scalar_type() == q.scalar_type() && (q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble),
+              "mlr_cpu: decode takes float32 or float64");
+  auto out = at::empty({q.size(0), q.size(1), v.size(3)}, q.options());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "mlr_decode", [&] {
+    decode_kernel<scalar_t>(q, keys, starts, v, out, scale, depth_normalize);
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &mlr_forward, "MLR attention forward: (out, lse)");
   m.def("backward", &mlr_backward, "MLR attention backward: (dq^T, dk, dv)");
+  m.def("decode", &mlr_decode, "one MLR decoding step against the compressed cache: (B, H, Dv)");
 }

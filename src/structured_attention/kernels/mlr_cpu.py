@@ -1,7 +1,8 @@
 """The fused C++ MLR attention kernel for CPU (``mlr_cpu.cpp``): its build and Python interface.
 
 :func:`mlr_attention_cpu` has the contract of :func:`structured_attention.functional.mlr_attention`
-and is differentiable in ``q``, ``k`` and ``v``. The kernel is compiled on first use with
+and is differentiable in ``q``, ``k`` and ``v``; :func:`mlr_decode_cpu` is one decoding step against
+the compressed cache (the contract of :func:`structured_attention.functional.mlr_decode.mlr_decode_reference`). The kernel is compiled on first use with
 ``torch.utils.cpp_extension`` (a C++17 compiler and ninja are needed; the build takes about a
 minute and is cached under ``$TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``)
 for the instruction set ``torch.backends.cpu.get_cpu_capability()`` reports, so the vectorised
@@ -23,8 +24,9 @@ from types import ModuleType
 import torch
 
 from structured_attention.functional.mlr import _HALF_DTYPES, check_mlr_arguments
+from structured_attention.functional.mlr_decode import check_mlr_decode_arguments
 
-__all__ = ["available", "load", "mlr_attention_cpu"]
+__all__ = ["available", "load", "mlr_attention_cpu", "mlr_decode_cpu"]
 
 _SOURCE = Path(__file__).with_name("mlr_cpu.cpp")
 # Query rows per tile and the widest key piece: a piece's scores (64 x 256 float32, 64 KiB) and its
@@ -152,3 +154,29 @@ def mlr_attention_cpu(
         q.to(dtype).reshape(B * H, T, R), kc.reshape(B * H, T, R).contiguous(), vc.reshape(B * H, T, Dv).contiguous(),
         scale, list(sizes), list(itertools.accumulate(ranks, initial=0)), causal, depth_normalize)
     return out.reshape(B, H, T, Dv).to(q.dtype)
+
+
+def mlr_decode_cpu(
+    q: torch.Tensor,
+    keys: Sequence[torch.Tensor],
+    key_starts: Sequence[int],
+    v: torch.Tensor,
+    ranks: Sequence[int],
+    scale: float,
+    depth_normalize: bool = False,
+) -> torch.Tensor:
+    """One MLR decoding step through the C++ kernel, one task per (sequence, query head); same
+    contract as :func:`structured_attention.functional.mlr_decode.mlr_decode_reference` (not
+    differentiable). Raises ``RuntimeError`` if the kernel is not available."""
+    check_mlr_decode_arguments(q, keys, key_starts, v, ranks)
+    ext = load()
+    if ext is None:
+        raise RuntimeError("the C++ MLR attention kernel is not available here (see the warning when it was built)")
+    dtype = torch.float32 if v.dtype in _HALF_DTYPES else v.dtype
+
+    def prepared(x: torch.Tensor) -> torch.Tensor:  # cache views are used in place when they can be
+        return x if x.dtype == dtype and x.stride(-1) == 1 else x.to(dtype).contiguous()
+
+    out = ext.decode(prepared(q)[:, :, 0], [prepared(k) for k in keys], list(key_starts), prepared(v), float(scale),
+                     depth_normalize)
+    return out.unsqueeze(2).to(v.dtype)
