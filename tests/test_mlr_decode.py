@@ -121,8 +121,12 @@ def test_triton_kernel_default_chunking_and_bad_input():
     torch.testing.assert_close(mlr_decode_triton(q_new, keys, starts, v, (8, 4, 4), 0.5), ref, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="^chunk: expected a positive multiple of block_n=64"):
         mlr_decode_triton(q_new, keys, starts, v, (8, 4, 4), 0.5, chunk=100)
-    with pytest.raises(ValueError, match=r"^q: expected float32, float16 or bfloat16"):
-        mlr_decode_triton(q_new.double(), keys, starts, v, (8, 4, 4), 0.5)
+    with pytest.raises(ValueError, match=r"^v: expected float32, float16 or bfloat16"):
+        mlr_decode_triton(q_new, [k.double() for k in keys], starts, v.double(), (8, 4, 4), 0.5)
+    # a bfloat16 query (autocast) against a float32 cache is computed in the cache's dtype
+    torch.testing.assert_close(mlr_decode_triton(q_new.bfloat16(), keys, starts, v, (8, 4, 4), 0.5),
+                               mlr_decode_reference(q_new.bfloat16().float(), keys, starts, v, (8, 4, 4), 0.5),
+                               atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("spec", ["mlr:8|4|2|2", "mlr:8|4|2|2:depth_normalize=true"])

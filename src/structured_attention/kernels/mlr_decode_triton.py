@@ -128,7 +128,8 @@ def mlr_decode_triton(
     result as :func:`~structured_attention.functional.mlr_decode.mlr_decode_reference`. ``chunk``
     (keys per program, a multiple of ``block_n``) defaults to enough programs to fill the device."""
     check_mlr_decode_arguments(q, keys, key_starts, v, ranks)
-    tensors = [("q", q), ("v", v), *((f"keys[{i}]", k) for i, k in enumerate(keys))]
+    q = q.to(v.dtype)  # under autocast the new query can be bfloat16 while the cache is float32
+    tensors = [("v", v), *((f"keys[{i}]", k) for i, k in enumerate(keys))]
     for name, x in tensors:
         if x.dtype not in (torch.float32, torch.float16, torch.bfloat16) or x.dtype != v.dtype:
             raise ValueError(f"{name}: expected float32, float16 or bfloat16 like v ({v.dtype}), got {x.dtype}")
