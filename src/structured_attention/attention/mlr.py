@@ -101,7 +101,8 @@ class MLRAttention(Attention):
         end = start + t
         q_pos = torch.arange(start, end, device=device)
         scores = depth = None
-        for level, (q_l, k_l, k_start, s) in enumerate(zip(q.split(self.ranks, dim=-1), keys, key_starts, self.block_sizes)):
+        levels = zip(q.split(self.ranks, dim=-1), keys, key_starts, self.block_sizes)
+        for level, (q_l, k_l, k_start, s) in enumerate(levels):
             part = grouped_matmul(q_l * self.scale, k_l.transpose(-1, -2)).to(acc)
             if level == 0:  # level 1 covers the whole context: every key, from position 0
                 scores = part

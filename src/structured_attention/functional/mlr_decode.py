@@ -23,7 +23,8 @@ def check_mlr_decode_arguments(
     if q.dim() != 4 or q.shape[2] != 1:
         raise ValueError(f"q: expected (batch, heads, 1, sum(ranks)), got shape {tuple(q.shape)}")
     if len(keys) != len(ranks) or len(key_starts) != len(ranks):
-        raise ValueError(f"keys, key_starts: expected one per level ({len(ranks)}), got {len(keys)} and {len(key_starts)}")
+        raise ValueError(f"keys, key_starts: expected one per level ({len(ranks)}), "
+                         f"got {len(keys)} and {len(key_starts)}")
     if q.shape[-1] != sum(ranks):
         raise ValueError(f"q: expected last dim sum(ranks)={sum(ranks)}, got {q.shape[-1]}")
     end = v.shape[2]

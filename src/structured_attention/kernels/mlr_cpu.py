@@ -2,11 +2,11 @@
 
 :func:`mlr_attention_cpu` has the contract of :func:`structured_attention.functional.mlr_attention`
 and is differentiable in ``q``, ``k`` and ``v``; :func:`mlr_decode_cpu` is one decoding step against
-the compressed cache (the contract of :func:`structured_attention.functional.mlr_decode.mlr_decode_reference`). The kernel is compiled on first use with
-``torch.utils.cpp_extension`` (a C++17 compiler and ninja are needed; the build takes about a
-minute and is cached under ``$TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``)
-for the instruction set ``torch.backends.cpu.get_cpu_capability()`` reports, so the vectorised
-code matches the machine. If it cannot be built, :func:`load` warns once and returns ``None``, and
+the compressed cache, with the contract of :func:`structured_attention.functional.mlr_decode_reference`.
+The kernel is compiled on first use with ``torch.utils.cpp_extension`` (a C++17 compiler and ninja
+are needed; the build takes about a minute and is cached under ``$TORCH_EXTENSIONS_DIR``, by
+default ``~/.cache/torch_extensions``) for the instruction set
+``torch.backends.cpu.get_cpu_capability()`` reports, so the vectorised code matches the machine. If it cannot be built, :func:`load` warns once and returns ``None``, and
 ``mlr_attention`` falls back to the blocked PyTorch path. ``SATTN_CPU_KERNEL=0`` turns it off.
 """
 

@@ -146,7 +146,8 @@ def mlr_decode_triton(
     device, fine = q.device, list(zip(keys[1:], key_starts[1:], ranks[1:]))
     offsets = [sum(ranks[:i]) for i in range(1, len(ranks))]
     ptrs = torch.tensor([k.data_ptr() for k, _, _ in fine] or [0], dtype=torch.int64, device=device)
-    strides = torch.tensor([s for k, _, _ in fine for s in k.stride()[:3]] or [0, 0, 0], dtype=torch.int64, device=device)
+    strides = torch.tensor([s for k, _, _ in fine for s in k.stride()[:3]] or [0, 0, 0], dtype=torch.int64,
+                           device=device)
     starts = torch.tensor([s for _, s, _ in fine] or [0], dtype=torch.int32, device=device)
     qoff = torch.tensor(offsets or [0], dtype=torch.int32, device=device)
     rank = torch.tensor([r for _, _, r in fine] or [0], dtype=torch.int32, device=device)
