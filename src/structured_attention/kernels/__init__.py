@@ -6,6 +6,9 @@ the kernel entry points raise a clear :class:`ImportError` only when called with
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 try:  # pragma: no cover - depends on the environment
     import triton  # noqa: F401
     import triton.language  # noqa: F401
@@ -14,24 +17,24 @@ try:  # pragma: no cover - depends on the environment
 except Exception:  # ImportError, or a broken install
     HAS_TRITON = False
 
+
+def _needs_triton(name: str, instead: str) -> Callable[..., Any]:
+    """A stand-in for the kernel ``name`` where Triton is not installed; it always raises."""
+
+    def stand_in(*args: Any, **kwargs: Any) -> Any:
+        raise ImportError(f"{name} needs the 'triton' package (pip install 'triton>=3.0'); it is not installed. "
+                          f"Use {instead} instead.")
+
+    stand_in.__name__ = name
+    return stand_in
+
+
 if HAS_TRITON:
     from structured_attention.kernels.mlr_decode_triton import mlr_decode_triton
     from structured_attention.kernels.mlr_triton import mlr_attention_triton
 else:
-
-    def mlr_attention_triton(*args, **kwargs):  # type: ignore[no-redef]
-        """Stand-in used when Triton is not installed; always raises."""
-        raise ImportError(
-            "mlr_attention_triton needs the 'triton' package (pip install 'triton>=3.0'); "
-            "it is not installed. Use structured_attention.functional.mlr_attention instead."
-        )
-
-    def mlr_decode_triton(*args, **kwargs):  # type: ignore[no-redef]
-        """Stand-in used when Triton is not installed; always raises."""
-        raise ImportError(
-            "mlr_decode_triton needs the 'triton' package (pip install 'triton>=3.0'); "
-            "it is not installed. Use structured_attention.functional.mlr_decode instead."
-        )
+    mlr_attention_triton = _needs_triton("mlr_attention_triton", "structured_attention.functional.mlr_attention")
+    mlr_decode_triton = _needs_triton("mlr_decode_triton", "structured_attention.functional.mlr_decode")
 
 
 __all__ = ["HAS_TRITON", "mlr_attention_triton", "mlr_decode_triton"]
