@@ -20,7 +20,6 @@ import copy
 import json
 import multiprocessing
 import platform
-import resource
 import statistics
 import threading
 import time
@@ -154,17 +153,9 @@ def _peak_memory_mib(name: str, args: argparse.Namespace, seq_len: int) -> float
 def _cpu_rss_growth(name: str, arg_dict: dict[str, Any], seq_len: int) -> float:
     """In a fresh process: resident-set growth during forward+backward, sampled every 0.2 ms."""
     _, forward_backward = _build_case(name, argparse.Namespace(**arg_dict), seq_len)
-    page = resource.getpagesize()
+    from ..training.loop import resident_mib as rss  # current resident set, MiB (the peak without /proc)
 
-    def rss() -> int:
-        """The current resident set on Linux; elsewhere the peak so far (ru_maxrss, in KiB)."""
-        try:
-            with open("/proc/self/statm") as f:
-                return int(f.read().split()[1]) * page
-        except OSError:
-            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-    before, peak, done = rss(), [0], threading.Event()
+    before, peak, done = rss(), [0.0], threading.Event()
 
     def sample() -> None:
         while not done.is_set():
@@ -176,7 +167,7 @@ def _cpu_rss_growth(name: str, arg_dict: dict[str, Any], seq_len: int) -> float:
     forward_backward()
     done.set()
     sampler.join()
-    return (max(peak[0], rss()) - before) / 2**20
+    return max(peak[0], rss()) - before
 
 
 def _decode_ms(spec: str, args: argparse.Namespace, cache_len: int, context: int) -> float:
