@@ -21,7 +21,7 @@ def _dead_pid() -> int:
 
 
 def _train(trained: list[str]):
-    def train_one(r):
+    def train_one(r, resume):
         trained.append(r["name"])
         return {"score": len(r["name"])}
     return train_one
@@ -53,7 +53,7 @@ def test_claimed_runs_are_left_to_their_holder_and_dead_claims_are_taken_over(tm
 
 
 def test_a_failed_run_releases_its_claim_and_leaves_no_result(tmp_path):
-    def fail(r):
+    def fail(r, resume):
         raise RuntimeError("diverged")
 
     with pytest.raises(RuntimeError, match="diverged"):
@@ -65,3 +65,19 @@ def test_claim_run_is_exclusive(tmp_path):
     path = tmp_path / "claim"
     assert claim_run(path) is None
     assert claim_run(path) == f"{socket.gethostname()} {os.getpid()}"  # held by this (live) process
+
+
+def test_resume_is_asked_for_exactly_when_the_run_holds_a_complete_checkpoint(tmp_path):
+    for name, files in [("fresh", []), ("partial", ["ckpt/step-00000004/model.safetensors"]),
+                        ("saved", ["ckpt/step-00000004/model.safetensors", "ckpt/step-00000004/state.json"])]:
+        for f in files:
+            (tmp_path / name / f).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / name / f).write_text("{}")
+    asked = {}
+
+    def train_one(r, resume):
+        asked[r["name"]] = resume
+        return {}
+
+    run_grid(tmp_path, "lm", [{"name": n} for n in ("fresh", "partial", "saved")], train_one)
+    assert asked == {"fresh": False, "partial": False, "saved": True}

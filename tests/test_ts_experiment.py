@@ -5,6 +5,7 @@ sweep, plot) -- on small synthetic CSVs."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -165,6 +166,25 @@ def test_cli_sweep_is_resumable_and_plots_tables_and_pngs(tmp_path, capsys):
     assert "Test MSE change against mha, paired by seed" in table
     assert f"| 24 | {change:+.2f}% (lower in {wins} of 2 seeds) |" in table
     assert (docs / "patch-mse.png").stat().st_size > 0 and (docs / "patch-forecast.png").stat().st_size > 0
+
+
+def test_a_sweep_continues_an_interrupted_run_from_its_checkpoint(tmp_path, capsys):
+    sinusoid_csv(tmp_path / "sine.csv", n=600)
+    argv = ["--horizons", "12", "--kinds", "mha", "--seeds", "0", f"data.source={tmp_path / 'sine.csv'}",
+            "data.lookback=48", "model.family=patch", "model.n_layers=1", "model.d_model=16", "model.n_heads=2",
+            "model.patch_len=8", "model.stride=4", "run.eval_every=2", "run.batch_size=8", "run.eval_batches=2",
+            "run.log_every=2", "run.patience=0"]
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    assert main(["sweep", "ts", "--out", str(whole), *argv, "run.steps=4"]) == 0
+    # killed after its step-2 checkpoint, before writing result.json
+    assert main(["sweep", "ts", "--out", str(cut), *argv, "run.steps=2"]) == 0
+    (cut / "patch-mha-h12-s0" / "result.json").unlink()
+    capsys.readouterr()
+    assert main(["sweep", "ts", "--out", str(cut), *argv, "run.steps=4"]) == 0
+    assert re.search(r"resumed from \S+step-0+2 at step 2", capsys.readouterr().err)
+    resumed, straight = (json.loads((d / "patch-mha-h12-s0" / "result.json").read_text()) for d in (cut, whole))
+    assert resumed["steps"] == 4
+    assert resumed["test_mse"] == pytest.approx(straight["test_mse"], rel=1e-6)
 
 
 @pytest.mark.skipif(not ETTH1.is_file(), reason="../shared/data/ett/ETTh1.csv is not beside this checkout")

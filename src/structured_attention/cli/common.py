@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .._files import atomic_write
+from ..training.checkpoint import find_checkpoints
 
 __all__ = ["add_sweep_parser", "add_train_parser", "best_per_kind_width", "claim_run", "number_list", "one_line_warnings", "run_grid", "slug"]
 
@@ -119,12 +120,13 @@ def claim_run(path: Path) -> str | None:
 
 
 def run_grid(
-    out: Path, experiment: str, runs: list[dict[str, Any]], train_one: Callable[[dict[str, Any]], dict[str, Any]],
+    out: Path, experiment: str, runs: list[dict[str, Any]], train_one: Callable[[dict[str, Any], bool], dict[str, Any]],
 ) -> list[dict[str, Any]]:
     """Run a sweep: each run (a dict with a unique ``name``) trains in ``out/<name>`` through
-    ``train_one(run)``, whose result is stored with the run in ``out/<name>/result.json``. A run
-    whose ``result.json`` exists is not trained again, so an interrupted sweep resumes where it
-    stopped. A run being trained is claimed by ``out/<name>/claim``, so the same sweep command
+    ``train_one(run, resume)``, whose result is stored with the run in ``out/<name>/result.json``.
+    A run whose ``result.json`` exists is not trained again, and ``resume`` is true when the run's
+    folder holds a complete checkpoint, so an interrupted sweep resumes where it stopped, inside
+    a run too. A run being trained is claimed by ``out/<name>/claim``, so the same sweep command
     started in several processes (one per core, or per node on a shared file system) splits the
     grid between them. ``out/sweep.json`` names the experiment (for ``sattn plot``). Returns the
     results of every finished run."""
@@ -143,7 +145,7 @@ def run_grid(
                 continue
             try:
                 if not done.is_file():  # finished by another process since the check above
-                    result = {**r, **train_one(r)}
+                    result = {**r, **train_one(r, bool(find_checkpoints(done.parent / "ckpt")))}
                     text = json.dumps(result, indent=2)
                     atomic_write(done, lambda tmp: Path(tmp).write_text(text))
             finally:

@@ -161,9 +161,9 @@ def run_sweep(args: argparse.Namespace) -> int:
         return 0
     from ..experiments.icl import load_icl_config, train_icl
 
-    def train_one(r: dict[str, Any]) -> dict[str, Any]:
+    def train_one(r: dict[str, Any], resume: bool) -> dict[str, Any]:
         with one_line_warnings("sweep"):
-            result = train_icl(load_icl_config(args.config, r["overrides"]))
+            result = train_icl(load_icl_config(args.config, r["overrides"]), resume=resume)
         return {"mse_last": result["mse_last"], "curves": result["curves"], "flops": result["flops"],
                 "steps_done": result["steps"], "wall_s": result["wall_s"], "tokens_per_s": _throughput(out / r["name"]),
                 "n_dims": result["config"]["task"]["n_dims"]}

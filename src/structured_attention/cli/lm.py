@@ -213,8 +213,8 @@ def run_sweep(args: argparse.Namespace) -> int:
         return 0
     from ..experiments.lm import load_lm_config, train_lm
 
-    def train_one(r: dict[str, Any]) -> dict[str, Any]:
-        train_lm(load_lm_config(args.config, r["overrides"]))
+    def train_one(r: dict[str, Any], resume: bool) -> dict[str, Any]:
+        train_lm(load_lm_config(args.config, r["overrides"]), resume=resume)
         result = _result(out / r["name"])
         if result is None:
             raise ValueError(f"sweep: run {r['name']} left no validation metrics in {out / r['name']}")

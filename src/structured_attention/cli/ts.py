@@ -106,9 +106,9 @@ def run_sweep(args: argparse.Namespace) -> int:
         return 0
     from ..experiments.forecasting import load_ts_config, train_ts
 
-    def train_one(r: dict[str, Any]) -> dict[str, Any]:
+    def train_one(r: dict[str, Any], resume: bool) -> dict[str, Any]:
         with one_line_warnings("sweep"):
-            return train_ts(load_ts_config(args.config, r["overrides"]))
+            return train_ts(load_ts_config(args.config, r["overrides"]), resume=resume)
 
     results = run_grid(out, EXPERIMENT, runs, train_one)
     for r in results:
