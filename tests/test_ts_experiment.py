@@ -216,3 +216,15 @@ def test_linear_skip_starts_at_the_ridge_fit_of_the_training_windows(tmp_path):
     result = train_ts(config)
     fresh = forecast_metrics(model, data, "test")
     assert result["skip_test_mse"] == pytest.approx(fresh["mse"], rel=1e-5)
+
+
+def test_a_frozen_linear_skip_keeps_its_ridge_fit_while_the_encoder_learns(tmp_path):
+    config = small_config(tmp_path, "model.linear_skip=true", "model.skip_trainable=false", "run.steps=6",
+                          "run.eval_every=3")
+    fresh = ForecastTask(config)
+    fresh.setup(None)
+    start = fresh.build_model()
+    train_ts(config)
+    trained, _, _ = load_forecaster(Path(config.run.out_dir) / "best")
+    assert torch.equal(trained.skip.weight, start.skip.weight) and torch.equal(trained.skip.bias, start.skip.bias)
+    assert trained.head.weight.abs().sum() > 0 and not start.head.weight.any()  # the head left zero

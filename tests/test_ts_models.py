@@ -107,6 +107,8 @@ def test_config_validation_is_one_line():
         tiny("patch", patch_len=64)
     with pytest.raises(ValueError, match="model.head_dropout"):
         tiny("patch", head_dropout=1.0)
+    with pytest.raises(ValueError, match="model.skip_trainable: expected true unless model.linear_skip is true"):
+        tiny("patch", skip_trainable=False)
 
 
 @pytest.mark.parametrize("final_norm", [False, True])

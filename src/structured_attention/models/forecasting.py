@@ -115,6 +115,8 @@ class ForecasterConfig:
     # patch family: add a linear map over time, Linear(L -> H) shared by the channels, of each
     # normalised channel (RLinear-style); the encoder's head starts at zero and learns the residual
     linear_skip: bool = False
+    # False: the skip keeps its starting weights (the ridge fit) and only the encoder learns
+    skip_trainable: bool = True
     revin: bool = True
     revin_affine: bool = True
 
@@ -126,6 +128,8 @@ class ForecasterConfig:
         if self.family == "patch":
             require(self.patch_len <= self.lookback, "model.patch_len", f"at most the lookback {self.lookback}", self.patch_len)
         require(not self.linear_skip or self.family == "patch", "model.linear_skip", "false for the point family", self.linear_skip)
+        require(self.skip_trainable or self.linear_skip, "model.skip_trainable", "true unless model.linear_skip is true",
+                self.skip_trainable)
 
     @property
     def n_tokens(self) -> int:
@@ -228,6 +232,7 @@ class PatchForecaster(_Forecaster):
         if self.skip is not None:  # start as the linear forecaster; the encoder adds to it
             nn.init.zeros_(self.head.weight)
             nn.init.zeros_(self.head.bias)
+            self.skip.requires_grad_(config.skip_trainable)
 
     def _forecast(self, x: torch.Tensor) -> torch.Tensor:
         b, _, ch = x.shape
