@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 import yaml
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from structured_attention.experiments.lm import load_lm_config
@@ -124,6 +124,7 @@ documents = st.one_of(
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(doc=documents, raw=st.one_of(st.none(), st.text(max_size=40)))
+@example(doc={"model": {"\n": None}}, raw=None)  # a key holding a line break
 def test_any_config_document_loads_or_fails_in_one_line(tmp_path, doc, raw):
     path = tmp_path / "c.yaml"
     path.write_text(raw if raw is not None else yaml.safe_dump(doc, allow_unicode=True))

@@ -160,8 +160,9 @@ def _section_updates(section: str, cls: type, values: Any) -> dict[str, Any]:
     out = {}
     for key, raw in values.items():
         if key not in hints:
+            shown = key if isinstance(key, str) and key.isprintable() else repr(key)  # one line, whatever the key
             raise ValueError(
-                f"unknown config key {section}.{key!s}; valid keys in '{section}': {', '.join(sorted(hints))}"
+                f"unknown config key {section}.{shown}; valid keys in '{section}': {', '.join(sorted(hints))}"
             )
         out[key] = _parse_value(raw, hints[key], f"{section}.{key}")
     return out
