@@ -17,7 +17,7 @@ from typing import Any
 from .._files import atomic_write
 from ..training.checkpoint import find_checkpoints
 
-__all__ = ["add_sweep_parser", "add_train_parser", "best_per_kind_width", "claim_run", "number_list", "one_line_warnings", "run_grid", "slug"]
+__all__ = ["add_sweep_parser", "add_train_parser", "best_per_kind_width", "claim_run", "number_list", "one_line_warnings", "print_plan", "run_grid", "slug"]
 
 
 @contextlib.contextmanager
@@ -86,6 +86,15 @@ def best_per_kind_width(results: list[dict[str, Any]], metric: str) -> list[dict
 def slug(text: str) -> str:
     """A folder-name-safe form of ``text`` (``mlr:16|8`` -> ``mlr-16-8``)."""
     return re.sub(r"[^A-Za-z0-9.]+", "-", text).strip("-")
+
+
+def print_plan(out: Path, runs: list[dict[str, Any]]) -> None:
+    """A sweep's plan: each run's name, with its steps and training FLOPs where the plan has them."""
+    print(f"sweep: {len(runs)} runs in {out}")
+    width = max((len(r["name"]) for r in runs), default=0)
+    for r in runs:
+        budget = f"  steps {r['steps']:6d}  training FLOPs {r['flops']:.3e}" if "flops" in r else ""
+        print(f"  {r['name']:{width}s}{budget}".rstrip())
 
 
 def _alive(pid: int) -> bool:

@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .common import add_sweep_parser, add_train_parser, best_per_kind_width, number_list, one_line_warnings, run_grid, slug
+from .common import add_sweep_parser, add_train_parser, best_per_kind_width, number_list, one_line_warnings, print_plan, run_grid, slug
 
 EXPERIMENT = "icl"
 
@@ -154,9 +154,7 @@ def _throughput(run_dir: Path) -> float | None:
 def run_sweep(args: argparse.Namespace) -> int:
     runs = plan(args)
     out = Path(args.out)
-    print(f"sweep: {len(runs)} runs in {out}")
-    for r in runs:
-        print(f"  {r['name']:44s} steps {r['steps']:6d}  training FLOPs {r['flops']:.3e}")
+    print_plan(out, runs)
     if args.dry_run:
         return 0
     from ..experiments.icl import load_icl_config, train_icl

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ..models.gpt import GPT
-from .common import add_sweep_parser, add_train_parser, best_per_kind_width, number_list, one_line_warnings, run_grid, slug
+from .common import add_sweep_parser, add_train_parser, best_per_kind_width, number_list, one_line_warnings, print_plan, run_grid, slug
 
 EXPERIMENT = "lm"
 
@@ -206,9 +206,7 @@ def _result(run_dir: Path) -> dict[str, Any] | None:
 def run_sweep(args: argparse.Namespace) -> int:
     runs = plan(args)
     out = Path(args.out)
-    print(f"sweep: {len(runs)} runs in {out}")
-    for r in runs:
-        print(f"  {r['name']:40s} steps {r['steps']:6d}  training FLOPs {r['flops']:.3e}")
+    print_plan(out, runs)
     if args.dry_run:
         return 0
     from ..experiments.lm import load_lm_config, train_lm

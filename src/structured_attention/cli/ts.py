@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .common import add_sweep_parser, add_train_parser, number_list, one_line_warnings, run_grid, slug
+from .common import add_sweep_parser, add_train_parser, number_list, one_line_warnings, print_plan, run_grid, slug
 
 EXPERIMENT = "ts"
 
@@ -99,9 +99,7 @@ def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
 def run_sweep(args: argparse.Namespace) -> int:
     runs = plan(args)
     out = Path(args.out)
-    print(f"sweep: {len(runs)} runs in {out}")
-    for r in runs:
-        print(f"  {r['name']}")
+    print_plan(out, runs)
     if args.dry_run:
         return 0
     from ..experiments.forecasting import load_ts_config, train_ts
