@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from structured_attention.models.forecasting import (
     ForecasterConfig,
@@ -151,3 +152,55 @@ def test_linear_skip_keeps_channel_independence():
     x2 = x.clone()
     x2[:, :, 0] += torch.randn(2, 32)
     torch.testing.assert_close(model(x)[:, :, 1:], model(x2)[:, :, 1:], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("norm", ["layer", "batch"])
+def test_post_norm_blocks_normalise_after_each_residual_sum(norm):
+    """PatchTST's encoder block: ``x = N(x + attn(x)); x = N(x + mlp(x))``, with BatchNorm over
+    batch and positions (batch statistics in training, running ones in evaluation)."""
+    torch.manual_seed(0)
+    model = build_forecaster(tiny("patch", "mlr:4|2|1|1", norm=norm, prenorm=False, bias=True))
+    block = model.backbone.blocks[0]
+    x = torch.randn(4, 8, 16)
+
+    def normalise(h, module):
+        if norm == "layer":
+            return F.layer_norm(h, (16,), module.weight, module.bias)
+        if module.training:
+            mean, var = h.mean((0, 1)), h.var((0, 1), unbiased=False)
+        else:
+            mean, var = module.running_mean, module.running_var
+        return (h - mean) / torch.sqrt(var + module.eps) * module.weight + module.bias
+
+    for training in (True, False):
+        block.train(training)
+        with torch.no_grad():
+            for m in (block.ln_attn, block.ln_mlp):
+                if norm == "batch":  # non-trivial running statistics and affine maps
+                    m.running_mean.uniform_(-1, 1), m.running_var.uniform_(0.5, 2)
+                m.weight.uniform_(0.5, 2), m.bias.uniform_(-1, 1)
+            h = normalise(x + block.attn(x), block.ln_attn)
+            want = normalise(h + block.mlp(h), block.ln_mlp)
+            torch.testing.assert_close(block(x), want, rtol=1e-5, atol=1e-5)
+    assert block.attn.q_proj.bias is not None and block.mlp.up.bias is not None  # model.bias=true
+
+
+def test_batch_norm_needs_a_bidirectional_model_and_names_the_parameter():
+    from structured_attention.models.transformer import TransformerConfig
+
+    with pytest.raises(ValueError, match="norm"):
+        TransformerConfig(norm="batch", causal=True)
+    with pytest.raises(ValueError, match="model.norm"):
+        tiny("patch", norm="group")
+
+
+@pytest.mark.parametrize("kind", ["mha", "mlr:4|2|1|1"])
+def test_attention_dropout_is_set_apart_from_the_residual_dropout(kind):
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, 16)
+    for attn_dropout, deterministic in ((0.0, True), (None, False)):  # None: model.dropout
+        attn = build_forecaster(tiny("patch", kind, dropout=0.5, attn_dropout=attn_dropout)).backbone.blocks[0].attn
+        attn.train()
+        assert torch.equal(attn(x), attn(x)) is deterministic
+    with pytest.raises(ValueError, match="model.attn_dropout"):
+        tiny("patch", attn_dropout=1.5)

@@ -105,11 +105,15 @@ class ForecasterConfig:
     positions: str = "learned"  # "learned", "rotary" or "none" (bilinear kinds need learned or none)
     mlp_ratio: float = 4.0
     dropout: float = 0.2
+    attn_dropout: float | None = None  # inside attention; None: the same as dropout (PatchTST: 0)
     head_dropout: float = 0.0  # before the output head
     qk_norm: bool = False
     # False: no LayerNorm after the encoder, so the head sees the residual stream and the model
     # holds a linear forecaster (embedding -> head) plus what attention and the MLPs add to it
     final_norm: bool = False
+    norm: str = "layer"  # "layer" or "batch" (PatchTST)
+    prenorm: bool = True  # False: post-norm blocks (PatchTST)
+    bias: bool = False  # biases in the encoder's linear layers
     patch_len: int = 16  # patch family only
     stride: int = 8  # patch family only
     # patch family: add a linear map over time, Linear(L -> H) shared by the channels, of each
@@ -124,6 +128,9 @@ class ForecasterConfig:
         require(self.family in ("point", "patch"), "model.family", "'point' or 'patch'", self.family)
         for name in ("n_channels", "lookback", "horizon", "patch_len", "stride"):
             check_positive_int(getattr(self, name), f"model.{name}")
+        require(self.norm in ("layer", "batch"), "model.norm", "'layer' or 'batch'", self.norm)
+        require(self.attn_dropout is None or 0 <= self.attn_dropout < 1, "model.attn_dropout",
+                "a probability in [0, 1), or null for model.dropout", self.attn_dropout)
         require(0 <= self.head_dropout < 1, "model.head_dropout", "a probability in [0, 1)", self.head_dropout)
         if self.family == "patch":
             require(self.patch_len <= self.lookback, "model.patch_len", f"at most the lookback {self.lookback}", self.patch_len)
@@ -147,7 +154,9 @@ class ForecasterConfig:
         return TransformerConfig(
             n_layers=self.n_layers, d_model=self.d_model, n_heads=self.n_heads, max_seq_len=self.n_tokens,
             attention=self.attention, positions=self.positions, mlp_ratio=self.mlp_ratio, dropout=self.dropout,
-            qk_norm=self.qk_norm, causal=False, final_norm=self.final_norm,
+            attn_dropout=self.attn_dropout,
+            qk_norm=self.qk_norm, causal=False, final_norm=self.final_norm, norm=self.norm, prenorm=self.prenorm,
+            bias=self.bias,
         )
 
     def to_dict(self) -> dict[str, Any]:

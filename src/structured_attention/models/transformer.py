@@ -1,4 +1,4 @@
-"""The transformer backbone every model here shares: positions, pre-LN blocks, a final norm.
+"""The transformer backbone every model here shares: positions, pre-LN (or post-norm) blocks, a final norm.
 
 A :class:`Transformer` maps embeddings ``(B, T, D)`` to features ``(B, T, D)``. Its attention comes
 from the config, per layer if wanted (``attention="mha,swa:128,swa:128"``), causal for decoders
@@ -22,7 +22,7 @@ from ..attention import Attention, AttentionConfig, KVCache, parse_attention_pat
 from ..attention.base import build_attention
 from ..matrices.base import Fan, StructuredMatrix
 
-__all__ = ["Block", "MLP", "Transformer", "TransformerConfig", "init_gpt2_", "parameter_fans"]
+__all__ = ["Block", "MLP", "TokenBatchNorm", "Transformer", "TransformerConfig", "build_norm", "init_gpt2_", "parameter_fans"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,9 @@ class TransformerConfig:
     positions: str = "learned"  # "learned", "rotary" or "none"
     mlp_ratio: float = 4.0
     dropout: float = 0.0
+    # dropout inside attention (on the probabilities for dense kinds, on the output for MLR,
+    # whose flash-style paths never hold the probabilities); None: the same as ``dropout``
+    attn_dropout: float | None = None
     qk_norm: bool = False
     attn_scale: str = "sp"
     bias: bool = False
@@ -44,11 +47,18 @@ class TransformerConfig:
     # a LayerNorm on the output; without it the residual stream reaches the head unnormalised, so
     # a linear path runs from the input embeddings to the output (forecasters want that)
     final_norm: bool = True
+    # "layer" (LayerNorm) or "batch" (BatchNorm over batch and positions, PatchTST's choice for
+    # time series; encoders only: its batch statistics would mix a causal model's future into its past)
+    norm: str = "layer"
+    # True: x + f(norm(x)) (pre-LN, GPT-2); False: norm(x + f(x)) (post-LN, the original transformer)
+    prenorm: bool = True
 
     def __post_init__(self) -> None:
         for name in ("n_layers", "d_model", "n_heads", "max_seq_len"):
             value = getattr(self, name)
             require(isinstance(value, int) and value > 0, name, "a positive integer", value)
+        require(self.norm in ("layer", "batch"), "norm", "'layer' or 'batch'", self.norm)
+        require(self.norm == "layer" or not self.causal, "norm", "'layer' for a causal model", self.norm)
         require(self.positions in ("learned", "rotary", "none"), "positions", "'learned', 'rotary' or 'none'", self.positions)
         require(self.mlp_ratio > 0, "mlp_ratio", "a positive number", self.mlp_ratio)
 
@@ -56,7 +66,7 @@ class TransformerConfig:
         """One validated :class:`AttentionConfig` per layer."""
         shared = dict(
             d_model=self.d_model, n_heads=self.n_heads, max_seq_len=self.max_seq_len, n_kv_heads=self.n_kv_heads,
-            dropout=self.dropout, qk_norm=self.qk_norm, attn_scale=self.attn_scale, bias=self.bias,
+            dropout=self.dropout if self.attn_dropout is None else self.attn_dropout, qk_norm=self.qk_norm, attn_scale=self.attn_scale, bias=self.bias,
             rotary=self.positions == "rotary", causal=self.causal,
         )
         return [AttentionConfig(**{**shared, **spec}) for spec in parse_attention_pattern(self.attention, self.n_layers)]
@@ -89,18 +99,33 @@ class MLP(nn.Module):
         return self.down(F.gelu(self.up(x)))
 
 
+class TokenBatchNorm(nn.BatchNorm1d):
+    """BatchNorm1d over the features of ``(B, T, D)`` tokens: statistics over batch and positions."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.transpose(1, 2)).transpose(1, 2)
+
+
+def build_norm(config: TransformerConfig) -> nn.Module:
+    return TokenBatchNorm(config.d_model) if config.norm == "batch" else nn.LayerNorm(config.d_model)
+
+
 class Block(nn.Module):
     def __init__(self, config: TransformerConfig, attention: AttentionConfig) -> None:
         super().__init__()
-        self.ln_attn = nn.LayerNorm(config.d_model)
+        self.prenorm = config.prenorm
+        self.ln_attn = build_norm(config)
         self.attn: Attention = build_attention(attention)
-        self.ln_mlp = nn.LayerNorm(config.d_model)
+        self.ln_mlp = build_norm(config)
         self.mlp = MLP(config)
         self.drop = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.ln_attn(x), cache))
-        return x + self.drop(self.mlp(self.ln_mlp(x)))
+        if self.prenorm:
+            x = x + self.drop(self.attn(self.ln_attn(x), cache))
+            return x + self.drop(self.mlp(self.ln_mlp(x)))
+        x = self.ln_attn(x + self.drop(self.attn(x, cache)))
+        return self.ln_mlp(x + self.drop(self.mlp(x)))
 
 
 class Transformer(nn.Module):
@@ -113,7 +138,7 @@ class Transformer(nn.Module):
         self.pos_emb = nn.Embedding(config.max_seq_len, config.d_model) if config.positions == "learned" else None
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config, a) for a in config.attention_configs())
-        self.ln_f = nn.LayerNorm(config.d_model) if config.final_norm else nn.Identity()
+        self.ln_f = build_norm(config) if config.final_norm else nn.Identity()
 
     def forward(self, x: torch.Tensor, caches: list[KVCache] | None = None) -> torch.Tensor:
         """Features of embeddings ``x: (B, T, D)``; with ``caches`` they continue the cached sequence."""
