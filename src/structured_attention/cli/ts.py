@@ -171,6 +171,32 @@ def table(results: list[dict[str, Any]], family: str) -> str:
                 wins = sum(a < b for a, b in pairs)
                 cells.append(f"{100 * (mean_k - mean_b) / mean_b:+.2f}% (lower in {wins} of {len(pairs)} seeds)")
             lines.append("| " + " | ".join(cells) + " |")
+    published = {h: [r for k in kinds for r in groups.get((family, h, k), []) if "test_mse_published_windows" in r]
+                 for h in horizons}
+    if any(published.values()):  # scored like the published figures, for a like-for-like comparison
+        lines += ["", "Test MSE on the test windows the published figures averaged over (their loader dropped the "
+                  "last partial batch of 128), and the change against each published figure:", "",
+                  "| horizon | windows | " + " | ".join(k.replace("|", "\\|") for k in kinds) + " | "
+                  + " | ".join(PUBLISHED) + " |", "|" + "---|" * (2 + len(kinds) + len(PUBLISHED))]
+        for h in horizons:
+            if not published[h]:
+                continue
+            cells = [str(h), str(published[h][0]["published_windows"])]
+            for k in kinds:
+                rs = [r for r in groups.get((family, h, k), []) if "test_mse_published_windows" in r]
+                cells.append(_mean_std([r["test_mse_published_windows"] for r in rs]) if rs else "")
+            for name, figures in PUBLISHED.items():
+                if h not in figures:
+                    cells.append("")
+                    continue
+                changes = []
+                for k in kinds:
+                    rs = [r for r in groups.get((family, h, k), []) if "test_mse_published_windows" in r]
+                    if rs:
+                        mean = statistics.mean(r["test_mse_published_windows"] for r in rs)
+                        changes.append(f"{100 * (mean - figures[h][0]) / figures[h][0]:+.1f}%")
+                cells.append(f"{figures[h][0]:.3f} ({', '.join(changes)})")
+            lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
