@@ -248,8 +248,6 @@ def test_the_table_compares_the_published_windows_with_the_published_figures():
                result("mlr:4|2", 1, 0.38, 0.37)]
     text = table(results, "patch")
     patchtst = PUBLISHED["PatchTST/64"][96][0]
-    dlinear = PUBLISHED["DLinear"][96][0]
     mha, mlr = 0.375, 0.365
-    assert (f"| 96 | 2688 | 0.375 ± 0.007 | 0.365 ± 0.007 | {patchtst:.3f} "
-            f"({100 * (mha - patchtst) / patchtst:+.1f}%, {100 * (mlr - patchtst) / patchtst:+.1f}%) | "
-            f"{dlinear:.3f} ({100 * (mha - dlinear) / dlinear:+.1f}%, {100 * (mlr - dlinear) / dlinear:+.1f}%) |") in text
+    assert (f"| 96 | 2688 | 0.375 ± 0.007 ({100 * (mha - patchtst) / patchtst:+.1f}%) | "
+            f"0.365 ± 0.007 ({100 * (mlr - patchtst) / patchtst:+.1f}%) | {patchtst:.3f} |") in text
