@@ -118,8 +118,10 @@ def run_sweep(args: argparse.Namespace) -> int:
 
 
 def _mean_std(values: list[float]) -> str:
-    std = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{statistics.mean(values):.3f} ± {std:.3f}"
+    """``mean ± sample std``; a single value alone (it has no spread to show)."""
+    if len(values) == 1:
+        return f"{values[0]:.3f}"
+    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}"
 
 
 def _groups(results: list[dict[str, Any]]) -> dict[tuple[str, int, str], list[dict[str, Any]]]:
