@@ -261,9 +261,9 @@ def train_ts(config: TSConfig, *, resume: bool = False, stream: TextIO | None = 
     uses), ``best_step``, ``steps``, ``stopped_early``, ``wall_s``, ``params``, ``examples``
     (``run.examples`` test windows of the target channel: the lookback, the truth and the
     forecast, normalised) and, with ``model.linear_skip``, ``skip_test_mse`` / ``skip_test_mae``
-    (the ridge-fitted skip alone). ``test_mse_published_windows`` / ``..._mae_...`` (with 128 or
-    more test windows) score the windows PatchTST's published figures used (:data:`PUBLISHED_TEST_BATCH`), for a like-for-like
-    comparison with them."""
+    (the ridge-fitted skip alone). With 128 or more test windows, ``test_mse_published_windows``
+    and ``test_mae_published_windows`` score the windows PatchTST's published figures used
+    (:data:`PUBLISHED_TEST_BATCH`), for a like-for-like comparison with them."""
     task = ForecastTask(config)
     result = fit(task, resume=resume, stream=stream)
     if result.model is None:  # a non-zero rank under torchrun: rank 0 reports
