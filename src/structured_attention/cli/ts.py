@@ -173,27 +173,24 @@ def table(results: list[dict[str, Any]], family: str) -> str:
                 wins = sum(a < b for a, b in pairs)
                 cells.append(f"{100 * (mean_k - mean_b) / mean_b:+.2f}% (lower in {wins} of {len(pairs)} seeds)")
             lines.append("| " + " | ".join(cells) + " |")
-    published = {h: [r for k in kinds for r in groups.get((family, h, k), []) if "test_mse_published_windows" in r]
-                 for h in horizons}
+    scored = {(h, k): [r["test_mse_published_windows"] for r in groups.get((family, h, k), [])
+                       if "test_mse_published_windows" in r] for h in horizons for k in kinds}
+    windows = {h: r["published_windows"] for (_, h, _), rs in groups.items() for r in rs if "published_windows" in r}
     patchtst = PUBLISHED["PatchTST/64"]
-    if any(published.values()):  # scored as PatchTST's published figures were, for a like-for-like comparison
+    if windows:  # scored as PatchTST's published figures were, for a like-for-like comparison
         lines += ["", "Test MSE on the test windows PatchTST's published figures averaged over (its loader dropped "
                   "the last partial batch of 128), and the change against PatchTST/64:", "",
                   "| horizon | windows | " + " | ".join(k.replace("|", "\\|") for k in kinds) + " | PatchTST/64 |",
                   "|" + "---|" * (3 + len(kinds))]
         for h in horizons:
-            if not published[h] or h not in patchtst:
+            if h not in windows or h not in patchtst:
                 continue
-            cells = [str(h), str(published[h][0]["published_windows"])]
+            ref = patchtst[h][0]
+            cells = [str(h), str(windows[h])]
             for k in kinds:
-                rs = [r for r in groups.get((family, h, k), []) if "test_mse_published_windows" in r]
-                if rs:
-                    mean = statistics.mean(r["test_mse_published_windows"] for r in rs)
-                    change = 100 * (mean - patchtst[h][0]) / patchtst[h][0]
-                    cells.append(f"{_mean_std([r['test_mse_published_windows'] for r in rs])} ({change:+.1f}%)")
-                else:
-                    cells.append("")
-            cells.append(f"{patchtst[h][0]:.3f}")
+                values = scored[(h, k)]
+                cells.append(f"{_mean_std(values)} ({100 * (statistics.mean(values) - ref) / ref:+.1f}%)" if values else "")
+            cells.append(f"{ref:.3f}")
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
