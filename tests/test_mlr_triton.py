@@ -21,6 +21,12 @@ pytest.importorskip("triton", reason="triton is not installed (pip install 'trit
 
 from structured_attention.functional import mlr_attention_reference as mlr_attention  # noqa: E402
 from structured_attention.kernels import HAS_TRITON, mlr_attention_triton  # noqa: E402
+from structured_attention.functional.mlr import mlr_block_sizes  # noqa: E402
+from structured_attention.kernels.mlr_triton_prefix import (  # noqa: E402
+    PrefixTiles,
+    mlr_attention_prefix,
+    square_tiles,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -96,6 +102,58 @@ def test_matches_reference_float32(B, H, Hk, T, ranks, block_sizes, causal, dept
 )
 def test_matches_reference_half(dtype, H, Hk, T, ranks, block_sizes, causal, depth_normalize):
     _check(1, H, Hk, T, ranks, block_sizes, causal, depth_normalize, dtype=dtype)
+
+
+# Prefix-rank tiles: every fine block size is a multiple of the tiles, so each tile pair has one
+# depth. (B, H, Hk, T, ranks, block_sizes, causal, depth_normalize, extra kwargs)
+PREFIX_CASES = [
+    # Default halving blocks (128/64/32/16), 8|8|8|8: chunks of 16 columns, depths 1-2 use the first,
+    # depths 3-4 both.
+    pytest.param(1, 2, 2, 128, (8, 8, 8, 8), None, True, False, {}, id="causal-8|8|8|8"),
+    pytest.param(1, 2, 2, 128, (8, 8, 8, 8), None, False, True, {}, id="bidir-dn-8|8|8|8"),
+    # GQA, T not a multiple of the tile, ranks that end inside a chunk.
+    pytest.param(1, 4, 2, 72, (16, 8, 8), (128, 32, 16), True, True, {}, id="gqa-causal-dn-T72"),
+    pytest.param(1, 4, 2, 72, (16, 8, 8), (128, 32, 16), False, False, {}, id="gqa-bidir-T72"),
+    # Odd ranks and Dv; level 1 already needs two chunks (the first tier is empty).
+    pytest.param(1, 2, 1, 50, (12, 6, 3), (64, 32, 16), True, False, {"Dv": 12}, id="ranks12|6|3-Dv12"),
+    pytest.param(1, 2, 2, 100, (24, 24, 16), (128, 32, 16), True, False, {}, id="ranks24|24|16"),
+    # R = 100: chunks of 32 columns; one level (plain attention) with batch 2.
+    pytest.param(1, 2, 1, 80, (40, 30, 30), (96, 32, 16), False, True, {}, id="R100-bidir-dn"),
+    pytest.param(2, 2, 2, 48, (40,), None, True, False, {}, id="single-level-R40"),
+]
+
+
+@pytest.mark.parametrize("B,H,Hk,T,ranks,block_sizes,causal,depth_normalize,extra", PREFIX_CASES)
+def test_prefix_tiles_match_reference(B, H, Hk, T, ranks, block_sizes, causal, depth_normalize, extra):
+    sizes = block_sizes or mlr_block_sizes(ranks, T)
+    assert square_tiles(sizes[1:], 16) is not None  # this case takes the prefix-rank kernels
+    _check(B, H, Hk, T, ranks, block_sizes, causal, depth_normalize, **extra)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidir"])
+def test_prefix_tiles_rectangular(causal):
+    # Own tiles of 32 stepping over 16: the diagonal spans two steps.
+    tiles = PrefixTiles(fwd_m=32, fwd_n=16, dkdv_n=32, dkdv_m=16, dq_m=32, dq_n=16)
+    sizes = (128, 64, 32)
+    assert tiles.fits(sizes[1:])
+    q, k, v, do = _inputs(1, 2, 2, 96, 24, 16, torch.float32)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    ranks, scale = (8, 8, 8), 24 ** -0.5
+    out = mlr_attention_prefix(q, k, v, ranks, sizes, causal, scale, not causal, tiles)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    qr, kr, vr = (x.detach().requires_grad_() for x in (q, k, v))
+    ref = mlr_attention(qr, kr, vr, ranks, sizes, causal=causal, depth_normalize=not causal)
+    ref_grads = torch.autograd.grad(ref, (qr, kr, vr), do)
+    for a, b in zip((out, *grads), (ref, *ref_grads)):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_prefix_tiles_fit_only_aligned_blocks():
+    assert square_tiles((32, 16), 64) == PrefixTiles(16, 16, 16, 16, 16, 16)
+    assert square_tiles((96, 48), 64).fwd_m == 16
+    assert square_tiles((24, 12), 64) is None
+    assert not PrefixTiles(fwd_m=16, fwd_n=32).fits((64,))  # the step must divide the own tile
+    assert not PrefixTiles().fits((32,))  # 64-row tiles straddle 32-row blocks
 
 
 def test_forward_without_grad_and_prefix_consistency():

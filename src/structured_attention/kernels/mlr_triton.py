@@ -4,6 +4,11 @@
 :func:`structured_attention.functional.mlr_attention` (same arguments, same result up to float
 rounding) and is differentiable in ``q``, ``k`` and ``v`` through a :class:`torch.autograd.Function`.
 
+When every fine block size is a multiple of the tile size (on a GPU: of 32 or 64 rows), the call
+goes to the faster prefix-rank kernels of
+:mod:`structured_attention.kernels.mlr_triton_prefix`, where each tile pair has one depth. The
+kernels below handle every other case.
+
 Design
 ------
 * Forward: one program per (query tile of ``BLOCK_M`` rows, batch * query head); online softmax over
@@ -37,6 +42,8 @@ import triton
 import triton.language as tl
 
 from structured_attention.functional.mlr import check_mlr_arguments
+from structured_attention.kernels.mlr_triton_prefix import mlr_attention_prefix, square_tiles
+from structured_attention.kernels.triton_common import INTERPRETED, dot, pow2_at_least_16
 
 __all__ = ["mlr_attention_triton"]
 
@@ -46,20 +53,6 @@ _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # --------------------------------------------------------------------------------------------------
 # Kernels
 # --------------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _dot(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
-    """``tl.dot`` (2-D or batched 3-D) with a float32 result.
-
-    ``UPCAST`` (interpreter only) multiplies in float32: Triton's CPU interpreter mishandles
-    bfloat16 ``tl.dot`` operands. bf16 products are exact in float32, so the result matches the GPU.
-    """
-    if UPCAST:
-        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    else:
-        out = tl.dot(a, b, input_precision=PREC)
-    return out
 
 
 @triton.jit
@@ -117,14 +110,14 @@ def _mlr_fwd_kernel(
         n_ok = offs_n < T
         k1 = tl.load(k_base + offs_n[:, None] * stride_kt + d1[None, :],
                      mask=n_ok[:, None] & (d1 < R1)[None, :], other=0.0)
-        s = _dot(q1, tl.trans(k1), PREC, UPCAST)
+        s = dot(q1, tl.trans(k1), PREC, UPCAST)
         dep = tl.full([BLOCK_M, BLOCK_N], 1.0, tl.float32)
         if HAS_FINE:
             n_last = tl.minimum(n0 + BLOCK_N, T) - 1
             if (n0 // S2 <= m_last // S2) & (m0 // S2 <= n_last // S2):
                 k3 = tl.load(k_base + offs_n[None, :, None] * stride_kt + fcol,
                              mask=n_ok[None, :, None] & fcol_ok, other=0.0)  # (LP, BN, RLP)
-                s3 = _dot(q3, tl.permute(k3, (0, 2, 1)), PREC, UPCAST)  # (LP, BM, BN)
+                s3 = dot(q3, tl.permute(k3, (0, 2, 1)), PREC, UPCAST)  # (LP, BM, BN)
                 in3 = lvl_ok & (row_blk == offs_n[None, None, :] // fsize[:, None, None])
                 s += tl.sum(tl.where(in3, s3, 0.0), axis=0)
                 if DEPTH_NORM:
@@ -143,7 +136,7 @@ def _mlr_fwd_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         vt = tl.load(v_base + offs_n[:, None] * stride_vt + dv[None, :],
                      mask=n_ok[:, None] & (dv < DV)[None, :], other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(vt.dtype), vt, PREC, UPCAST)
+        acc = acc * alpha[:, None] + dot(p.to(vt.dtype), vt, PREC, UPCAST)
         m_i = m_new
 
     acc = acc / l_i[:, None]
@@ -217,14 +210,14 @@ def _mlr_bwd_dkdv_kernel(
                          mask=m_ok[:, None] & (dv < DV)[None, :], other=0.0)
             lse = tl.load(LSE + row_base + offs_m, mask=m_ok, other=0.0)
             delta = tl.load(DELTA + row_base + offs_m, mask=m_ok, other=0.0)
-            s = _dot(q1, tl.trans(k1), PREC, UPCAST)
+            s = dot(q1, tl.trans(k1), PREC, UPCAST)
             dep = tl.full([BLOCK_M, BLOCK_N], 1.0, tl.float32)
             need_fine = (n0 // S2 <= m_last // S2) & (m0 // S2 <= n_last // S2)
             if HAS_FINE:
                 if need_fine:
                     q3 = tl.load(q_base + offs_m[None, :, None] * stride_qt + fcol,
                                  mask=m_ok[None, :, None] & fcol_ok, other=0.0)
-                    s3 = _dot(q3, tl.permute(k3, (0, 2, 1)), PREC, UPCAST)
+                    s3 = dot(q3, tl.permute(k3, (0, 2, 1)), PREC, UPCAST)
                     in3 = lvl_ok & ((offs_m[None, :, None] // fsize[:, None, None]) == col_blk)
                     s += tl.sum(tl.where(in3, s3, 0.0), axis=0)
                     if DEPTH_NORM:
@@ -237,17 +230,17 @@ def _mlr_bwd_dkdv_kernel(
             else:
                 c = tl.full([BLOCK_M, BLOCK_N], 1.0, tl.float32) * scale
             p = tl.where(ok, tl.exp(s * c - lse[:, None]), 0.0)
-            dv_acc += _dot(tl.trans(p.to(do.dtype)), do, PREC, UPCAST)
-            dp = _dot(do, tl.trans(vt), PREC, UPCAST)
+            dv_acc += dot(tl.trans(p.to(do.dtype)), do, PREC, UPCAST)
+            dp = dot(do, tl.trans(vt), PREC, UPCAST)
             ds = p * (dp - delta[:, None]) * c  # gradient w.r.t. the unscaled partial-dot sum
-            dk1 += _dot(tl.trans(ds.to(q1.dtype)), q1, PREC, UPCAST)
+            dk1 += dot(tl.trans(ds.to(q1.dtype)), q1, PREC, UPCAST)
             if HAS_FINE:
                 if need_fine:
                     q3 = tl.load(q_base + offs_m[None, :, None] * stride_qt + fcol,
                                  mask=m_ok[None, :, None] & fcol_ok, other=0.0)
                     in3 = lvl_ok & ((offs_m[None, :, None] // fsize[:, None, None]) == col_blk)
                     ds3 = tl.where(in3, ds[None, :, :], 0.0).to(q3.dtype)  # (LP, BM, BN)
-                    dk3 += _dot(tl.permute(ds3, (0, 2, 1)), q3, PREC, UPCAST)
+                    dk3 += dot(tl.permute(ds3, (0, 2, 1)), q3, PREC, UPCAST)
 
     tl.store(DK + k_off + offs_n[:, None] * stride_kt + d1[None, :], dk1.to(DK.dtype.element_ty),
              mask=n_ok[:, None] & (d1 < R1)[None, :])
@@ -319,14 +312,14 @@ def _mlr_bwd_dq_kernel(
                      mask=n_ok[:, None] & (d1 < R1)[None, :], other=0.0)
         vt = tl.load(v_base + offs_n[:, None] * stride_vt + dv[None, :],
                      mask=n_ok[:, None] & (dv < DV)[None, :], other=0.0)
-        s = _dot(q1, tl.trans(k1), PREC, UPCAST)
+        s = dot(q1, tl.trans(k1), PREC, UPCAST)
         dep = tl.full([BLOCK_M, BLOCK_N], 1.0, tl.float32)
         need_fine = (n0 // S2 <= m_last // S2) & (m0 // S2 <= n_last // S2)
         if HAS_FINE:
             if need_fine:
                 k3 = tl.load(k_base + offs_n[None, :, None] * stride_kt + fcol,
                              mask=n_ok[None, :, None] & fcol_ok, other=0.0)
-                s3 = _dot(q3, tl.permute(k3, (0, 2, 1)), PREC, UPCAST)
+                s3 = dot(q3, tl.permute(k3, (0, 2, 1)), PREC, UPCAST)
                 in3 = lvl_ok & (row_blk == offs_n[None, None, :] // fsize[:, None, None])
                 s += tl.sum(tl.where(in3, s3, 0.0), axis=0)
                 if DEPTH_NORM:
@@ -339,16 +332,16 @@ def _mlr_bwd_dq_kernel(
         else:
             c = tl.full([BLOCK_M, BLOCK_N], 1.0, tl.float32) * scale
         p = tl.where(ok, tl.exp(s * c - lse[:, None]), 0.0)
-        dp = _dot(do, tl.trans(vt), PREC, UPCAST)
+        dp = dot(do, tl.trans(vt), PREC, UPCAST)
         ds = p * (dp - delta[:, None]) * c
-        dq1 += _dot(ds.to(k1.dtype), k1, PREC, UPCAST)
+        dq1 += dot(ds.to(k1.dtype), k1, PREC, UPCAST)
         if HAS_FINE:
             if need_fine:
                 k3 = tl.load(k_base + offs_n[None, :, None] * stride_kt + fcol,
                              mask=n_ok[None, :, None] & fcol_ok, other=0.0)
                 in3 = lvl_ok & (row_blk == offs_n[None, None, :] // fsize[:, None, None])
                 ds3 = tl.where(in3, ds[None, :, :], 0.0).to(k3.dtype)
-                dq3 += _dot(ds3, k3, PREC, UPCAST)
+                dq3 += dot(ds3, k3, PREC, UPCAST)
 
     tl.store(DQ + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qt + d1[None, :],
              dq1.to(DQ.dtype.element_ty), mask=m_ok[:, None] & (d1 < R1)[None, :])
@@ -362,14 +355,6 @@ def _mlr_bwd_dq_kernel(
 # --------------------------------------------------------------------------------------------------
 
 
-# Triton's interpreter (TRITON_INTERPRET=1 when triton.jit ran) swaps kernels for interpreted ones.
-_INTERPRETED = "interpret" in type(_mlr_fwd_kernel).__name__.lower()
-
-
-def _pow2_at_least_16(n: int) -> int:
-    return max(16, triton.next_power_of_2(max(int(n), 1)))
-
-
 class _Plan:
     """Compile-time shape parameters and the fine-level metadata of one call."""
 
@@ -379,11 +364,11 @@ class _Plan:
         fine = ranks[1:]
         self.has_fine = L > 1
         self.R1 = ranks[0]
-        self.R1P = _pow2_at_least_16(ranks[0])
-        self.RLP = _pow2_at_least_16(max(fine)) if fine else 16
+        self.R1P = pow2_at_least_16(ranks[0])
+        self.RLP = pow2_at_least_16(max(fine)) if fine else 16
         self.LP = triton.next_power_of_2(max(len(fine), 1))
         self.DV = v.shape[-1]
-        self.DVP = _pow2_at_least_16(self.DV)
+        self.DVP = pow2_at_least_16(self.DV)
         self.S2 = sizes[1] if self.has_fine else 1
         offs, acc = [], ranks[0]
         for r in fine:
@@ -398,7 +383,7 @@ class _Plan:
         self.block_m = block_m
         self.block_n = block_n
         self.prec = "ieee" if q.dtype == torch.float32 else "tf32"
-        self.upcast = _INTERPRETED and q.dtype == torch.bfloat16
+        self.upcast = INTERPRETED and q.dtype == torch.bfloat16
 
     def constexprs(self, causal: bool, depth_normalize: bool) -> dict:
         return dict(
@@ -519,15 +504,22 @@ def mlr_attention_triton(
     ranks, sizes, scale = check_mlr_arguments(q, k, v, ranks, block_sizes, causal, scale, depth_normalize)
     if q.dtype not in _SUPPORTED_DTYPES:
         raise _err("q.dtype", "float32, float16 or bfloat16", q.dtype)
-    if q.device.type != "cuda" and not _INTERPRETED:
+    if q.device.type != "cuda" and not INTERPRETED:
         raise _err("q.device", "a CUDA device (or CPU tensors with TRITON_INTERPRET=1 set before "
                    "importing triton)", q.device)
     # Small tiles keep the interpreter fast; a GPU wants larger ones.
     default_tile = 64 if q.device.type == "cuda" else 16
+    explicit = block_m is not None or block_n is not None
     block_m, block_n = block_m or default_tile, block_n or default_tile
     for name, bsz in (("block_m", block_m), ("block_n", block_n)):
         if not (isinstance(bsz, int) and bsz >= 1 and bsz & (bsz - 1) == 0):
             raise _err(name, "a power of two (>= 16 on GPU)", bsz)
+
+    # Tiles of one depth each (every fine block a multiple of the tile) take the prefix-rank kernels;
+    # smaller than 32 rows, a tile underuses the matrix units, so the general kernels keep their tiles.
+    tiles = square_tiles(sizes[1:], block_m) if block_m == block_n else None
+    if tiles is not None and (tiles.fwd_m == block_m or (not explicit and tiles.fwd_m >= min(block_m, 32))):
+        return mlr_attention_prefix(q, k, v, ranks, sizes, causal, float(scale), depth_normalize, tiles)
 
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     plan = _Plan(q, v, ranks, sizes, block_m, block_n)

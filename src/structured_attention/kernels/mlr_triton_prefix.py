@@ -1,0 +1,624 @@
+"""Triton kernels for MLR attention on tiles of one depth ("prefix-rank tiles").
+
+When every fine block size is a multiple of the tile sizes, each (query tile, key tile) pair lies
+inside one block of every level, so all its scores share one depth ``d``: the tile's score is one
+matmul over the prefix ``R_d = r_1 + ... + r_d`` of the head dims (SPEC section 3), with no per-level
+masks. The head dims are cut into ``NCH <= 4`` chunks of ``CH`` columns, and a tile multiplies only
+the chunks its prefix reaches (the last one masked to ``R_d``).
+
+Blocks are nested, so walking from a program's own tile outwards the depth only falls: the tiles
+that need ``t`` chunks form one run on each side (a *tier*), bounded by the block of size ``S_t``
+(the block of the shallowest level whose prefix passes ``(t - 1) * CH`` columns) that holds the own
+tile. Each tier is its own loop with the chunk count a compile-time constant, so the loops carry no
+run-time branches. The diagonal tiles (depth ``L``, full rank) are the only ones that need the
+causal mask.
+
+The forward stores the row log-sum-exp in base 2 for the backward; the backward is the
+flash-attention backward (one kernel for ``dK, dV`` that loops over the query heads of a GQA group,
+one for ``dQ``), recomputing the scores tier by tier. Numerics match
+:mod:`structured_attention.kernels.mlr_triton`, which handles any block sizes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from structured_attention.kernels.triton_common import INTERPRETED, dot, dot_acc, pow2_at_least_16
+
+__all__ = ["PrefixTiles", "square_tiles", "mlr_attention_prefix"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Tile helpers
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _depth_rank(x0, y0, fsize, frank, R1):
+    """Depth and prefix rank of the tile pair starting at rows ``x0`` / columns ``y0``."""
+    same = ((x0 // fsize) == (y0 // fsize)) & (frank > 0)
+    depth = 1 + tl.sum(same.to(tl.int32), axis=0)
+    rank = R1 + tl.sum(tl.where(same, frank, 0), axis=0)
+    return depth, rank
+
+
+@triton.jit
+def _chunk(base, offs, ok, stride_t, C: tl.constexpr, CH: tl.constexpr, rank):
+    """Columns ``[C * CH, (C + 1) * CH)`` of rows ``offs``, zero from column ``rank`` on."""
+    cols = C * CH + tl.arange(0, CH)
+    return tl.load(base + offs[:, None] * stride_t + cols[None, :],
+                   mask=ok[:, None] & (cols < rank)[None, :], other=0.0)
+
+
+@triton.jit
+def _tier_start(x0, S):
+    return (x0 // S) * S
+
+
+@triton.jit
+def _tier_end(x0, S, T):
+    return tl.minimum((x0 // S) * S + S, T)
+
+
+# --------------------------------------------------------------------------------------------------
+# Forward
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fwd_tiles(acc, m_i, l_i, q0, q1, q2, q3, k_base, v_base, m0, offs_m, lo, hi,
+               fsize, frank, stride_kt, stride_vt, T, R1, DV, qk_scale,
+               NC: tl.constexpr, DIAG: tl.constexpr, CAUSAL: tl.constexpr, DEPTH_NORM: tl.constexpr,
+               BLOCK_N: tl.constexpr, CH: tl.constexpr, DVP: tl.constexpr,
+               PREC: tl.constexpr, UPCAST: tl.constexpr):
+    dv = tl.arange(0, DVP)
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < T
+        depth, rank = _depth_rank(m0, n0, fsize, frank, R1)
+        s = dot(q0, tl.trans(_chunk(k_base, offs_n, n_ok, stride_kt, 0, CH, rank)), PREC, UPCAST)
+        if NC > 1:
+            s = dot_acc(q1, tl.trans(_chunk(k_base, offs_n, n_ok, stride_kt, 1, CH, rank)), s, PREC, UPCAST)
+        if NC > 2:
+            s = dot_acc(q2, tl.trans(_chunk(k_base, offs_n, n_ok, stride_kt, 2, CH, rank)), s, PREC, UPCAST)
+        if NC > 3:
+            s = dot_acc(q3, tl.trans(_chunk(k_base, offs_n, n_ok, stride_kt, 3, CH, rank)), s, PREC, UPCAST)
+        if DEPTH_NORM:
+            s = s * (qk_scale / depth)
+        else:
+            s = s * qk_scale
+        if DIAG:
+            if CAUSAL:
+                s = tl.where(offs_m[:, None] >= offs_n[None, :], s, float("-inf"))
+        if not CAUSAL:
+            s = tl.where(n_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        vt = tl.load(v_base + offs_n[:, None] * stride_vt + dv[None, :],
+                     mask=n_ok[:, None] & (dv < DV)[None, :], other=0.0)
+        acc = dot_acc(p.to(vt.dtype), vt, acc * alpha[:, None], PREC, UPCAST)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _prefix_fwd_kernel(
+    Q, K, V, O, LSE, FSIZE, FRANK, TIERS,
+    stride_qb, stride_qh, stride_qt,
+    stride_kb, stride_kh, stride_kt,
+    stride_vb, stride_vh, stride_vt,
+    stride_ob, stride_oh, stride_ot,
+    H, G, T, R, R1, DV, qk_scale,
+    CAUSAL: tl.constexpr, DEPTH_NORM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CH: tl.constexpr, NCH: tl.constexpr,
+    LP: tl.constexpr, DVP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest rows of tiles start first
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    hk = h // G
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < T
+    dv = tl.arange(0, DVP)
+    lv = tl.arange(0, LP)
+    fsize = tl.load(FSIZE + lv)
+    frank = tl.load(FRANK + lv)
+    q_base = Q + b * stride_qb + h * stride_qh
+    k_base = K + b * stride_kb + hk * stride_kh
+    v_base = V + b * stride_vb + hk * stride_vh
+
+    q0 = _chunk(q_base, offs_m, m_ok, stride_qt, 0, CH, R)
+    q1 = q0
+    q2 = q0
+    q3 = q0
+    if NCH > 1:
+        q1 = _chunk(q_base, offs_m, m_ok, stride_qt, 1, CH, R)
+    if NCH > 2:
+        q2 = _chunk(q_base, offs_m, m_ok, stride_qt, 2, CH, R)
+    if NCH > 3:
+        q3 = _chunk(q_base, offs_m, m_ok, stride_qt, 3, CH, R)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DVP], tl.float32)
+    # Left of the diagonal, fewest chunks first: tier t ends where the block of size TIERS[t] starts.
+    lo = 0
+    for t in tl.static_range(1, NCH):
+        hi = _tier_start(m0, tl.load(TIERS + t))
+        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q0, q1, q2, q3, k_base, v_base, m0, offs_m, lo, hi,
+                                   fsize, frank, stride_kt, stride_vt, T, R1, DV, qk_scale,
+                                   t, False, CAUSAL, DEPTH_NORM, BLOCK_N, CH, DVP, PREC, UPCAST)
+        lo = hi
+    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q0, q1, q2, q3, k_base, v_base, m0, offs_m, lo, m0,
+                               fsize, frank, stride_kt, stride_vt, T, R1, DV, qk_scale,
+                               NCH, False, CAUSAL, DEPTH_NORM, BLOCK_N, CH, DVP, PREC, UPCAST)
+    # The diagonal: full rank, the only tiles that need the causal mask.
+    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q0, q1, q2, q3, k_base, v_base, m0, offs_m,
+                               m0, tl.minimum(m0 + BLOCK_M, T),
+                               fsize, frank, stride_kt, stride_vt, T, R1, DV, qk_scale,
+                               NCH, True, CAUSAL, DEPTH_NORM, BLOCK_N, CH, DVP, PREC, UPCAST)
+    if not CAUSAL:
+        # Right of the diagonal, most chunks first: tier t ends where the block of TIERS[t - 1] ends.
+        lo = m0 + BLOCK_M
+        for i in tl.static_range(0, NCH - 1):
+            hi = _tier_end(m0, tl.load(TIERS + NCH - 1 - i), T)
+            acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q0, q1, q2, q3, k_base, v_base, m0, offs_m, lo, hi,
+                                       fsize, frank, stride_kt, stride_vt, T, R1, DV, qk_scale,
+                                       NCH - i, False, CAUSAL, DEPTH_NORM, BLOCK_N, CH, DVP, PREC, UPCAST)
+            lo = hi
+        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q0, q1, q2, q3, k_base, v_base, m0, offs_m, lo, T,
+                                   fsize, frank, stride_kt, stride_vt, T, R1, DV, qk_scale,
+                                   1, False, CAUSAL, DEPTH_NORM, BLOCK_N, CH, DVP, PREC, UPCAST)
+
+    acc = acc / l_i[:, None]
+    o_ptr = O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_ot + dv[None, :]
+    tl.store(o_ptr, acc.to(O.dtype.element_ty), mask=m_ok[:, None] & (dv < DV)[None, :])
+    tl.store(LSE + pid_bh * T + offs_m, m_i + tl.log2(l_i), mask=m_ok)
+
+
+# --------------------------------------------------------------------------------------------------
+# Backward
+# --------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _dkdv_tiles(dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, lse_base, delta_base,
+                n0, offs_n, lo, hi, fsize, frank, stride_qt, stride_dot, T, R1, DV, sm_scale, qk_scale,
+                NC: tl.constexpr, DIAG: tl.constexpr, CAUSAL: tl.constexpr, DEPTH_NORM: tl.constexpr,
+                BLOCK_M: tl.constexpr, CH: tl.constexpr, DVP: tl.constexpr,
+                PREC: tl.constexpr, UPCAST: tl.constexpr):
+    dv = tl.arange(0, DVP)
+    for m0 in range(lo, hi, BLOCK_M):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < T
+        depth, rank = _depth_rank(m0, n0, fsize, frank, R1)
+        q0 = _chunk(q_base, offs_m, m_ok, stride_qt, 0, CH, rank)
+        s = dot(q0, tl.trans(k0), PREC, UPCAST)
+        if NC > 1:
+            q1 = _chunk(q_base, offs_m, m_ok, stride_qt, 1, CH, rank)
+            s = dot_acc(q1, tl.trans(k1), s, PREC, UPCAST)
+        if NC > 2:
+            q2 = _chunk(q_base, offs_m, m_ok, stride_qt, 2, CH, rank)
+            s = dot_acc(q2, tl.trans(k2), s, PREC, UPCAST)
+        if NC > 3:
+            q3 = _chunk(q_base, offs_m, m_ok, stride_qt, 3, CH, rank)
+            s = dot_acc(q3, tl.trans(k3), s, PREC, UPCAST)
+        # Rows past T load zeros (q, dO, lse, delta), so they add nothing below.
+        lse = tl.load(lse_base + offs_m, mask=m_ok, other=0.0)
+        delta = tl.load(delta_base + offs_m, mask=m_ok, other=0.0)
+        if DEPTH_NORM:
+            p = tl.exp2(s * (qk_scale / depth) - lse[:, None])
+        else:
+            p = tl.exp2(s * qk_scale - lse[:, None])
+        if DIAG:
+            if CAUSAL:
+                p = tl.where(offs_m[:, None] >= offs_n[None, :], p, 0.0)
+        do = tl.load(do_base + offs_m[:, None] * stride_dot + dv[None, :],
+                     mask=m_ok[:, None] & (dv < DV)[None, :], other=0.0)
+        dv_acc = dot_acc(tl.trans(p.to(do.dtype)), do, dv_acc, PREC, UPCAST)
+        dp = dot(do, tl.trans(vt), PREC, UPCAST)
+        if DEPTH_NORM:
+            ds = p * (dp - delta[:, None]) * (sm_scale / depth)
+        else:
+            ds = p * (dp - delta[:, None]) * sm_scale
+        ds_t = tl.trans(ds.to(q0.dtype))
+        dk0 = dot_acc(ds_t, q0, dk0, PREC, UPCAST)
+        if NC > 1:
+            dk1 = dot_acc(ds_t, q1, dk1, PREC, UPCAST)
+        if NC > 2:
+            dk2 = dot_acc(ds_t, q2, dk2, PREC, UPCAST)
+        if NC > 3:
+            dk3 = dot_acc(ds_t, q3, dk3, PREC, UPCAST)
+    return dk0, dk1, dk2, dk3, dv_acc
+
+
+@triton.jit
+def _prefix_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV_, FSIZE, FRANK, TIERS,
+    stride_qb, stride_qh, stride_qt,
+    stride_kb, stride_kh, stride_kt,
+    stride_vb, stride_vh, stride_vt,
+    stride_dob, stride_doh, stride_dot,
+    H, HK, G, T, R, R1, DV, sm_scale, qk_scale,
+    CAUSAL: tl.constexpr, DEPTH_NORM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CH: tl.constexpr, NCH: tl.constexpr,
+    LP: tl.constexpr, DVP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    # DK has k's strides and DV_ has v's strides (all contiguous, same shapes).
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // HK
+    hk = pid_bh % HK
+    n0 = pid_n * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < T
+    dv = tl.arange(0, DVP)
+    dch = tl.arange(0, CH)
+    lv = tl.arange(0, LP)
+    fsize = tl.load(FSIZE + lv)
+    frank = tl.load(FRANK + lv)
+    k_base = K + b * stride_kb + hk * stride_kh
+    v_off = b * stride_vb + hk * stride_vh
+
+    k0 = _chunk(k_base, offs_n, n_ok, stride_kt, 0, CH, R)
+    k1 = k0
+    k2 = k0
+    k3 = k0
+    if NCH > 1:
+        k1 = _chunk(k_base, offs_n, n_ok, stride_kt, 1, CH, R)
+    if NCH > 2:
+        k2 = _chunk(k_base, offs_n, n_ok, stride_kt, 2, CH, R)
+    if NCH > 3:
+        k3 = _chunk(k_base, offs_n, n_ok, stride_kt, 3, CH, R)
+    vt = tl.load(V + v_off + offs_n[:, None] * stride_vt + dv[None, :],
+                 mask=n_ok[:, None] & (dv < DV)[None, :], other=0.0)
+    dk0 = tl.zeros([BLOCK_N, CH], tl.float32)
+    dk1 = tl.zeros([BLOCK_N, CH], tl.float32)
+    dk2 = tl.zeros([BLOCK_N, CH], tl.float32)
+    dk3 = tl.zeros([BLOCK_N, CH], tl.float32)
+    dv_acc = tl.zeros([BLOCK_N, DVP], tl.float32)
+
+    for g in range(0, G):
+        h = hk * G + g
+        q_base = Q + b * stride_qb + h * stride_qh
+        do_base = DO + b * stride_dob + h * stride_doh
+        lse_base = LSE + (b * H + h) * T
+        delta_base = DELTA + (b * H + h) * T
+        if not CAUSAL:
+            # Query tiles above the diagonal, fewest chunks first.
+            lo = 0
+            for t in tl.static_range(1, NCH):
+                hi = _tier_start(n0, tl.load(TIERS + t))
+                dk0, dk1, dk2, dk3, dv_acc = _dkdv_tiles(
+                    dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, lse_base, delta_base,
+                    n0, offs_n, lo, hi, fsize, frank, stride_qt, stride_dot, T, R1, DV, sm_scale, qk_scale,
+                    t, False, CAUSAL, DEPTH_NORM, BLOCK_M, CH, DVP, PREC, UPCAST)
+                lo = hi
+            dk0, dk1, dk2, dk3, dv_acc = _dkdv_tiles(
+                dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, lse_base, delta_base,
+                n0, offs_n, lo, n0, fsize, frank, stride_qt, stride_dot, T, R1, DV, sm_scale, qk_scale,
+                NCH, False, CAUSAL, DEPTH_NORM, BLOCK_M, CH, DVP, PREC, UPCAST)
+        # The diagonal, then the query tiles below it, most chunks first.
+        dk0, dk1, dk2, dk3, dv_acc = _dkdv_tiles(
+            dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, lse_base, delta_base,
+            n0, offs_n, n0, tl.minimum(n0 + BLOCK_N, T), fsize, frank, stride_qt, stride_dot, T, R1, DV,
+            sm_scale, qk_scale, NCH, True, CAUSAL, DEPTH_NORM, BLOCK_M, CH, DVP, PREC, UPCAST)
+        lo = n0 + BLOCK_N
+        for i in tl.static_range(0, NCH - 1):
+            hi = _tier_end(n0, tl.load(TIERS + NCH - 1 - i), T)
+            dk0, dk1, dk2, dk3, dv_acc = _dkdv_tiles(
+                dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, lse_base, delta_base,
+                n0, offs_n, lo, hi, fsize, frank, stride_qt, stride_dot, T, R1, DV, sm_scale, qk_scale,
+                NCH - i, False, CAUSAL, DEPTH_NORM, BLOCK_M, CH, DVP, PREC, UPCAST)
+            lo = hi
+        dk0, dk1, dk2, dk3, dv_acc = _dkdv_tiles(
+            dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, lse_base, delta_base,
+            n0, offs_n, lo, T, fsize, frank, stride_qt, stride_dot, T, R1, DV, sm_scale, qk_scale,
+            1, False, CAUSAL, DEPTH_NORM, BLOCK_M, CH, DVP, PREC, UPCAST)
+
+    dk_ptr = DK + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_kt
+    tl.store(dk_ptr + dch[None, :], dk0.to(DK.dtype.element_ty), mask=n_ok[:, None] & (dch < R)[None, :])
+    if NCH > 1:
+        tl.store(dk_ptr + CH + dch[None, :], dk1.to(DK.dtype.element_ty),
+                 mask=n_ok[:, None] & (CH + dch < R)[None, :])
+    if NCH > 2:
+        tl.store(dk_ptr + 2 * CH + dch[None, :], dk2.to(DK.dtype.element_ty),
+                 mask=n_ok[:, None] & (2 * CH + dch < R)[None, :])
+    if NCH > 3:
+        tl.store(dk_ptr + 3 * CH + dch[None, :], dk3.to(DK.dtype.element_ty),
+                 mask=n_ok[:, None] & (3 * CH + dch < R)[None, :])
+    tl.store(DV_ + v_off + offs_n[:, None] * stride_vt + dv[None, :], dv_acc.to(DV_.dtype.element_ty),
+             mask=n_ok[:, None] & (dv < DV)[None, :])
+
+
+@triton.jit
+def _dq_tiles(dq0, dq1, dq2, dq3, q0, q1, q2, q3, do, lse, delta, k_base, v_base, m0, offs_m, lo, hi,
+              fsize, frank, stride_kt, stride_vt, T, R1, DV, sm_scale, qk_scale,
+              NC: tl.constexpr, DIAG: tl.constexpr, CAUSAL: tl.constexpr, DEPTH_NORM: tl.constexpr,
+              BLOCK_N: tl.constexpr, CH: tl.constexpr, DVP: tl.constexpr,
+              PREC: tl.constexpr, UPCAST: tl.constexpr):
+    dv = tl.arange(0, DVP)
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < T
+        depth, rank = _depth_rank(m0, n0, fsize, frank, R1)
+        k0 = _chunk(k_base, offs_n, n_ok, stride_kt, 0, CH, rank)
+        s = dot(q0, tl.trans(k0), PREC, UPCAST)
+        if NC > 1:
+            k1 = _chunk(k_base, offs_n, n_ok, stride_kt, 1, CH, rank)
+            s = dot_acc(q1, tl.trans(k1), s, PREC, UPCAST)
+        if NC > 2:
+            k2 = _chunk(k_base, offs_n, n_ok, stride_kt, 2, CH, rank)
+            s = dot_acc(q2, tl.trans(k2), s, PREC, UPCAST)
+        if NC > 3:
+            k3 = _chunk(k_base, offs_n, n_ok, stride_kt, 3, CH, rank)
+            s = dot_acc(q3, tl.trans(k3), s, PREC, UPCAST)
+        if DEPTH_NORM:
+            p = tl.exp2(s * (qk_scale / depth) - lse[:, None])
+        else:
+            p = tl.exp2(s * qk_scale - lse[:, None])
+        if DIAG:
+            if CAUSAL:
+                p = tl.where(offs_m[:, None] >= offs_n[None, :], p, 0.0)
+        if not CAUSAL:
+            p = tl.where(n_ok[None, :], p, 0.0)
+        vt = tl.load(v_base + offs_n[:, None] * stride_vt + dv[None, :],
+                     mask=n_ok[:, None] & (dv < DV)[None, :], other=0.0)
+        dp = dot(do, tl.trans(vt), PREC, UPCAST)
+        if DEPTH_NORM:
+            ds = p * (dp - delta[:, None]) * (sm_scale / depth)
+        else:
+            ds = p * (dp - delta[:, None]) * sm_scale
+        ds = ds.to(k0.dtype)
+        dq0 = dot_acc(ds, k0, dq0, PREC, UPCAST)
+        if NC > 1:
+            dq1 = dot_acc(ds, k1, dq1, PREC, UPCAST)
+        if NC > 2:
+            dq2 = dot_acc(ds, k2, dq2, PREC, UPCAST)
+        if NC > 3:
+            dq3 = dot_acc(ds, k3, dq3, PREC, UPCAST)
+    return dq0, dq1, dq2, dq3
+
+
+@triton.jit
+def _prefix_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ, FSIZE, FRANK, TIERS,
+    stride_qb, stride_qh, stride_qt,
+    stride_kb, stride_kh, stride_kt,
+    stride_vb, stride_vh, stride_vt,
+    stride_dob, stride_doh, stride_dot,
+    H, G, T, R, R1, DV, sm_scale, qk_scale,
+    CAUSAL: tl.constexpr, DEPTH_NORM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CH: tl.constexpr, NCH: tl.constexpr,
+    LP: tl.constexpr, DVP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    # DQ has q's strides.
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest rows of tiles start first
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    hk = h // G
+    m0 = pid_m * BLOCK_M
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < T
+    dv = tl.arange(0, DVP)
+    dch = tl.arange(0, CH)
+    lv = tl.arange(0, LP)
+    fsize = tl.load(FSIZE + lv)
+    frank = tl.load(FRANK + lv)
+    q_base = Q + b * stride_qb + h * stride_qh
+    k_base = K + b * stride_kb + hk * stride_kh
+    v_base = V + b * stride_vb + hk * stride_vh
+
+    q0 = _chunk(q_base, offs_m, m_ok, stride_qt, 0, CH, R)
+    q1 = q0
+    q2 = q0
+    q3 = q0
+    if NCH > 1:
+        q1 = _chunk(q_base, offs_m, m_ok, stride_qt, 1, CH, R)
+    if NCH > 2:
+        q2 = _chunk(q_base, offs_m, m_ok, stride_qt, 2, CH, R)
+    if NCH > 3:
+        q3 = _chunk(q_base, offs_m, m_ok, stride_qt, 3, CH, R)
+    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dot + dv[None, :],
+                 mask=m_ok[:, None] & (dv < DV)[None, :], other=0.0)
+    lse = tl.load(LSE + pid_bh * T + offs_m, mask=m_ok, other=0.0)
+    delta = tl.load(DELTA + pid_bh * T + offs_m, mask=m_ok, other=0.0)
+    dq0 = tl.zeros([BLOCK_M, CH], tl.float32)
+    dq1 = tl.zeros([BLOCK_M, CH], tl.float32)
+    dq2 = tl.zeros([BLOCK_M, CH], tl.float32)
+    dq3 = tl.zeros([BLOCK_M, CH], tl.float32)
+
+    lo = 0
+    for t in tl.static_range(1, NCH):
+        hi = _tier_start(m0, tl.load(TIERS + t))
+        dq0, dq1, dq2, dq3 = _dq_tiles(dq0, dq1, dq2, dq3, q0, q1, q2, q3, do, lse, delta, k_base, v_base,
+                                       m0, offs_m, lo, hi, fsize, frank, stride_kt, stride_vt, T, R1, DV,
+                                       sm_scale, qk_scale, t, False, CAUSAL, DEPTH_NORM, BLOCK_N, CH, DVP,
+                                       PREC, UPCAST)
+        lo = hi
+    dq0, dq1, dq2, dq3 = _dq_tiles(dq0, dq1, dq2, dq3, q0, q1, q2, q3, do, lse, delta, k_base, v_base,
+                                   m0, offs_m, lo, m0, fsize, frank, stride_kt, stride_vt, T, R1, DV,
+                                   sm_scale, qk_scale, NCH, False, CAUSAL, DEPTH_NORM, BLOCK_N, CH, DVP,
+                                   PREC, UPCAST)
+    dq0, dq1, dq2, dq3 = _dq_tiles(dq0, dq1, dq2, dq3, q0, q1, q2, q3, do, lse, delta, k_base, v_base,
+                                   m0, offs_m, m0, tl.minimum(m0 + BLOCK_M, T), fsize, frank, stride_kt,
+                                   stride_vt, T, R1, DV, sm_scale, qk_scale, NCH, True, CAUSAL, DEPTH_NORM,
+                                   BLOCK_N, CH, DVP, PREC, UPCAST)
+    if not CAUSAL:
+        lo = m0 + BLOCK_M
+        for i in tl.static_range(0, NCH - 1):
+            hi = _tier_end(m0, tl.load(TIERS + NCH - 1 - i), T)
+            dq0, dq1, dq2, dq3 = _dq_tiles(dq0, dq1, dq2, dq3, q0, q1, q2, q3, do, lse, delta, k_base,
+                                           v_base, m0, offs_m, lo, hi, fsize, frank, stride_kt, stride_vt,
+                                           T, R1, DV, sm_scale, qk_scale, NCH - i, False, CAUSAL,
+                                           DEPTH_NORM, BLOCK_N, CH, DVP, PREC, UPCAST)
+            lo = hi
+        dq0, dq1, dq2, dq3 = _dq_tiles(dq0, dq1, dq2, dq3, q0, q1, q2, q3, do, lse, delta, k_base, v_base,
+                                       m0, offs_m, lo, T, fsize, frank, stride_kt, stride_vt, T, R1, DV,
+                                       sm_scale, qk_scale, 1, False, CAUSAL, DEPTH_NORM, BLOCK_N, CH, DVP,
+                                       PREC, UPCAST)
+
+    dq_ptr = DQ + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qt
+    tl.store(dq_ptr + dch[None, :], dq0.to(DQ.dtype.element_ty), mask=m_ok[:, None] & (dch < R)[None, :])
+    if NCH > 1:
+        tl.store(dq_ptr + CH + dch[None, :], dq1.to(DQ.dtype.element_ty),
+                 mask=m_ok[:, None] & (CH + dch < R)[None, :])
+    if NCH > 2:
+        tl.store(dq_ptr + 2 * CH + dch[None, :], dq2.to(DQ.dtype.element_ty),
+                 mask=m_ok[:, None] & (2 * CH + dch < R)[None, :])
+    if NCH > 3:
+        tl.store(dq_ptr + 3 * CH + dch[None, :], dq3.to(DQ.dtype.element_ty),
+                 mask=m_ok[:, None] & (3 * CH + dch < R)[None, :])
+
+
+# --------------------------------------------------------------------------------------------------
+# Launch
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PrefixTiles:
+    """Tile sizes (powers of two >= 16) and launch settings of the three kernels.
+
+    Each kernel owns tiles of one size and steps over the other axis in tiles of the other; the
+    step must divide the own tile (so the diagonal is whole steps) and every tile must divide every
+    fine block size (so each tile pair has one depth).
+    """
+
+    fwd_m: int = 64  # forward: own query tile
+    fwd_n: int = 64  # forward: key step
+    dkdv_n: int = 64  # dK/dV: own key tile
+    dkdv_m: int = 64  # dK/dV: query step
+    dq_m: int = 64  # dQ: own query tile
+    dq_n: int = 64  # dQ: key step
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def fits(self, fine_sizes: Sequence[int]) -> bool:
+        pairs = ((self.fwd_m, self.fwd_n), (self.dkdv_n, self.dkdv_m), (self.dq_m, self.dq_n))
+        sizes = [x for pair in pairs for x in pair]
+        return (all(t >= 16 and t & (t - 1) == 0 for t in sizes)
+                and all(own % step == 0 for own, step in pairs)
+                and all(s % t == 0 for s in fine_sizes for t in sizes))
+
+
+def square_tiles(fine_sizes: Sequence[int], largest: int) -> PrefixTiles | None:
+    """The largest square tiles, at most ``largest``, that divide every fine block size (None if < 16)."""
+    tile = largest
+    while tile >= 16 and any(s % tile for s in fine_sizes):
+        tile //= 2
+    if tile < 16:
+        return None
+    return PrefixTiles(tile, tile, tile, tile, tile, tile)
+
+
+class PrefixPlan:
+    """The chunking, tier sizes and fine-level metadata of one call."""
+
+    def __init__(self, q: torch.Tensor, v: torch.Tensor, ranks: tuple[int, ...], sizes: tuple[int, ...],
+                 tiles: PrefixTiles) -> None:
+        R = sum(ranks)
+        self.R, self.R1 = R, ranks[0]
+        self.CH = pow2_at_least_16(math.ceil(R / 4))
+        self.NCH = math.ceil(R / self.CH)
+        prefix = [sum(ranks[: d + 1]) for d in range(len(ranks))]
+        # tiers[t - 1]: the block size inside which tiles need at least t chunks.
+        tiers = [sizes[next(d for d, p in enumerate(prefix) if p > (t - 1) * self.CH)]
+                 for t in range(1, self.NCH + 1)]
+        fine = list(ranks[1:])
+        self.LP = triton.next_power_of_2(max(len(fine), 1))
+        pad = self.LP - len(fine)
+        meta = torch.tensor([list(sizes[1:]) + [1] * pad, fine + [0] * pad], dtype=torch.int32)
+        self.fsize, self.frank = (x.contiguous().to(q.device) for x in meta)
+        self.tiers = torch.tensor(tiers + [1] * (4 - len(tiers)), dtype=torch.int32, device=q.device)
+        self.DV = v.shape[-1]
+        self.DVP = pow2_at_least_16(self.DV)
+        self.tiles = tiles
+        self.prec = "ieee" if q.dtype == torch.float32 else "tf32"
+        self.upcast = INTERPRETED and q.dtype == torch.bfloat16
+
+    def constexprs(self, causal: bool, depth_normalize: bool, block_m: int, block_n: int) -> dict:
+        return dict(CAUSAL=causal, DEPTH_NORM=depth_normalize, BLOCK_M=block_m, BLOCK_N=block_n,
+                    CH=self.CH, NCH=self.NCH, LP=self.LP, DVP=self.DVP, PREC=self.prec, UPCAST=self.upcast,
+                    num_warps=self.tiles.num_warps, num_stages=self.tiles.num_stages)
+
+
+def _forward(q, k, v, plan: PrefixPlan, causal: bool, scale: float, depth_normalize: bool):
+    B, H, T, _ = q.shape
+    tiles = plan.tiles
+    o = torch.empty(B, H, T, plan.DV, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
+    _prefix_fwd_kernel[(triton.cdiv(T, tiles.fwd_m), B * H)](
+        q, k, v, o, lse, plan.fsize, plan.frank, plan.tiers,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        o.stride(0), o.stride(1), o.stride(2),
+        H, H // k.shape[1], T, plan.R, plan.R1, plan.DV, scale * _LOG2E,
+        **plan.constexprs(causal, depth_normalize, tiles.fwd_m, tiles.fwd_n),
+    )
+    return o, lse
+
+
+def _backward(q, k, v, o, lse, do, plan: PrefixPlan, causal: bool, scale: float, depth_normalize: bool):
+    B, H, T, _ = q.shape
+    Hk = k.shape[1]
+    tiles = plan.tiles
+    do = do.contiguous()
+    delta = (do.float() * o.float()).sum(-1).contiguous()  # (B, H, T)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    strides = (
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        do.stride(0), do.stride(1), do.stride(2),
+    )
+    _prefix_dkdv_kernel[(triton.cdiv(T, tiles.dkdv_n), B * Hk)](
+        q, k, v, do, lse, delta, dk, dv, plan.fsize, plan.frank, plan.tiers, *strides,
+        H, Hk, H // Hk, T, plan.R, plan.R1, plan.DV, scale, scale * _LOG2E,
+        **plan.constexprs(causal, depth_normalize, tiles.dkdv_m, tiles.dkdv_n),
+    )
+    _prefix_dq_kernel[(triton.cdiv(T, tiles.dq_m), B * H)](
+        q, k, v, do, lse, delta, dq, plan.fsize, plan.frank, plan.tiers, *strides,
+        H, H // Hk, T, plan.R, plan.R1, plan.DV, scale, scale * _LOG2E,
+        **plan.constexprs(causal, depth_normalize, tiles.dq_m, tiles.dq_n),
+    )
+    return dq, dk, dv
+
+
+_LOG2E = 1.0 / math.log(2.0)
+
+
+class _MLRAttentionPrefix(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, plan, causal, scale, depth_normalize):
+        o, lse = _forward(q, k, v, plan, causal, scale, depth_normalize)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.args = (plan, causal, scale, depth_normalize)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = _backward(q, k, v, o, lse, do, *ctx.args)
+        return dq, dk, dv, None, None, None, None
+
+
+def mlr_attention_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ranks: tuple[int, ...],
+                         sizes: tuple[int, ...], causal: bool, scale: float, depth_normalize: bool,
+                         tiles: PrefixTiles) -> torch.Tensor:
+    """MLR attention on prefix-rank tiles; arguments already checked, ``tiles.fits(sizes[1:])``."""
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    plan = PrefixPlan(q, v, ranks, sizes, tiles)
+    return _MLRAttentionPrefix.apply(q, k, v, plan, causal, float(scale), depth_normalize)

@@ -1,0 +1,40 @@
+"""Helpers shared by the Triton kernels."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["INTERPRETED", "dot", "dot_acc", "pow2_at_least_16"]
+
+
+@triton.jit
+def dot(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """``tl.dot`` (2-D or batched 3-D) with a float32 result.
+
+    ``UPCAST`` (interpreter only) multiplies in float32: Triton's CPU interpreter mishandles
+    bfloat16 ``tl.dot`` operands. bf16 products are exact in float32, so the result matches the GPU.
+    """
+    if UPCAST:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        out = tl.dot(a, b, input_precision=PREC)
+    return out
+
+
+@triton.jit
+def dot_acc(a, b, acc, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """``acc + a @ b`` as one ``tl.dot`` that accumulates in place (the matrix units add into ``acc``)."""
+    if UPCAST:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        out = tl.dot(a, b, acc, input_precision=PREC)
+    return out
+
+
+# Triton's interpreter (TRITON_INTERPRET=1 when triton.jit ran) swaps kernels for interpreted ones.
+INTERPRETED = "interpret" in type(dot).__name__.lower()
+
+
+def pow2_at_least_16(n: int) -> int:
+    return max(16, triton.next_power_of_2(max(int(n), 1)))
