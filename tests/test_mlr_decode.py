@@ -119,7 +119,7 @@ def test_triton_kernel_default_chunking_and_bad_input():
     q_new, keys, v = q_new.float().to(DEVICE), [k.to(DEVICE) for k in keys], v.float().to(DEVICE)
     ref = mlr_decode_reference(q_new, keys, starts, v, (8, 4, 4), 0.5)
     torch.testing.assert_close(mlr_decode_triton(q_new, keys, starts, v, (8, 4, 4), 0.5), ref, atol=1e-5, rtol=1e-5)
-    with pytest.raises(ValueError, match="^chunk: expected a positive multiple of block_n=64"):
+    with pytest.raises(ValueError, match="^chunk: expected a positive multiple of block_n=128"):
         mlr_decode_triton(q_new, keys, starts, v, (8, 4, 4), 0.5, chunk=100)
     with pytest.raises(ValueError, match=r"^v: expected float32, float16 or bfloat16"):
         mlr_decode_triton(q_new, [k.double() for k in keys], starts, v.double(), (8, 4, 4), 0.5)

@@ -6,16 +6,20 @@
 Design (flash-decoding): the keys ``[0, end)`` are cut into ``n_splits`` chunks; one program per
 (batch, kv head, chunk) scores the ``G = H / Hk`` query heads of its group against the chunk, tile
 by tile, with an online softmax, and writes its partial ``(max, sum, weighted values)``; a second
-kernel merges the chunks per query head. A tile reads the level-1 keys (``r_1`` dims) and, for each
-finer level ``l`` whose held range ``[start_l, end)`` it meets, that level's keys, masked to the
-positions held; tiles before ``start_2`` read level 1 and the values only. The finer levels live in
-separate buffers of different shapes, so the kernel gets a table of their addresses and strides.
+kernel merges the chunks per query head. The held ranges are nested (``start_2 <= start_3 <= ...``),
+so the keys fall into regions of one depth: keys before ``start_2`` read level 1 (``r_1`` dims)
+and the values only, keys in ``[start_l, start_{l+1})`` also the first ``l - 1`` finer levels. Each
+region is its own loop with the level count a compile-time constant, and the products run on the
+matrix units (the query heads of a group padded to 16 rows). The finer levels live in separate
+buffers of different shapes, so the kernel gets a table of their addresses and strides.
 Everything accumulates in float32. A new token needs no causal mask: every key held is at or
 before it.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Sequence
 
 import torch
@@ -23,18 +27,26 @@ import triton
 import triton.language as tl
 
 from structured_attention.functional.mlr_decode import check_mlr_decode_arguments
+from structured_attention.kernels.triton_common import INTERPRETED, dot, dot_acc
 
 __all__ = ["mlr_decode_triton"]
 
 
 @triton.jit
+def _pick(vec, lv, i):
+    """Entry ``i`` of a small vector held in registers (loop-invariant, so hoisted out of loops)."""
+    return tl.sum(tl.where(lv == i, vec, 0), axis=0)
+
+
+@triton.jit
 def _mlr_decode_split_kernel(
     Q, K0, V, FINE_PTRS, FINE_STRIDES, FINE_STARTS, FINE_QOFF, FINE_RANK, ACC, M, L,
-    end, chunk, scale, N_SPLITS,
+    end, chunk, qk_scale, N_SPLITS,
     stride_qb, stride_qh, stride_k0b, stride_k0h, stride_k0t, stride_vb, stride_vh, stride_vt,
     HK: tl.constexpr, G: tl.constexpr,
     R0: tl.constexpr, DV: tl.constexpr, N_FINE: tl.constexpr, DEPTH_NORMALIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, R0P: tl.constexpr, RFP: tl.constexpr, DVP: tl.constexpr, BLOCK_N: tl.constexpr,
+    NFP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
     pid_bk = tl.program_id(0)
     split = tl.program_id(1)
@@ -44,50 +56,63 @@ def _mlr_decode_split_kernel(
     g_ok = g < G
     q_rows = Q + b * stride_qb + (hk * G + g) * stride_qh  # (BLOCK_G,) row starts
     d0 = tl.arange(0, R0P)
-    q0 = tl.load(q_rows[:, None] + d0[None, :], mask=g_ok[:, None] & (d0[None, :] < R0), other=0.0).to(tl.float32)
+    q0 = tl.load(q_rows[:, None] + d0[None, :], mask=g_ok[:, None] & (d0[None, :] < R0), other=0.0)
     dv = tl.arange(0, DVP)
     df = tl.arange(0, RFP)
+    lv = tl.arange(0, NFP)
+    lv_ok = lv < N_FINE
+    starts = tl.load(FINE_STARTS + lv, mask=lv_ok, other=0)
+    ptrs = tl.load(FINE_PTRS + lv, mask=lv_ok, other=0)
+    sbs = tl.load(FINE_STRIDES + 3 * lv, mask=lv_ok, other=0)
+    shs = tl.load(FINE_STRIDES + 3 * lv + 1, mask=lv_ok, other=0)
+    sts = tl.load(FINE_STRIDES + 3 * lv + 2, mask=lv_ok, other=0)
+    qoffs = tl.load(FINE_QOFF + lv, mask=lv_ok, other=0)
+    ranks = tl.load(FINE_RANK + lv, mask=lv_ok, other=0)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, DVP], tl.float32)
     lo = split * chunk
     hi = tl.minimum(lo + chunk, end)
-    for n0 in range(lo, hi, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = n < hi
-        k0 = tl.load(K0 + b * stride_k0b + hk * stride_k0h + n[:, None] * stride_k0t + d0[None, :],
-                     mask=n_ok[:, None] & (d0[None, :] < R0), other=0.0).to(tl.float32)
-        s = tl.sum(q0[:, None, :] * k0[None, :, :], axis=2)  # (BLOCK_G, BLOCK_N)
-        depth = tl.full([BLOCK_N], 1.0, tl.float32)
-        for level in tl.static_range(N_FINE):
-            start = tl.load(FINE_STARTS + level)
-            if n0 + BLOCK_N > start:  # the tile meets the keys held for this level
-                ptr = tl.load(FINE_PTRS + level).to(tl.pointer_type(K0.dtype.element_ty))
-                sb = tl.load(FINE_STRIDES + 3 * level)
-                sh = tl.load(FINE_STRIDES + 3 * level + 1)
-                st = tl.load(FINE_STRIDES + 3 * level + 2)
-                rank = tl.load(FINE_RANK + level)
-                held = n_ok & (n >= start)
-                kl = tl.load(ptr + b * sb + hk * sh + (n - start)[:, None] * st + df[None, :],
-                             mask=held[:, None] & (df[None, :] < rank), other=0.0).to(tl.float32)
-                ql = tl.load(q_rows[:, None] + tl.load(FINE_QOFF + level) + df[None, :],
-                             mask=g_ok[:, None] & (df[None, :] < rank), other=0.0).to(tl.float32)
-                s += tl.where(held[None, :], tl.sum(ql[:, None, :] * kl[None, :, :], axis=2), 0.0)
-                depth += held.to(tl.float32)
-        s = s * scale
-        if DEPTH_NORMALIZE:
-            s = s / depth[None, :]
-        s = tl.where(n_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        vt = tl.load(V + b * stride_vb + hk * stride_vh + n[:, None] * stride_vt + dv[None, :],
-                     mask=n_ok[:, None] & (dv[None, :] < DV), other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * vt[None, :, :], axis=1)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        m_i = m_new
-    row = (pid_bk * G + g) * N_SPLITS + split  # partials laid out (B, H, N_SPLITS)
+    # The held ranges are nested (start_2 <= start_3 <= ...), so the keys fall into regions of one
+    # depth: region j, [start of fine level j - 1, start of fine level j), reads level 1 and the
+    # first j fine levels, with no per-key test.
+    for j in tl.static_range(N_FINE + 1):
+        r_lo = lo
+        r_hi = hi
+        if j > 0:
+            r_lo = tl.maximum(lo, _pick(starts, lv, j - 1))
+        if j < N_FINE:
+            r_hi = tl.minimum(hi, _pick(starts, lv, j))
+        for n0 in range(r_lo, r_hi, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            n_ok = n < r_hi
+            k0 = tl.load(K0 + b * stride_k0b + hk * stride_k0h + n[:, None] * stride_k0t + d0[None, :],
+                         mask=n_ok[:, None] & (d0[None, :] < R0), other=0.0)
+            s = dot(q0, tl.trans(k0), PREC, UPCAST)  # (BLOCK_G, BLOCK_N)
+            for i in tl.static_range(j):
+                ptr = _pick(ptrs, lv, i).to(tl.pointer_type(K0.dtype.element_ty))
+                rank = _pick(ranks, lv, i)
+                kl = tl.load(ptr + b * _pick(sbs, lv, i) + hk * _pick(shs, lv, i)
+                             + (n - _pick(starts, lv, i))[:, None] * _pick(sts, lv, i) + df[None, :],
+                             mask=n_ok[:, None] & (df[None, :] < rank), other=0.0)
+                ql = tl.load(q_rows[:, None] + _pick(qoffs, lv, i) + df[None, :],
+                             mask=g_ok[:, None] & (df[None, :] < rank), other=0.0)
+                s = dot_acc(ql, tl.trans(kl), s, PREC, UPCAST)
+            if DEPTH_NORMALIZE:
+                s = s * (qk_scale / (j + 1))
+            else:
+                s = s * qk_scale
+            s = tl.where(n_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            vt = tl.load(V + b * stride_vb + hk * stride_vh + n[:, None] * stride_vt + dv[None, :],
+                         mask=n_ok[:, None] & (dv[None, :] < DV), other=0.0)
+            acc = dot_acc(p.to(vt.dtype), vt, acc * alpha[:, None], PREC, UPCAST)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            m_i = m_new
+    row = (pid_bk * G + g) * N_SPLITS + split  # partials laid out (B, H, N_SPLITS), maxima in base 2
     tl.store(M + row, m_i, mask=g_ok)
     tl.store(L + row, l_i, mask=g_ok)
     tl.store(ACC + row[:, None] * DV + dv[None, :], acc, mask=g_ok[:, None] & (dv[None, :] < DV))
@@ -100,7 +125,7 @@ def _mlr_decode_merge_kernel(ACC, M, L, OUT, N_SPLITS, SP: tl.constexpr, DV: tl.
     sp_ok = sp < N_SPLITS
     dv = tl.arange(0, DVP)
     m = tl.load(M + bh * N_SPLITS + sp, mask=sp_ok, other=float("-inf"))
-    w = tl.where(sp_ok, tl.exp(m - tl.max(m, axis=0)), 0.0)
+    w = tl.where(sp_ok, tl.exp2(m - tl.max(m, axis=0)), 0.0)
     total = tl.sum(w * tl.load(L + bh * N_SPLITS + sp, mask=sp_ok, other=0.0), axis=0)
     acc = tl.load(ACC + (bh * N_SPLITS + sp)[:, None] * DV + dv[None, :], mask=sp_ok[:, None] & (dv[None, :] < DV),
                   other=0.0)
@@ -110,6 +135,25 @@ def _mlr_decode_merge_kernel(ACC, M, L, OUT, N_SPLITS, SP: tl.constexpr, DV: tl.
 
 def _pow2(n: int, floor: int = 1) -> int:
     return max(floor, triton.next_power_of_2(n))
+
+
+@functools.lru_cache(maxsize=8)
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+@functools.lru_cache(maxsize=256)
+def _fine_table(ptrs: tuple[int, ...], strides: tuple[int, ...], starts: tuple[int, ...], qoff: tuple[int, ...],
+                rank: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The finer levels' addresses, strides, first positions, query offsets and ranks on ``device``.
+
+    They change only when a level's block ends or a buffer grows, so each step of a layer finds its
+    table here instead of copying five small tensors to the device."""
+    def table(values: tuple[int, ...], width: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values or (0,) * width, dtype=dtype, device=device)
+
+    return (table(ptrs, 1, torch.int64), table(strides, 3, torch.int64), table(starts, 1, torch.int32),
+            table(qoff, 1, torch.int32), table(rank, 1, torch.int32))
 
 
 def mlr_decode_triton(
@@ -122,7 +166,8 @@ def mlr_decode_triton(
     depth_normalize: bool = False,
     *,
     chunk: int | None = None,
-    block_n: int = 64,
+    block_n: int = 128,
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """One new query against the compressed MLR cache in two kernel launches; same arguments and
     result as :func:`~structured_attention.functional.mlr_decode.mlr_decode_reference`. ``chunk``
@@ -137,20 +182,18 @@ def mlr_decode_triton(
             raise ValueError(f"{name}: expected a contiguous last dim, got strides {tuple(x.stride())}")
     B, H = q.shape[:2]
     Hk, end, Dv = v.shape[1], v.shape[2], v.shape[3]
-    if chunk is None:  # about 128 programs in all, each over whole tiles
-        per = triton.cdiv(end, max(1, 128 // (B * Hk)))
+    device = q.device
+    if chunk is None:  # about four programs per multiprocessor, each over whole tiles
+        per = triton.cdiv(end, max(1, 4 * _multiprocessors(device) // (B * Hk)))
         chunk = triton.cdiv(per, block_n) * block_n
     if chunk <= 0 or chunk % block_n:
         raise ValueError(f"chunk: expected a positive multiple of block_n={block_n}, got {chunk}")
     n_splits = triton.cdiv(end, chunk)
-    device, fine = q.device, list(zip(keys[1:], key_starts[1:], ranks[1:]))
-    offsets = [sum(ranks[:i]) for i in range(1, len(ranks))]
-    ptrs = torch.tensor([k.data_ptr() for k, _, _ in fine] or [0], dtype=torch.int64, device=device)
-    strides = torch.tensor([s for k, _, _ in fine for s in k.stride()[:3]] or [0, 0, 0], dtype=torch.int64,
-                           device=device)
-    starts = torch.tensor([s for _, s, _ in fine] or [0], dtype=torch.int32, device=device)
-    qoff = torch.tensor(offsets or [0], dtype=torch.int32, device=device)
-    rank = torch.tensor([r for _, _, r in fine] or [0], dtype=torch.int32, device=device)
+    fine = list(zip(keys[1:], key_starts[1:], ranks[1:]))
+    offsets = tuple(sum(ranks[:i]) for i in range(1, len(ranks)))
+    ptrs, strides, starts, qoff, rank = _fine_table(
+        tuple(k.data_ptr() for k, _, _ in fine), tuple(s for k, _, _ in fine for s in k.stride()[:3]),
+        tuple(s for _, s, _ in fine), offsets, tuple(r for _, _, r in fine), device)
     part_acc = torch.empty(B, H, n_splits, Dv, dtype=torch.float32, device=device)
     part_m = torch.empty(B, H, n_splits, dtype=torch.float32, device=device)
     part_l = torch.empty_like(part_m)
@@ -158,11 +201,13 @@ def mlr_decode_triton(
     G = H // Hk
     _mlr_decode_split_kernel[(B * Hk, n_splits)](
         q, k0, v, ptrs, strides, starts, qoff, rank, part_acc, part_m, part_l,
-        end, chunk, float(scale), n_splits,
+        end, chunk, float(scale) / math.log(2.0), n_splits,
         q.stride(0), q.stride(1), k0.stride(0), k0.stride(1), k0.stride(2), v.stride(0), v.stride(1), v.stride(2),
         HK=Hk, G=G, R0=ranks[0], DV=Dv, N_FINE=len(fine), DEPTH_NORMALIZE=depth_normalize,
-        BLOCK_G=_pow2(G), R0P=_pow2(ranks[0]), RFP=_pow2(max(ranks[1:], default=1)), DVP=_pow2(Dv),
-        BLOCK_N=block_n,
+        BLOCK_G=_pow2(G, 16), R0P=_pow2(ranks[0], 16), RFP=_pow2(max(ranks[1:], default=1), 16),
+        DVP=_pow2(Dv, 16), BLOCK_N=block_n, NFP=_pow2(len(fine)),
+        PREC="ieee" if v.dtype == torch.float32 else "tf32", UPCAST=INTERPRETED and v.dtype == torch.bfloat16,
+        num_warps=num_warps,
     )
     out = torch.empty(B, H, 1, Dv, dtype=v.dtype, device=device)
     _mlr_decode_merge_kernel[(B * H,)](part_acc, part_m, part_l, out, n_splits, SP=_pow2(n_splits),
