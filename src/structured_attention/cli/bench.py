@@ -16,6 +16,7 @@ Writes ``<what>.json``, ``<what>.png`` and prints a markdown table.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import multiprocessing
@@ -28,6 +29,7 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..attention import build_attention
 from ..functional import mlr_attention, mlr_attention_blocked, mlr_attention_reference
@@ -36,6 +38,8 @@ from ..models import GPT, GPTConfig
 LAYER_KINDS = "mha,swa:128,global_swa:32|32:window=128,mlr:8|8|8|8|8|8|8|8"
 LM_KINDS = "mha,swa:128,global_swa:32|32:window=128,mlr:16|16|16|16,mlr:32|16|8|8"
 MLR_PATHS = "sdpa,mlr,mlr_blocked,mlr_reference"
+# SDPA cases: PyTorch's own choice of fused kernel, or its flash-attention kernel alone.
+_SDPA_BACKENDS = {"sdpa": None, "sdpa_flash": SDPBackend.FLASH_ATTENTION}
 _MLR_FUNCTIONS = {"mlr": mlr_attention, "mlr_blocked": mlr_attention_blocked, "mlr_reference": mlr_attention_reference}
 
 Step = Callable[[], Any]
@@ -54,7 +58,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     lm.add_argument("--d-model", type=int, default=256, help="width (default 256)")
     lm.add_argument("--n-layers", type=int, default=4, help="layers (default 4)")
     mlr = what.add_parser("mlr", help="time the MLR attention primitive against scaled_dot_product_attention")
-    mlr.add_argument("--paths", default=MLR_PATHS, help=f"comma-separated: sdpa, mlr (dispatched: the C++ kernel on CPU, Triton on CUDA), mlr_blocked (the PyTorch fallback), mlr_reference (default {MLR_PATHS})")
+    mlr.add_argument("--paths", default=MLR_PATHS, help=f"comma-separated: sdpa (PyTorch's choice of fused kernel), sdpa_flash (its flash-attention kernel), mlr (dispatched: the C++ kernel on CPU, Triton on CUDA), mlr_blocked (the PyTorch fallback), mlr_reference (default {MLR_PATHS})")
     mlr.add_argument("--ranks", default="8|8|8|8|8|8|8|8", help="MLR ranks per level; their sum is the q/k head dim (default 8|8|8|8|8|8|8|8)")
     mlr.add_argument("--v-dim", type=int, default=64, help="value head dim Dv (default 64)")
     for p in (layers, mlr, lm):
@@ -100,15 +104,20 @@ def _build_case(name: str, args: argparse.Namespace, seq_len: int) -> tuple[Step
         q, k = (torch.randn(*shape, sum(ranks), device=device, dtype=dtype, requires_grad=True) for _ in range(2))
         v = torch.randn(*shape, args.v_dim, device=device, dtype=dtype, requires_grad=True)
         params = [q, k, v]
-        if name == "sdpa":
+        if name in _SDPA_BACKENDS:
             # SDPA needs equal q/k/v head dims: pad q and k to Dv when the ranks sum to less.
             pad = max(args.v_dim - sum(ranks), 0)
-            call = lambda: F.scaled_dot_product_attention(F.pad(q, (0, pad)), F.pad(k, (0, pad)), v, is_causal=True)  # noqa: E731
+            backend = _SDPA_BACKENDS[name]
+
+            def call() -> torch.Tensor:
+                with sdpa_kernel(backend) if backend else contextlib.nullcontext():
+                    return F.scaled_dot_product_attention(F.pad(q, (0, pad)), F.pad(k, (0, pad)), v, is_causal=True)
         elif name in _MLR_FUNCTIONS:
             fn = _MLR_FUNCTIONS[name]
             call = lambda: fn(q, k, v, ranks)  # noqa: E731
         else:
-            raise ValueError(f"--paths: expected names among sdpa, {', '.join(_MLR_FUNCTIONS)}, got {name!r}")
+            raise ValueError(f"--paths: expected names among {', '.join([*_SDPA_BACKENDS, *_MLR_FUNCTIONS])}, "
+                             f"got {name!r}")
 
     def forward() -> None:
         with torch.no_grad():
@@ -335,9 +344,10 @@ def _check_args(args: argparse.Namespace) -> None:
             ranks = []
         if not ranks or min(ranks) <= 0:
             raise ValueError(f"--ranks: expected positive integers separated by '|', got {args.ranks!r}")
-        unknown = [p for p in _case_names(args) if p != "sdpa" and p not in _MLR_FUNCTIONS]
+        unknown = [p for p in _case_names(args) if p not in _SDPA_BACKENDS and p not in _MLR_FUNCTIONS]
         if unknown:
-            raise ValueError(f"--paths: expected names among sdpa, {', '.join(_MLR_FUNCTIONS)}, got {unknown[0]!r}")
+            raise ValueError(f"--paths: expected names among {', '.join([*_SDPA_BACKENDS, *_MLR_FUNCTIONS])}, "
+                             f"got {unknown[0]!r}")
 
 
 def profile(args: argparse.Namespace, path: Path) -> None:

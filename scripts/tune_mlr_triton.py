@@ -1,0 +1,189 @@
+"""Check and time the Triton MLR kernels' tile settings against SDPA on one CUDA GPU.
+
+    PYTHONPATH=src python3 scripts/tune_mlr_triton.py [--seq-lens 8192,16384] [--out FILE.json]
+
+Prints, for each T and rank split (B=1, H=8, Dv=64, bfloat16, causal): SDPA's default and flash
+backends, the general Triton kernel, and the prefix-rank kernels under several tile / warp / stage
+settings, each as forward and forward+backward medians (``triton.testing.do_bench``). Every
+setting is first checked against the exact reference on a small input. It also times one decoding
+step's attention (the kernel alone, no projections) against SDPA at a 16k cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from structured_attention.functional import mlr_attention_reference, mlr_decode_reference
+from structured_attention.functional.mlr import check_mlr_arguments, mlr_block_sizes
+from structured_attention.kernels import mlr_decode_triton
+from structured_attention.kernels.mlr_triton import mlr_attention_triton
+from structured_attention.kernels.mlr_triton_prefix import PrefixTiles, mlr_attention_prefix
+
+SETTINGS = {
+    "64/w4/s2": PrefixTiles(num_warps=4, num_stages=2),
+    "64/w4/s3": PrefixTiles(num_warps=4, num_stages=3),
+    "64/w8/s2": PrefixTiles(num_warps=8, num_stages=2),
+    "64/w4/s1": PrefixTiles(num_warps=4, num_stages=1),
+    "128x64/w8/s2": PrefixTiles(128, 64, 128, 64, 128, 64, num_warps=8, num_stages=2),
+    "128x64/w4/s2": PrefixTiles(128, 64, 128, 64, 128, 64, num_warps=4, num_stages=2),
+    "bwd32/w4/s2": PrefixTiles(64, 64, 64, 32, 64, 32, num_warps=4, num_stages=2),
+}
+
+
+def _ms(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def _case(fn, q, k, v):
+    def fwd():
+        with torch.no_grad():
+            fn(q, k, v)
+
+    def fwd_bwd():
+        for x in (q, k, v):
+            x.grad = None
+        fn(q, k, v).sum().backward()
+
+    return fwd, fwd_bwd
+
+
+def check(tiles: PrefixTiles, ranks: tuple[int, ...]) -> float:
+    """Largest error of output and gradients against the float32 reference (bfloat16 inputs)."""
+    T = 1024
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    q, k = (torch.randn(1, 2, T, sum(ranks), device="cuda", generator=gen) for _ in range(2))
+    v, do = (torch.randn(1, 2, T, 64, device="cuda", generator=gen) for _ in range(2))
+    q16, k16, v16 = (x.bfloat16().requires_grad_() for x in (q, k, v))
+    ranks_, sizes, scale = check_mlr_arguments(q16, k16, v16, ranks, None, True, None, False)
+    if not tiles.fits(sizes[1:]):
+        return float("nan")
+    out = mlr_attention_prefix(q16, k16, v16, ranks_, sizes, True, scale, False, tiles)
+    grads = torch.autograd.grad(out, (q16, k16, v16), do.bfloat16())
+    qr, kr, vr = (x.detach().float().requires_grad_() for x in (q16, k16, v16))
+    ref = mlr_attention_reference(qr, kr, vr, ranks)
+    ref_grads = torch.autograd.grad(ref, (qr, kr, vr), do.bfloat16().float())
+    pairs = zip((out, *grads), (ref, *ref_grads))
+    return max(float((a.detach().float() - b).abs().max() / b.abs().max()) for a, b in pairs)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq-lens", default="8192,16384")
+    parser.add_argument("--ranks", default="8|8|8|8|8|8|8|8,16|16|16|16")
+    parser.add_argument("--settings", default=",".join(SETTINGS))
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--decode-only", action="store_true", help="time only the decoding step")
+    args = parser.parse_args()
+    rows = []
+    print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__}", flush=True)
+    for spec in [] if args.decode_only else args.ranks.split(","):
+        ranks = tuple(int(r) for r in spec.split("|"))
+        for name in args.settings.split(","):
+            print(f"check {spec} {name}: max relative error {check(SETTINGS[name], ranks):.2e}", flush=True)
+        for T in (int(t) for t in args.seq_lens.split(",")):
+            torch.manual_seed(0)
+            q, k = (torch.randn(1, 8, T, sum(ranks), device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                    for _ in range(2))
+            v = torch.randn(1, 8, T, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            sizes = check_mlr_arguments(q, k, v, ranks, None, True, None, False)[1]
+            scale = 1 / math.sqrt(sum(ranks))
+            pad = max(64 - sum(ranks), 0)
+
+            def sdpa(q, k, v):
+                return F.scaled_dot_product_attention(F.pad(q, (0, pad)), F.pad(k, (0, pad)), v, is_causal=True)
+
+            def sdpa_flash(q, k, v):
+                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                    return sdpa(q, k, v)
+
+            cases = {"sdpa": sdpa, "sdpa_flash": sdpa_flash,
+                     "triton_general": lambda q, k, v: mlr_attention_triton(q, k, v, ranks, block_m=64, block_n=32)}
+            for name in args.settings.split(","):
+                tiles = SETTINGS[name]
+                if tiles.fits(sizes[1:]):
+                    cases[f"prefix {name}"] = (lambda t: lambda q, k, v: mlr_attention_prefix(
+                        q, k, v, ranks, sizes, True, scale, False, t))(tiles)
+            base = None
+            for name, fn in cases.items():
+                fwd, fwd_bwd = _case(fn, q, k, v)
+                try:
+                    a, b = _ms(fwd), _ms(fwd_bwd)
+                except Exception as e:  # a setting the compiler rejects (e.g. out of shared memory)
+                    print(f"  {spec:18s} T={T:6d} {name:22s} failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                    continue
+                base = base or (a, b)
+                rows.append(dict(ranks=spec, T=T, case=name, fwd_ms=a, fwd_bwd_ms=b))
+                print(f"  {spec:18s} T={T:6d} {name:22s} fwd {a:7.3f} ms ({base[0] / a:4.2f}x)  "
+                      f"fwd+bwd {b:7.3f} ms ({base[1] / b:4.2f}x)", flush=True)
+
+    # One decoding step's attention at a 16k cache, batch 16, 8 heads: the kernel against SDPA.
+    B, H, T = 16, 8, 16368
+    ranks = (8,) * 8
+    sizes = mlr_block_sizes(ranks, 16384)  # a layer built for a 16k context
+    q1 = torch.randn(B, H, 1, 64, device="cuda", dtype=torch.bfloat16)
+    keys, starts = [], []
+    for level, (r, s) in enumerate(zip(ranks, sizes)):
+        start = 0 if level == 0 else (T // s) * s
+        keys.append(torch.randn(B, H, T + 1 - start, r, device="cuda", dtype=torch.bfloat16))
+        starts.append(start)
+    vals = torch.randn(B, H, T + 1, 64, device="cuda", dtype=torch.bfloat16)
+    kfull = torch.randn(B, H, T + 1, 64, device="cuda", dtype=torch.bfloat16)
+    ref = mlr_decode_reference(q1.float(), [k.float() for k in keys], starts, vals.float(), ranks, 0.125)
+    err = (mlr_decode_triton(q1, keys, starts, vals, ranks, 0.125).float() - ref).abs().max()
+    mha = _ms(lambda: F.scaled_dot_product_attention(q1, kfull, vals))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    print(f"decode B={B} H={H} cache={T}: sdpa {mha * 1e3:.1f} us; mlr kernel max error {float(err):.1e}")
+    for per_sm in (4, 8, 16):
+        for block_n in (64, 128, 256):
+            for warps in (4, 8):
+                splits = max(1, per_sm * sms // (B * H))
+                chunk = triton.cdiv(triton.cdiv(T + 1, splits), block_n) * block_n
+                mlr = _ms(lambda: mlr_decode_triton(q1, keys, starts, vals, ranks, 0.125, chunk=chunk,
+                                                    block_n=block_n, num_warps=warps))
+                rows.append(dict(case="decode", cache=T, batch=B, per_sm=per_sm, block_n=block_n, warps=warps,
+                                 sdpa_ms=mha, mlr_ms=mlr))
+                print(f"  programs/SM {per_sm:2d} block_n {block_n:3d} warps {warps}: mlr kernel "
+                      f"{mlr * 1e3:.1f} us ({mha / mlr:.2f}x)", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+        profile_decode_layers(args.out.removesuffix(".json") + "-decode-profile.txt")
+
+
+def profile_decode_layers(path: str, batch: int = 16, context: int = 16384, steps: int = 8) -> None:
+    """torch.profiler's view of whole-layer decoding steps (projections and cache updates included)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from structured_attention.attention import build_attention
+
+    with open(path, "w") as f, torch.no_grad():
+        for spec in ("mha", "mlr:8|8|8|8|8|8|8|8"):
+            layer = build_attention(spec, d_model=512, n_heads=8, max_seq_len=context).cuda().bfloat16().eval()
+            cache = layer.new_cache(batch)
+            layer(torch.randn(batch, context - 2 * steps, 512, device="cuda", dtype=torch.bfloat16), cache)
+            x = torch.randn(batch, 1, 512, device="cuda", dtype=torch.bfloat16)
+            for _ in range(3):
+                layer(x, cache)
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(steps):
+                    layer(x, cache)
+                torch.cuda.synchronize()
+            events = prof.key_averages()
+            cpu = sum(e.self_cpu_time_total for e in events) / steps
+            gpu = sum(e.self_device_time_total for e in events) / steps
+            print(f"decode step of {spec}, batch {batch}: {cpu:.0f} us of CPU, {gpu:.0f} us of GPU per step",
+                  flush=True)
+            f.write(f"== {spec}: {steps} decoding steps, batch {batch}, cache {context - steps} ==\n")
+            f.write(events.table(sort_by="self_cpu_time_total", row_limit=25) + "\n\n")
+
+
+if __name__ == "__main__":
+    main()
