@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# The whole GPU check of the kernels in one command, for a machine with one CUDA GPU (about 10
-# minutes on an H100): the Triton tests on the GPU, then the issue-3 benchmarks in bfloat16.
-#   scripts/gpu-check.sh [OUT_DIR]        (default runs/gpu-check; $OUT on the lent device machine)
+# The GPU check of the kernels, for a machine with one CUDA GPU: the Triton tests on the GPU, the
+# tile-setting and decoding timings, and the issue-3 benchmarks in bfloat16.
+#   scripts/gpu-check.sh [OUT_DIR] [tests|tune|bench|all]
+# (default OUT_DIR runs/gpu-check, or $OUT on the lent device machine; default all). On an H100 the
+# tests take about 5 minutes (most of it compiling), tune about 4 and bench about 3, so a machine
+# that stops a command after 10 minutes needs two calls.
 # Needs python3 with torch (CUDA), triton, numpy, pyyaml, safetensors, pytest, matplotlib; the
 # package is used from src/ without installing it.
 set -uo pipefail
 out=${1:-${OUT:-runs/gpu-check}}
+step=${2:-all}
 mkdir -p "$out"
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 sattn() { python3 -m structured_attention.cli.main "$@"; }
@@ -17,12 +21,17 @@ print(f"python {platform.python_version()} | torch {torch.__version__} | triton 
       f"{torch.cuda.get_device_name()} | CUDA {torch.version.cuda}")
 PY
 
-python3 -m pytest -q -p no:cacheprovider tests/test_mlr_triton.py tests/test_mlr_decode.py 2>&1 | tail -n 40 | tee "$out/tests.log" || status=1
-
-sattn bench mlr --device cuda --dtype bfloat16 --seq-lens 2048,4096,8192,16384 --paths sdpa,mlr \
-    --repeats 10 --profile --out "$out/mlr" || status=1
-sattn bench attention --device cuda --dtype bfloat16 --seq-lens 4096,16384 --decode-cache 16368 \
-    --repeats 10 --out "$out/attention" || status=1
-sattn bench attention --device cuda --dtype bfloat16 --seq-lens 16384 --decode-cache 16368 --batch 16 \
-    --kinds "mha,mlr:8|8|8|8|8|8|8|8" --repeats 10 --out "$out/decode-b16" || status=1
+if [[ $step == tests || $step == all ]]; then
+    python3 -m pytest -q -p no:cacheprovider tests/test_mlr_triton.py tests/test_mlr_decode.py 2>&1 \
+        | tee "$out/tests.log" | tail -n 5 || status=1
+fi
+if [[ $step == tune || $step == all ]]; then
+    python3 scripts/tune_mlr_triton.py --out "$out/tune.json" 2>&1 | tee "$out/tune.log" || status=1
+fi
+if [[ $step == bench || $step == all ]]; then
+    sattn bench mlr --device cuda --dtype bfloat16 --seq-lens 4096,8192,16384 --paths sdpa_flash,sdpa,mlr \
+        --repeats 10 --profile --out "$out/mlr" || status=1
+    sattn bench attention --device cuda --dtype bfloat16 --seq-lens 16384 --decode-cache 16368 --batch 16 \
+        --kinds "mha,mlr:8|8|8|8|8|8|8|8,mlr:16|16|16|16" --repeats 5 --no-memory --out "$out/decode-b16" || status=1
+fi
 exit $status
