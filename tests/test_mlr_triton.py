@@ -27,6 +27,7 @@ from structured_attention.kernels.mlr_triton_prefix import (  # noqa: E402
     mlr_attention_prefix,
     square_tiles,
 )
+from structured_attention.kernels.triton_common import device_table  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -154,6 +155,17 @@ def test_prefix_tiles_fit_only_aligned_blocks():
     assert square_tiles((24, 12), 64) is None
     assert not PrefixTiles(fwd_m=16, fwd_n=32).fits((64,))  # the step must divide the own tile
     assert not PrefixTiles().fits((32,))  # 64-row tiles straddle 32-row blocks
+
+
+@pytest.mark.parametrize("sizes", [(64, 16), (64, 8)], ids=["prefix-rank", "general"])
+def test_metadata_tables_are_made_once(sizes):
+    # A repeated call reuses its device tables instead of copying them from the host again.
+    q, k, v, _ = _inputs(1, 2, 2, 64, 16, 8, torch.float32)
+    mlr_attention_triton(q, k, v, (8, 8), sizes)
+    before = device_table.cache_info()
+    mlr_attention_triton(q, k, v, (8, 8), sizes)
+    after = device_table.cache_info()
+    assert after.misses == before.misses and after.hits > before.hits
 
 
 def test_forward_without_grad_and_prefix_consistency():

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from structured_attention.functional.mlr_decode import check_mlr_decode_arguments
-from structured_attention.kernels.triton_common import INTERPRETED, dot, dot_acc
+from structured_attention.kernels.triton_common import INTERPRETED, device_table, dot, dot_acc
 
 __all__ = ["mlr_decode_triton"]
 
@@ -142,20 +142,6 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
-@functools.lru_cache(maxsize=256)
-def _fine_table(ptrs: tuple[int, ...], strides: tuple[int, ...], starts: tuple[int, ...], qoff: tuple[int, ...],
-                rank: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
-    """The finer levels' addresses, strides, first positions, query offsets and ranks on ``device``.
-
-    They change only when a level's block ends or a buffer grows, so each step of a layer finds its
-    table here instead of copying five small tensors to the device."""
-    def table(values: tuple[int, ...], width: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values or (0,) * width, dtype=dtype, device=device)
-
-    return (table(ptrs, 1, torch.int64), table(strides, 3, torch.int64), table(starts, 1, torch.int32),
-            table(qoff, 1, torch.int32), table(rank, 1, torch.int32))
-
-
 def mlr_decode_triton(
     q: torch.Tensor,
     keys: Sequence[torch.Tensor],
@@ -191,9 +177,12 @@ def mlr_decode_triton(
     n_splits = triton.cdiv(end, chunk)
     fine = list(zip(keys[1:], key_starts[1:], ranks[1:]))
     offsets = tuple(sum(ranks[:i]) for i in range(1, len(ranks)))
-    ptrs, strides, starts, qoff, rank = _fine_table(
-        tuple(k.data_ptr() for k, _, _ in fine), tuple(s for k, _, _ in fine for s in k.stride()[:3]),
-        tuple(s for _, s, _ in fine), offsets, tuple(r for _, _, r in fine), device)
+    # The table changes only when a level's block ends or a buffer grows.
+    ptrs = device_table(tuple(k.data_ptr() for k, _, _ in fine) or (0,), torch.int64, device)
+    strides = device_table(tuple(s for k, _, _ in fine for s in k.stride()[:3]) or (0, 0, 0), torch.int64, device)
+    starts = device_table(tuple(s for _, s, _ in fine) or (0,), torch.int32, device)
+    qoff = device_table(offsets or (0,), torch.int32, device)
+    rank = device_table(tuple(r for _, _, r in fine) or (0,), torch.int32, device)
     part_acc = torch.empty(B, H, n_splits, Dv, dtype=torch.float32, device=device)
     part_m = torch.empty(B, H, n_splits, dtype=torch.float32, device=device)
     part_l = torch.empty_like(part_m)

@@ -43,7 +43,7 @@ import triton.language as tl
 
 from structured_attention.functional.mlr import check_mlr_arguments
 from structured_attention.kernels.mlr_triton_prefix import mlr_attention_prefix, square_tiles
-from structured_attention.kernels.triton_common import INTERPRETED, dot, pow2_at_least_16
+from structured_attention.kernels.triton_common import INTERPRETED, device_table, dot, pow2_at_least_16
 
 __all__ = ["mlr_attention_triton"]
 
@@ -375,11 +375,9 @@ class _Plan:
             offs.append(acc)
             acc += r
         pad = self.LP - len(fine)
-        meta = torch.tensor(
-            [offs + [0] * pad, list(fine) + [0] * pad, list(sizes[1:]) + [1] * pad],
-            dtype=torch.int32, device=q.device,
-        )
-        self.foff, self.frank, self.fsize = meta[0].contiguous(), meta[1].contiguous(), meta[2].contiguous()
+        self.foff = device_table(tuple(offs) + (0,) * pad, torch.int32, q.device)
+        self.frank = device_table(tuple(fine) + (0,) * pad, torch.int32, q.device)
+        self.fsize = device_table(tuple(sizes[1:]) + (1,) * pad, torch.int32, q.device)
         self.block_m = block_m
         self.block_n = block_n
         self.prec = "ieee" if q.dtype == torch.float32 else "tf32"

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from structured_attention.kernels.triton_common import INTERPRETED, dot, dot_acc, pow2_at_least_16
+from structured_attention.kernels.triton_common import INTERPRETED, device_table, dot, dot_acc, pow2_at_least_16
 
 __all__ = ["PrefixTiles", "square_tiles", "mlr_attention_prefix"]
 
@@ -539,9 +539,9 @@ class PrefixPlan:
         fine = list(ranks[1:])
         self.LP = triton.next_power_of_2(max(len(fine), 1))
         pad = self.LP - len(fine)
-        meta = torch.tensor([list(sizes[1:]) + [1] * pad, fine + [0] * pad], dtype=torch.int32)
-        self.fsize, self.frank = (x.contiguous().to(q.device) for x in meta)
-        self.tiers = torch.tensor(tiers + [1] * (4 - len(tiers)), dtype=torch.int32, device=q.device)
+        self.fsize = device_table(tuple(sizes[1:]) + (1,) * pad, torch.int32, q.device)
+        self.frank = device_table(tuple(fine) + (0,) * pad, torch.int32, q.device)
+        self.tiers = device_table(tuple(tiers) + (1,) * (4 - len(tiers)), torch.int32, q.device)
         self.DV = v.shape[-1]
         self.DVP = pow2_at_least_16(self.DV)
         self.tiles = tiles

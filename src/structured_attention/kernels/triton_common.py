@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+
+import torch
 import triton
 import triton.language as tl
 
-__all__ = ["INTERPRETED", "dot", "dot_acc", "pow2_at_least_16"]
+__all__ = ["INTERPRETED", "device_table", "dot", "dot_acc", "pow2_at_least_16"]
 
 
 @triton.jit
@@ -38,3 +41,13 @@ INTERPRETED = "interpret" in type(dot).__name__.lower()
 
 def pow2_at_least_16(n: int) -> int:
     return max(16, triton.next_power_of_2(max(int(n), 1)))
+
+
+@functools.lru_cache(maxsize=512)
+def device_table(values: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``values`` as a 1-D tensor on ``device``, made once per distinct table.
+
+    The kernels read small metadata tables (block sizes, ranks, addresses); copying them to the
+    device on every call would cost a synchronous host-to-device copy each. Never write to the result.
+    """
+    return torch.tensor(values, dtype=dtype, device=device)
