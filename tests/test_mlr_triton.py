@@ -20,8 +20,8 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton", reason="triton is not installed (pip install 'triton>=3.0')")
 
 from structured_attention.functional import mlr_attention_reference as mlr_attention  # noqa: E402
-from structured_attention.kernels import HAS_TRITON, mlr_attention_triton  # noqa: E402
 from structured_attention.functional.mlr import mlr_block_sizes  # noqa: E402
+from structured_attention.kernels import HAS_TRITON, mlr_attention_triton  # noqa: E402
 from structured_attention.kernels.mlr_triton_prefix import (  # noqa: E402
     PrefixTiles,
     mlr_attention_prefix,

@@ -57,6 +57,37 @@ def _chunk(base, offs, ok, stride_t, C: tl.constexpr, CH: tl.constexpr, rank):
 
 
 @triton.jit
+def _own_chunks(base, offs, ok, stride_t, R, CH: tl.constexpr, NCH: tl.constexpr):
+    """All ``NCH`` chunks of the program's own rows (the unused ones repeat the first)."""
+    c0 = _chunk(base, offs, ok, stride_t, 0, CH, R)
+    c1 = c0
+    c2 = c0
+    c3 = c0
+    if NCH > 1:
+        c1 = _chunk(base, offs, ok, stride_t, 1, CH, R)
+    if NCH > 2:
+        c2 = _chunk(base, offs, ok, stride_t, 2, CH, R)
+    if NCH > 3:
+        c3 = _chunk(base, offs, ok, stride_t, 3, CH, R)
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def _store_chunks(ptr, ok, R, c0, c1, c2, c3, CH: tl.constexpr, NCH: tl.constexpr):
+    """Store the gradient chunks of the program's own rows (``ptr``: their row starts)."""
+    cols = tl.arange(0, CH)
+    tl.store(ptr + cols[None, :], c0.to(ptr.dtype.element_ty), mask=ok[:, None] & (cols < R)[None, :])
+    if NCH > 1:
+        tl.store(ptr + CH + cols[None, :], c1.to(ptr.dtype.element_ty), mask=ok[:, None] & (CH + cols < R)[None, :])
+    if NCH > 2:
+        tl.store(ptr + 2 * CH + cols[None, :], c2.to(ptr.dtype.element_ty),
+                 mask=ok[:, None] & (2 * CH + cols < R)[None, :])
+    if NCH > 3:
+        tl.store(ptr + 3 * CH + cols[None, :], c3.to(ptr.dtype.element_ty),
+                 mask=ok[:, None] & (3 * CH + cols < R)[None, :])
+
+
+@triton.jit
 def _tier_start(x0, S):
     return (x0 // S) * S
 
@@ -137,16 +168,7 @@ def _prefix_fwd_kernel(
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_vb + hk * stride_vh
 
-    q0 = _chunk(q_base, offs_m, m_ok, stride_qt, 0, CH, R)
-    q1 = q0
-    q2 = q0
-    q3 = q0
-    if NCH > 1:
-        q1 = _chunk(q_base, offs_m, m_ok, stride_qt, 1, CH, R)
-    if NCH > 2:
-        q2 = _chunk(q_base, offs_m, m_ok, stride_qt, 2, CH, R)
-    if NCH > 3:
-        q3 = _chunk(q_base, offs_m, m_ok, stride_qt, 3, CH, R)
+    q0, q1, q2, q3 = _own_chunks(q_base, offs_m, m_ok, stride_qt, R, CH, NCH)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -263,23 +285,13 @@ def _prefix_dkdv_kernel(
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < T
     dv = tl.arange(0, DVP)
-    dch = tl.arange(0, CH)
     lv = tl.arange(0, LP)
     fsize = tl.load(FSIZE + lv)
     frank = tl.load(FRANK + lv)
     k_base = K + b * stride_kb + hk * stride_kh
     v_off = b * stride_vb + hk * stride_vh
 
-    k0 = _chunk(k_base, offs_n, n_ok, stride_kt, 0, CH, R)
-    k1 = k0
-    k2 = k0
-    k3 = k0
-    if NCH > 1:
-        k1 = _chunk(k_base, offs_n, n_ok, stride_kt, 1, CH, R)
-    if NCH > 2:
-        k2 = _chunk(k_base, offs_n, n_ok, stride_kt, 2, CH, R)
-    if NCH > 3:
-        k3 = _chunk(k_base, offs_n, n_ok, stride_kt, 3, CH, R)
+    k0, k1, k2, k3 = _own_chunks(k_base, offs_n, n_ok, stride_kt, R, CH, NCH)
     vt = tl.load(V + v_off + offs_n[:, None] * stride_vt + dv[None, :],
                  mask=n_ok[:, None] & (dv < DV)[None, :], other=0.0)
     dk0 = tl.zeros([BLOCK_N, CH], tl.float32)
@@ -326,17 +338,8 @@ def _prefix_dkdv_kernel(
             n0, offs_n, lo, T, fsize, frank, stride_qt, stride_dot, T, R1, DV, sm_scale, qk_scale,
             1, False, CAUSAL, DEPTH_NORM, BLOCK_M, CH, DVP, PREC, UPCAST)
 
-    dk_ptr = DK + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_kt
-    tl.store(dk_ptr + dch[None, :], dk0.to(DK.dtype.element_ty), mask=n_ok[:, None] & (dch < R)[None, :])
-    if NCH > 1:
-        tl.store(dk_ptr + CH + dch[None, :], dk1.to(DK.dtype.element_ty),
-                 mask=n_ok[:, None] & (CH + dch < R)[None, :])
-    if NCH > 2:
-        tl.store(dk_ptr + 2 * CH + dch[None, :], dk2.to(DK.dtype.element_ty),
-                 mask=n_ok[:, None] & (2 * CH + dch < R)[None, :])
-    if NCH > 3:
-        tl.store(dk_ptr + 3 * CH + dch[None, :], dk3.to(DK.dtype.element_ty),
-                 mask=n_ok[:, None] & (3 * CH + dch < R)[None, :])
+    _store_chunks(DK + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_kt, n_ok, R,
+                  dk0, dk1, dk2, dk3, CH, NCH)
     tl.store(DV_ + v_off + offs_n[:, None] * stride_vt + dv[None, :], dv_acc.to(DV_.dtype.element_ty),
              mask=n_ok[:, None] & (dv < DV)[None, :])
 
@@ -412,7 +415,6 @@ def _prefix_dq_kernel(
     offs_m = m0 + tl.arange(0, BLOCK_M)
     m_ok = offs_m < T
     dv = tl.arange(0, DVP)
-    dch = tl.arange(0, CH)
     lv = tl.arange(0, LP)
     fsize = tl.load(FSIZE + lv)
     frank = tl.load(FRANK + lv)
@@ -420,16 +422,7 @@ def _prefix_dq_kernel(
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_vb + hk * stride_vh
 
-    q0 = _chunk(q_base, offs_m, m_ok, stride_qt, 0, CH, R)
-    q1 = q0
-    q2 = q0
-    q3 = q0
-    if NCH > 1:
-        q1 = _chunk(q_base, offs_m, m_ok, stride_qt, 1, CH, R)
-    if NCH > 2:
-        q2 = _chunk(q_base, offs_m, m_ok, stride_qt, 2, CH, R)
-    if NCH > 3:
-        q3 = _chunk(q_base, offs_m, m_ok, stride_qt, 3, CH, R)
+    q0, q1, q2, q3 = _own_chunks(q_base, offs_m, m_ok, stride_qt, R, CH, NCH)
     do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dot + dv[None, :],
                  mask=m_ok[:, None] & (dv < DV)[None, :], other=0.0)
     lse = tl.load(LSE + pid_bh * T + offs_m, mask=m_ok, other=0.0)
@@ -469,17 +462,8 @@ def _prefix_dq_kernel(
                                        sm_scale, qk_scale, 1, False, CAUSAL, DEPTH_NORM, BLOCK_N, CH, DVP,
                                        PREC, UPCAST)
 
-    dq_ptr = DQ + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qt
-    tl.store(dq_ptr + dch[None, :], dq0.to(DQ.dtype.element_ty), mask=m_ok[:, None] & (dch < R)[None, :])
-    if NCH > 1:
-        tl.store(dq_ptr + CH + dch[None, :], dq1.to(DQ.dtype.element_ty),
-                 mask=m_ok[:, None] & (CH + dch < R)[None, :])
-    if NCH > 2:
-        tl.store(dq_ptr + 2 * CH + dch[None, :], dq2.to(DQ.dtype.element_ty),
-                 mask=m_ok[:, None] & (2 * CH + dch < R)[None, :])
-    if NCH > 3:
-        tl.store(dq_ptr + 3 * CH + dch[None, :], dq3.to(DQ.dtype.element_ty),
-                 mask=m_ok[:, None] & (3 * CH + dch < R)[None, :])
+    _store_chunks(DQ + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qt, m_ok, R,
+                  dq0, dq1, dq2, dq3, CH, NCH)
 
 
 # --------------------------------------------------------------------------------------------------
