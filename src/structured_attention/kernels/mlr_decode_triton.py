@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from structured_attention.functional.mlr_decode import check_mlr_decode_arguments
-from structured_attention.kernels.triton_common import INTERPRETED, device_table, dot, dot_acc
+from structured_attention.kernels.triton_common import INTERPRETED, device_table, dot, dot_acc, pow2
 
 __all__ = ["mlr_decode_triton"]
 
@@ -133,10 +133,6 @@ def _mlr_decode_merge_kernel(ACC, M, L, OUT, N_SPLITS, SP: tl.constexpr, DV: tl.
     tl.store(OUT + bh * DV + dv, out.to(OUT.dtype.element_ty), mask=dv < DV)
 
 
-def _pow2(n: int, floor: int = 1) -> int:
-    return max(floor, triton.next_power_of_2(n))
-
-
 @functools.lru_cache(maxsize=8)
 def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
@@ -193,12 +189,12 @@ def mlr_decode_triton(
         end, chunk, float(scale) / math.log(2.0), n_splits,
         q.stride(0), q.stride(1), k0.stride(0), k0.stride(1), k0.stride(2), v.stride(0), v.stride(1), v.stride(2),
         HK=Hk, G=G, R0=ranks[0], DV=Dv, N_FINE=len(fine), DEPTH_NORMALIZE=depth_normalize,
-        BLOCK_G=_pow2(G, 16), R0P=_pow2(ranks[0], 16), RFP=_pow2(max(ranks[1:], default=1), 16),
-        DVP=_pow2(Dv, 16), BLOCK_N=block_n, NFP=_pow2(len(fine)),
+        BLOCK_G=pow2(G, 16), R0P=pow2(ranks[0], 16), RFP=pow2(max(ranks[1:], default=1), 16),
+        DVP=pow2(Dv, 16), BLOCK_N=block_n, NFP=pow2(len(fine)),
         PREC="ieee" if v.dtype == torch.float32 else "tf32", UPCAST=INTERPRETED and v.dtype == torch.bfloat16,
         num_warps=num_warps,
     )
     out = torch.empty(B, H, 1, Dv, dtype=v.dtype, device=device)
-    _mlr_decode_merge_kernel[(B * H,)](part_acc, part_m, part_l, out, n_splits, SP=_pow2(n_splits),
-                                       DV=Dv, DVP=_pow2(Dv))
+    _mlr_decode_merge_kernel[(B * H,)](part_acc, part_m, part_l, out, n_splits, SP=pow2(n_splits),
+                                       DV=Dv, DVP=pow2(Dv))
     return out

@@ -43,7 +43,7 @@ import triton.language as tl
 
 from structured_attention.functional.mlr import check_mlr_arguments
 from structured_attention.kernels.mlr_triton_prefix import mlr_attention_prefix, square_tiles
-from structured_attention.kernels.triton_common import INTERPRETED, device_table, dot, pow2_at_least_16
+from structured_attention.kernels.triton_common import INTERPRETED, device_table, dot, pow2
 
 __all__ = ["mlr_attention_triton"]
 
@@ -364,11 +364,11 @@ class _Plan:
         fine = ranks[1:]
         self.has_fine = L > 1
         self.R1 = ranks[0]
-        self.R1P = pow2_at_least_16(ranks[0])
-        self.RLP = pow2_at_least_16(max(fine)) if fine else 16
+        self.R1P = pow2(ranks[0], 16)
+        self.RLP = pow2(max(fine), 16) if fine else 16
         self.LP = triton.next_power_of_2(max(len(fine), 1))
         self.DV = v.shape[-1]
-        self.DVP = pow2_at_least_16(self.DV)
+        self.DVP = pow2(self.DV, 16)
         self.S2 = sizes[1] if self.has_fine else 1
         offs, acc = [], ranks[0]
         for r in fine:

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from structured_attention.kernels.triton_common import INTERPRETED, device_table, dot, dot_acc, pow2_at_least_16
+from structured_attention.kernels.triton_common import INTERPRETED, device_table, dot, dot_acc, pow2
 
 __all__ = ["PrefixTiles", "square_tiles", "mlr_attention_prefix"]
 
@@ -514,7 +514,7 @@ class PrefixPlan:
                  tiles: PrefixTiles) -> None:
         R = sum(ranks)
         self.R, self.R1 = R, ranks[0]
-        self.CH = pow2_at_least_16(math.ceil(R / 4))
+        self.CH = pow2(math.ceil(R / 4), 16)
         self.NCH = math.ceil(R / self.CH)
         prefix = [sum(ranks[: d + 1]) for d in range(len(ranks))]
         # tiers[t - 1]: the block size inside which tiles need at least t chunks.
@@ -527,7 +527,7 @@ class PrefixPlan:
         self.frank = device_table(tuple(fine) + (0,) * pad, torch.int32, q.device)
         self.tiers = device_table(tuple(tiers) + (1,) * (4 - len(tiers)), torch.int32, q.device)
         self.DV = v.shape[-1]
-        self.DVP = pow2_at_least_16(self.DV)
+        self.DVP = pow2(self.DV, 16)
         self.tiles = tiles
         self.prec = "ieee" if q.dtype == torch.float32 else "tf32"
         self.upcast = INTERPRETED and q.dtype == torch.bfloat16

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["INTERPRETED", "device_table", "dot", "dot_acc", "pow2_at_least_16"]
+__all__ = ["INTERPRETED", "device_table", "dot", "dot_acc", "pow2"]
 
 
 @triton.jit
@@ -39,8 +39,9 @@ def dot_acc(a, b, acc, PREC: tl.constexpr, UPCAST: tl.constexpr):
 INTERPRETED = "interpret" in type(dot).__name__.lower()
 
 
-def pow2_at_least_16(n: int) -> int:
-    return max(16, triton.next_power_of_2(max(int(n), 1)))
+def pow2(n: int, floor: int = 1) -> int:
+    """The smallest power of two >= ``n`` and >= ``floor`` (``tl.dot`` wants dims of 16 or more)."""
+    return max(floor, triton.next_power_of_2(max(int(n), 1)))
 
 
 @functools.lru_cache(maxsize=512)
