@@ -19,7 +19,13 @@ from structured_attention.experiments.icl import (
     train_icl,
     training_flops,
 )
-from structured_attention.experiments.icl_baselines import averaging, least_squares, nearest_neighbours, ridge
+from structured_attention.experiments.icl_baselines import (
+    averaging,
+    gradient_step,
+    least_squares,
+    nearest_neighbours,
+    ridge,
+)
 
 # -- samplers ----------------------------------------------------------------------------------------
 
@@ -123,6 +129,26 @@ def test_nearest_neighbours_and_averaging_match_brute_force_loops():
             assert float(avg[b, i]) == pytest.approx(float(np.dot(w, x[b, i])) if i else 0.0, abs=1e-9)
 
 
+@pytest.mark.parametrize("noise_std, sparsity", [(0.0, None), (1.0, None), (0.0, 2)])
+def test_the_gradient_step_baseline_reaches_its_analytic_error_and_its_step_size_is_the_best(noise_std, sparsity):
+    d, n = 4, 9
+    p = sample_prompts(40000, n, d, seed=5, index=0, noise_std=noise_std, sparsity=sparsity)
+    rho = (sparsity or d) / d
+    k = noise_std**2 / rho
+    err = lambda preds: ((preds - p.ys.double()) ** 2).mean(0)  # noqa: E731
+    got = err(gradient_step(p.xs, p.ys, k))
+    for i in (2, 5, 8):
+        # the error in w times rho, plus the noise of y_i itself
+        expect = rho * d * (d + 1 + k) / (i + d + 1 + k) + noise_std**2
+        assert float(got[i]) == pytest.approx(expect, rel=0.03)
+    # a step 20 % shorter or longer does worse: the expected error is a parabola in the step size
+    ws = torch.cumsum(p.ys.double()[..., None] * p.xs.double(), 1) - p.ys.double()[..., None] * p.xs.double()
+    raw = (ws * p.xs.double()).sum(-1)
+    for factor in (0.8, 1.2):
+        other = err(raw * factor / (torch.arange(n) + d + 1 + k))
+        assert (other[2:] > got[2:]).all()
+
+
 # -- the model and the task --------------------------------------------------------------------------
 
 TINY = ["task.n_dims=4", "task.n_points=9", "model.max_seq_len=17", "model.d_model=16", "model.n_heads=2",
@@ -177,7 +203,7 @@ def test_error_curves_score_the_model_and_every_baseline_on_the_same_prompts():
     p = _prompts(b=64, n=9, d=4)
     model = build_icl_model(load_icl_config(None, TINY)).eval()
     curves = error_curves(model, p, ridge_lambda=1.0, batch_size=16)
-    assert set(curves) == {"model", "least_squares", "ridge", "3nn", "averaging"}
+    assert set(curves) == {"model", "least_squares", "ridge", "3nn", "averaging", "gd_step"}
     assert all(len(c) == 9 for c in curves.values())
     assert max(curves["least_squares"][4:]) < 1e-10  # noiseless and N > d: exact
     expected = ((averaging(p.xs, p.ys) - p.ys.double()) ** 2).mean(0) / 4

@@ -43,7 +43,7 @@ def test_train_icl_prints_the_error_against_the_baselines_and_writes_the_curves(
     out = capsys.readouterr().out
     assert "normalised MSE with 4 in-context examples (d=2)" in out and "least_squares" in out
     curves = json.loads((tmp_path / "curves.json").read_text())
-    assert set(curves) == {"model", "least_squares", "ridge", "3nn", "averaging"} and len(curves["model"]) == 5
+    assert set(curves) == {"model", "least_squares", "ridge", "3nn", "averaging", "gd_step"} and len(curves["model"]) == 5
 
 
 def test_sweep_matches_training_flops_and_plots(capsys, tmp_path):

@@ -172,7 +172,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
-BASELINE_STYLE = {"least_squares": ":", "ridge": "-.", "3nn": "--", "averaging": (0, (1, 3))}
+BASELINE_STYLE = {"least_squares": ":", "ridge": "-.", "3nn": "--", "averaging": (0, (1, 3)), "gd_step": (0, (5, 2, 1, 2))}
 
 
 def plot(results: list[dict[str, Any]], out: Path) -> int:
@@ -206,9 +206,10 @@ def plot(results: list[dict[str, Any]], out: Path) -> int:
         return 0
     kinds = list(dict.fromkeys(r["kind"] for r in best))
     ylabel = f"normalised MSE, {n_examples} in-context examples"
+    styles = {name: style for name, style in BASELINE_STYLE.items() if name in baselines}  # runs before gd_step lack it
 
     def baseline_lines(ax: Any) -> None:
-        for name, style in BASELINE_STYLE.items():
+        for name, style in styles.items():
             if baselines[name][-1] > 1e-6:  # noiseless least squares is exactly 0 from d examples on
                 ax.axhline(baselines[name][-1], color="grey", linestyle=style, linewidth=1, label=name)
 
@@ -234,7 +235,7 @@ def plot(results: list[dict[str, Any]], out: Path) -> int:
             for r in best:
                 if r["kind"] == kind and r["width"] == width:
                     ax.plot(r["curves"]["model"], label=kind)
-        for name, style in BASELINE_STYLE.items():
+        for name, style in styles.items():
             ax.plot([max(v, 1e-4) for v in baselines[name]], color="grey", linestyle=style, linewidth=1, label=name)
         ax.set(yscale="log", xlabel="in-context examples", title=f"width {width}")
         ax.set_ylim(1e-4, 10)

@@ -90,6 +90,11 @@ class RegressionConfig:
         return self.noise_std**2 if self.noise_std > 0 else 1.0
 
     @property
+    def noise_to_signal(self) -> float:
+        """Noise variance over the variance of a coordinate of ``w`` (``sparsity / d`` when sparse)."""
+        return self.noise_std**2 / ((self.sparsity or self.n_dims) / self.n_dims)
+
+    @property
     def curriculum(self) -> Curriculum:
         try:
             return Curriculum(
@@ -161,13 +166,16 @@ def normalised_errors(preds: torch.Tensor, prompts: Prompts) -> list[float]:
     return (((preds.double() - prompts.ys.double()) ** 2).mean(0) / d).tolist()
 
 
-def error_curves(model: nn.Module | None, prompts: Prompts, ridge_lambda: float, batch_size: int = 256) -> dict[str, list[float]]:
+def error_curves(
+    model: nn.Module | None, prompts: Prompts, ridge_lambda: float, batch_size: int = 256, noise_to_signal: float = 0.0,
+) -> dict[str, list[float]]:
     """Normalised MSE against the number of in-context examples for the model (``"model"``, when
-    given) and every baseline, on the same prompts."""
+    given) and every baseline, on the same prompts (``noise_to_signal``: see
+    :func:`.icl_baselines.gradient_step`)."""
     curves = {}
     if model is not None:
         curves["model"] = normalised_errors(model_predictions(model, prompts, batch_size), prompts)
-    for name, preds in baseline_predictions(prompts.xs, prompts.ys, ridge_lambda).items():
+    for name, preds in baseline_predictions(prompts.xs, prompts.ys, ridge_lambda, noise_to_signal).items():
         curves[name] = normalised_errors(preds, prompts)
     return curves
 
@@ -270,7 +278,7 @@ def train_icl(config: ICLConfig, *, resume: bool = False, stream: TextIO | None 
     if result.model is not None:
         assert task.val is not None
         model = result.model.eval()
-        curves = error_curves(model, task.val, config.task.ridge, config.run.batch_size)
+        curves = error_curves(model, task.val, config.task.ridge, config.run.batch_size, config.task.noise_to_signal)
         out.update(curves=curves, mse_last=curves["model"][-1],
                    flops=training_flops(model, config, result.steps) * result.world_size,
                    params=sum(p.numel() for p in model.parameters()))

@@ -11,7 +11,7 @@ import torch
 
 from .._checks import check_positive_int, require
 
-__all__ = ["BASELINES", "averaging", "baseline_predictions", "least_squares", "nearest_neighbours", "ridge"]
+__all__ = ["BASELINES", "averaging", "baseline_predictions", "gradient_step", "least_squares", "nearest_neighbours", "ridge"]
 
 
 def _check(xs: torch.Tensor, ys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,23 +58,44 @@ def nearest_neighbours(xs: torch.Tensor, ys: torch.Tensor, k: int = 3) -> torch.
     return out
 
 
+def _one_gradient_step(xs: torch.Tensor, ys: torch.Tensor, step_sizes: torch.Tensor) -> torch.Tensor:
+    """``x_i . (c_i sum_{j<i} y_j x_j)``: one gradient step on the squared loss from ``w = 0``, with
+    the step ``c_i`` for ``i`` examples."""
+    sums = torch.cumsum(ys[..., None] * xs, dim=1) - ys[..., None] * xs  # the examples strictly before each query
+    return (sums * xs).sum(-1) * step_sizes
+
+
 def averaging(xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
     """``w = mean_j y_j x_j`` (one gradient step from zero, as in Garg et al.)."""
     xs, ys = _check(xs, ys)
-    counts = torch.arange(xs.shape[1], dtype=xs.dtype).clamp(min=1)
-    # running sums over the examples strictly before each query
-    sums = torch.cumsum(ys[..., None] * xs, dim=1) - ys[..., None] * xs
-    return (sums * xs).sum(-1) / counts
+    return _one_gradient_step(xs, ys, 1 / torch.arange(xs.shape[1], dtype=xs.dtype).clamp(min=1))
 
 
-BASELINES = ("least_squares", "ridge", "3nn", "averaging")
+def gradient_step(xs: torch.Tensor, ys: torch.Tensor, noise_to_signal: float = 0.0) -> torch.Tensor:
+    """One gradient step from zero with the best step size: ``w = sum_j y_j x_j / (i + d + 1 + k)``.
+
+    For ``x ~ N(0, I_d)``, ``E[w w^T] = rho I`` (the dense and the sparse task) and noise variance
+    ``sigma^2`` (``k = sigma^2 / rho``), ``E[(X^T X)^2] = i (i + d + 1) I`` makes this step size
+    the minimiser of the expected error, whose weight error is then ``rho d (d + 1 + k) / (i + d +
+    1 + k)``. No predictor ``x_i^T G sum_j y_j x_j`` (one layer of linear attention) does better.
+    """
+    require(noise_to_signal >= 0, "noise_to_signal", "a non-negative number", noise_to_signal)
+    xs, ys = _check(xs, ys)
+    i = torch.arange(xs.shape[1], dtype=xs.dtype)
+    return _one_gradient_step(xs, ys, 1 / (i + xs.shape[-1] + 1 + noise_to_signal))
 
 
-def baseline_predictions(xs: torch.Tensor, ys: torch.Tensor, ridge_lambda: float) -> dict[str, torch.Tensor]:
+BASELINES = ("least_squares", "ridge", "3nn", "averaging", "gd_step")
+
+
+def baseline_predictions(
+    xs: torch.Tensor, ys: torch.Tensor, ridge_lambda: float, noise_to_signal: float = 0.0,
+) -> dict[str, torch.Tensor]:
     """Every baseline's predictions, by name (:data:`BASELINES`)."""
     return {
         "least_squares": least_squares(xs, ys),
         "ridge": ridge(xs, ys, ridge_lambda),
         "3nn": nearest_neighbours(xs, ys, 3),
         "averaging": averaging(xs, ys),
+        "gd_step": gradient_step(xs, ys, noise_to_signal),
     }
