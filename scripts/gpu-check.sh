@@ -27,6 +27,7 @@ if [[ $step == tests || $step == all ]]; then
 fi
 if [[ $step == tune || $step == all ]]; then
     python3 scripts/tune_mlr_triton.py --out "$out/tune.json" 2>&1 | tee "$out/tune.log" || status=1
+    python3 scripts/profile_decode_step.py --device cuda --out "$out/decode-profile.txt" || status=1
 fi
 if [[ $step == bench || $step == all ]]; then
     sattn bench mlr --device cuda --dtype bfloat16 --seq-lens 4096,8192,16384 --paths sdpa_flash,sdpa,mlr \

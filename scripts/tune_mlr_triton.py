@@ -154,35 +154,6 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
-        profile_decode_layers(args.out.removesuffix(".json") + "-decode-profile.txt")
-
-
-def profile_decode_layers(path: str, batch: int = 16, context: int = 16384, steps: int = 8) -> None:
-    """torch.profiler's view of whole-layer decoding steps (projections and cache updates included)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from structured_attention.attention import build_attention
-
-    with open(path, "w") as f, torch.no_grad():
-        for spec in ("mha", "mlr:8|8|8|8|8|8|8|8"):
-            layer = build_attention(spec, d_model=512, n_heads=8, max_seq_len=context).cuda().bfloat16().eval()
-            cache = layer.new_cache(batch)
-            layer(torch.randn(batch, context - 2 * steps, 512, device="cuda", dtype=torch.bfloat16), cache)
-            x = torch.randn(batch, 1, 512, device="cuda", dtype=torch.bfloat16)
-            for _ in range(3):
-                layer(x, cache)
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                for _ in range(steps):
-                    layer(x, cache)
-                torch.cuda.synchronize()
-            events = prof.key_averages()
-            cpu = sum(e.self_cpu_time_total for e in events) / steps
-            gpu = sum(e.self_device_time_total for e in events) / steps
-            print(f"decode step of {spec}, batch {batch}: {cpu:.0f} us of CPU, {gpu:.0f} us of GPU per step",
-                  flush=True)
-            f.write(f"== {spec}: {steps} decoding steps, batch {batch}, cache {context - steps} ==\n")
-            f.write(events.table(sort_by="self_cpu_time_total", row_limit=25) + "\n\n")
 
 
 if __name__ == "__main__":

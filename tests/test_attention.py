@@ -16,6 +16,7 @@ from structured_attention.attention import (
     parse_attention_pattern,
     parse_attention_spec,
 )
+from structured_attention.attention.cache import TokenBuffer, append_all
 from structured_attention.functional import mlr_depth
 
 D, H, CTX = 32, 4, 64
@@ -202,6 +203,29 @@ def test_mlr_cache_keeps_only_current_block_above_level_one():
     assert cache.nbytes == 3 * 2 * (29 * 5 + (29 % 8) * 3 + 29 * 8) * 4
     # and never more than the bound of SPEC section 3: T r_1 + sum s_l r_l
     assert layer.kv_cache_numel(29) <= 2 * (29 * 5 + 8 * 3 + 29 * 8)
+
+
+def test_token_buffers_append_together_as_one_by_one_and_grow_past_their_capacity():
+    gen = torch.Generator().manual_seed(3)
+    dims, capacities = (3, 1, 5), (4, 2, 9)
+    buffers = [TokenBuffer(2, 2, d, c, torch.float32, "cpu") for d, c in zip(dims, capacities)]
+    held = [torch.empty(2, 2, 0, d) for d in dims]  # what each buffer should hold, by concatenation
+    for step, (t, drop) in enumerate([(3, 0), (1, 2), (6, 0), (2, 9), (1, 0)]):
+        xs = [torch.randn(2, 2, t, d, generator=gen, dtype=torch.float64) for d in dims]  # cast on copy
+        if step % 2:
+            views = append_all(buffers, xs)
+        else:
+            views = [buffer.append(x) for buffer, x in zip(buffers, xs)]
+        held = [torch.cat([h, x.float()], dim=2) for h, x in zip(held, xs)]
+        for view, h in zip(views, held):
+            torch.testing.assert_close(view, h, rtol=0, atol=0)
+        for i, buffer in enumerate(buffers):
+            start = buffer.start
+            buffer.drop_before(start + drop)
+            held[i] = held[i][:, :, min(drop, held[i].shape[2]):]
+            assert len(buffer) == held[i].shape[2]
+    with pytest.raises(ValueError):
+        append_all(buffers, xs[:2])  # one tensor per buffer
 
 
 SMALL_SPECS = [

@@ -11,7 +11,7 @@ from torch import nn
 
 from .._checks import require
 from ..functional import scaled_dot_product_attention, sliding_window_attention
-from .cache import KVCache, TokenBuffer
+from .cache import KVCache, TokenBuffer, append_all
 from .config import AttentionConfig, config_from_spec, parse_attention_pattern
 from .rotary import Rotary
 
@@ -221,7 +221,7 @@ class FullScoreAttention(Attention):
 
     def _forward_cached(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
         q, k = self.qk(x, cache.length)
-        k, v = cache["k"].append(k), cache["v"].append(self.values(x))
+        k, v = append_all([cache["k"], cache["v"]], [k, self.values(x)])
         return self.merge_heads(attend(q, k, v, self.scale, causal=True, q_start=cache.length))
 
     def _cache_buffers(self, batch: int, dtype: torch.dtype, device: Any) -> dict[str, TokenBuffer]:

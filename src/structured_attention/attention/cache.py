@@ -9,6 +9,8 @@ returned by :meth:`TokenBuffer.append` is a view that trimming overwrites.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 
@@ -47,17 +49,30 @@ class TokenBuffer:
             self.data[:, :, :keep] = self.data[:, :, offset : offset + keep].clone()
         self.start = min(position, self.end)
 
-    def append(self, x: torch.Tensor) -> torch.Tensor:
-        """Add ``x: (batch, heads, t, dim)`` at positions ``[end, end + t)``; return all vectors held."""
-        t = x.shape[2]
-        needed = len(self) + t
+    def _reserve(self, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Make room for ``t`` more positions; return their slot and the view of everything held."""
+        held = len(self)
+        needed = held + t
         if needed > self.data.shape[2]:
             grown = self.data.new_empty(*self.data.shape[:2], max(needed, 2 * self.data.shape[2]), self.data.shape[3])
-            grown[:, :, : len(self)] = self.data[:, :, : len(self)]
+            grown[:, :, :held] = self.data[:, :, :held]
             self.data = grown
-        self.data[:, :, len(self) : needed] = x
         self.end += t
-        return self.data[:, :, :needed]
+        return self.data.narrow(2, held, t), self.data.narrow(2, 0, needed)
+
+    def append(self, x: torch.Tensor) -> torch.Tensor:
+        """Add ``x: (batch, heads, t, dim)`` at positions ``[end, end + t)``; return all vectors held."""
+        slot, held = self._reserve(x.shape[2])
+        slot.copy_(x)
+        return held
+
+
+def append_all(buffers: Sequence[TokenBuffer], xs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """:meth:`TokenBuffer.append` of ``xs[i]`` to ``buffers[i]`` for every ``i`` in one multi-tensor
+    copy, which a GPU runs as one kernel rather than one per buffer (MLR appends a key per level)."""
+    slots, held = zip(*(buffer._reserve(x.shape[2]) for buffer, x in zip(buffers, xs, strict=True)))
+    torch._foreach_copy_(list(slots), list(xs))
+    return list(held)
 
 
 class KVCache:

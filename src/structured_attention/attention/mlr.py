@@ -17,7 +17,7 @@ from .._checks import require
 from ..functional import mlr_attention, mlr_block_sizes, mlr_score_flops
 from ..functional.mlr_decode import grouped_matmul, mlr_decode
 from .base import Attention, register_attention
-from .cache import KVCache, TokenBuffer
+from .cache import KVCache, TokenBuffer, append_all
 from .config import AttentionConfig, default_scale
 
 
@@ -76,24 +76,24 @@ class MLRAttention(Attention):
         if start == 0:
             # A prompt from position 0 is scored exactly as in training: block sizes are fixed.
             out = self._attention(q, k, v, causal=True)
-            for level, k_l in enumerate(k_levels):
-                cache[f"k{level}"].append(k_l)
-            cache["v"].append(v)
+            append_all(self._level_buffers(cache) + [cache["v"]], [*k_levels, v])
         else:
             out = self._attend_to_cache(q, k_levels, v, cache, start)
         for level, s in enumerate(self.block_sizes[1:], start=1):
             cache[f"k{level}"].drop_before(end - end % s)  # the next token's level block starts here
         return self.merge_heads(out)
 
+    def _level_buffers(self, cache: KVCache) -> list[TokenBuffer]:
+        return [cache[f"k{level}"] for level in range(len(self.ranks))]
+
     def _attend_to_cache(
         self, q: torch.Tensor, k_levels: tuple[torch.Tensor, ...], v: torch.Tensor, cache: KVCache, start: int,
     ) -> torch.Tensor:
         """New queries at positions ``start + [0, t)`` against every cached key: level ``l`` scores
         only the keys held for it (the current level-``l`` block), the compressed-cache read."""
-        buffers = [cache[f"k{level}"] for level in range(len(self.ranks))]
+        buffers = self._level_buffers(cache)
         key_starts = [buffer.start for buffer in buffers]
-        keys = [buffer.append(k_l) for buffer, k_l in zip(buffers, k_levels)]
-        values = cache["v"].append(v)
+        *keys, values = append_all(buffers + [cache["v"]], [*k_levels, v])
         t = v.shape[2]
         if t == 1:  # every key held for level l lies in the token's own level-l block: no masks
             return mlr_decode(q, keys, key_starts, values, self.ranks, self.scale, self.config.depth_normalize)

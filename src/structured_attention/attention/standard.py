@@ -10,7 +10,7 @@ from torch import nn
 
 from .._checks import require
 from .base import Attention, FullScoreAttention, attend, causal_pairs, register_attention, window_pairs
-from .cache import KVCache, TokenBuffer
+from .cache import KVCache, TokenBuffer, append_all
 from .config import AttentionConfig, default_scale
 
 
@@ -64,7 +64,7 @@ class SlidingWindowAttention(_QKAttention):
     def _forward_cached(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
         (q, k), v = self.qk(x, cache.length), self.values(x)
         start, k_start = cache.length, cache["k"].start
-        k, v = cache["k"].append(k), cache["v"].append(v)
+        k, v = append_all([cache["k"], cache["v"]], [k, v])
         out = attend(q, k, v, self.scale, causal=True, window=self.window, q_start=start, k_start=k_start)
         for name in ("k", "v"):
             cache[name].drop_before(start + x.shape[1] - self.window)
@@ -127,9 +127,7 @@ class GlobalSlidingWindowAttention(_QKAttention):
         (q, k), v = self.qk(x, cache.length), self.values(x)
         g, start = self.global_dims, cache.length
         k_window_start = cache["k_window"].start
-        k_window = cache["k_window"].append(k[..., g:])
-        k_global = cache["k_global"].append(k[..., :g])
-        v = cache["v"].append(v)
+        k_window, k_global, v = append_all([cache["k_window"], cache["k_global"], cache["v"]], [k[..., g:], k[..., :g], v])
         out = self._both_maps(q, k_global, k_window, v, v[:, :, k_window_start:], start, k_window_start)
         cache["k_window"].drop_before(start + x.shape[1] - self.window)
         return out
