@@ -49,7 +49,7 @@ def test_train_icl_prints_the_error_against_the_baselines_and_writes_the_curves(
 def test_sweep_matches_training_flops_and_plots(capsys, tmp_path):
     kinds = "mha@2;mha@1;bilinear_btt:1@2"
     args = ["sweep", "icl", "--widths", "8", "--kinds", kinds, "--base-steps", "6", "--out", str(tmp_path), *TINY,
-            "task.points_start=3", "task.curriculum_every=2"]
+            "task.points_start=3", "task.curriculum_every=2", "run.eval_every=3"]
     assert main([*args, "--dry-run"]) == 0
     assert main(args) == 0
     results = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("*/result.json"))]
@@ -60,6 +60,10 @@ def test_sweep_matches_training_flops_and_plots(capsys, tmp_path):
         per_step = training_flops(build_icl_model(cfg), cfg, r["steps"] + 1) - training_flops(build_icl_model(cfg), cfg, r["steps"])
         assert abs(r["flops"] - budget) <= per_step / 2 + 1e-6  # the nearest whole number of steps
         assert r["steps_done"] == r["steps"] and 0 < r["mse_last"]
+        # the validation error along training, against the FLOPs spent by each evaluation
+        flops, mse = zip(*r["trajectory"])
+        assert len(flops) == r["steps"] // 3 and list(flops) == sorted(flops) and flops[-1] == pytest.approx(r["flops"])
+        assert mse[-1] == pytest.approx(r["mse_last"])
     capsys.readouterr()
     assert main(["plot", str(tmp_path), "--out", str(tmp_path / "plots")]) == 0
     for name in ("icl.md", "icl_width.png", "icl_flops.png", "icl_examples.png"):

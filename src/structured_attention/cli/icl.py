@@ -15,7 +15,8 @@ The sweep matches training FLOPs per width, as ``sattn sweep lm`` does: the budg
 forward multiply-adds per position x positions, step by step along the curriculum, so shorter
 early prompts cost less); every other kind trains for as many steps as the same budget buys.
 ``sattn plot`` draws the error at ``N - 1`` in-context examples versus width and versus training
-FLOPs, the error versus the number of examples, and writes a markdown table.
+FLOPs (with each run's validation error along its training), the error versus the number of
+examples, and writes a markdown table.
 """
 
 from __future__ import annotations
@@ -144,11 +145,18 @@ def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
     return runs
 
 
-def _throughput(run_dir: Path) -> float | None:
+def _run_metrics(run_dir: Path, config: Any) -> dict[str, Any]:
+    """From ``metrics.jsonl``: the median training throughput, and the validation error after each
+    evaluation against the training FLOPs spent by then, counted along the curriculum as the
+    sweep's budgets are (``trajectory``: ``[flops, mse]`` pairs)."""
+    from ..experiments.icl import build_icl_model, training_flops
+
     path = run_dir / "metrics.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
     speeds = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r]
-    return statistics.median(speeds) if speeds else None
+    model = build_icl_model(config)
+    return {"tokens_per_s": statistics.median(speeds) if speeds else None,
+            "trajectory": [[training_flops(model, config, r["step"]), r["val_mse_last"]] for r in rows if "val_mse_last" in r]}
 
 
 def run_sweep(args: argparse.Namespace) -> int:
@@ -160,10 +168,11 @@ def run_sweep(args: argparse.Namespace) -> int:
     from ..experiments.icl import load_icl_config, train_icl
 
     def train_one(r: dict[str, Any], resume: bool) -> dict[str, Any]:
+        config = load_icl_config(args.config, r["overrides"])
         with one_line_warnings("sweep"):
-            result = train_icl(load_icl_config(args.config, r["overrides"]), resume=resume)
+            result = train_icl(config, resume=resume)
         return {"mse_last": result["mse_last"], "curves": result["curves"], "flops": result["flops"],
-                "steps_done": result["steps"], "wall_s": result["wall_s"], "tokens_per_s": _throughput(out / r["name"]),
+                "steps_done": result["steps"], "wall_s": result["wall_s"], **_run_metrics(out / r["name"], config),
                 "n_dims": result["config"]["task"]["n_dims"]}
 
     results = run_grid(out, EXPERIMENT, runs, train_one)
@@ -172,7 +181,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
-BASELINE_STYLE = {"least_squares": ":", "ridge": "-.", "3nn": "--", "averaging": (0, (1, 3)), "gd_step": (0, (5, 2, 1, 2))}
+BASELINE_STYLE = {"least_squares": ":", "ridge": "-.", "3nn": "--", "averaging": (0, (1, 3)), "gd_step": (0, (3, 1, 1, 1, 1, 1))}
 
 
 def plot(results: list[dict[str, Any]], out: Path) -> int:
@@ -213,28 +222,35 @@ def plot(results: list[dict[str, Any]], out: Path) -> int:
             if baselines[name][-1] > 1e-6:  # noiseless least squares is exactly 0 from d examples on
                 ax.axhline(baselines[name][-1], color="grey", linestyle=style, linewidth=1, label=name)
 
+    colours = {kind: f"C{i}" for i, kind in enumerate(kinds)}
+    widths = sorted({r["width"] for r in best})
+    width_styles = dict(zip(reversed(widths), ("-", "--", ":", "-.") * len(widths)))
     for key, xlabel, fname in (("width", "width (d_model)", "icl_width.png"), ("flops", "training FLOPs", "icl_flops.png")):
         fig, ax = plt.subplots(figsize=(6.5, 4.5))
         for kind in kinds:
             pts = sorted((r[key], r["mse_last"]) for r in best if r["kind"] == kind)
-            ax.plot(*zip(*pts), marker="o", label=kind)
+            ax.plot(*zip(*pts), marker="o", color=colours[kind], label=kind)
+            if key == "flops":  # each run's validation error as training went, where it was logged
+                for r in best:
+                    if r["kind"] == kind and len(r.get("trajectory") or []) > 1:
+                        ax.plot(*zip(*r["trajectory"]), color=colours[kind], linestyle=width_styles[r["width"]], linewidth=1,
+                                alpha=0.6, label=f"{kind}, width {r['width']}, during training")
         baseline_lines(ax)
         ax.set(xscale="log", yscale="log", xlabel=xlabel, ylabel=ylabel, title=f"in-context regression, d={d}")
         if key == "width":
-            ax.set_xticks(sorted({r["width"] for r in best}), labels=[str(w) for w in sorted({r["width"] for r in best})])
+            ax.set_xticks(widths, labels=[str(w) for w in widths])
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(out / fname, dpi=120)
         plt.close(fig)
 
-    widths = sorted({r["width"] for r in best})
     fig, axes = plt.subplots(1, len(widths), figsize=(4.2 * len(widths), 4), sharey=True, squeeze=False)
     for ax, width in zip(axes[0], widths):
         for kind in kinds:
             for r in best:
                 if r["kind"] == kind and r["width"] == width:
-                    ax.plot(r["curves"]["model"], label=kind)
+                    ax.plot(r["curves"]["model"], color=colours[kind], label=kind)
         for name, style in styles.items():
             ax.plot([max(v, 1e-4) for v in baselines[name]], color="grey", linestyle=style, linewidth=1, label=name)
         ax.set(yscale="log", xlabel="in-context examples", title=f"width {width}")
