@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from structured_attention.cli.icl import _trajectory
 from structured_attention.cli.main import main
 from structured_attention.experiments.icl import build_icl_model, load_icl_config, training_flops
 
@@ -61,7 +62,7 @@ def test_sweep_matches_training_flops_and_plots(capsys, tmp_path):
         assert abs(r["flops"] - budget) <= per_step / 2 + 1e-6  # the nearest whole number of steps
         assert r["steps_done"] == r["steps"] and 0 < r["mse_last"]
         # the validation error along training, against the FLOPs spent by each evaluation
-        flops, mse = zip(*r["trajectory"])
+        flops, mse = zip(*_trajectory(tmp_path / r["name"]))
         assert len(flops) == r["steps"] // 3 and list(flops) == sorted(flops) and flops[-1] == pytest.approx(r["flops"])
         assert mse[-1] == pytest.approx(r["mse_last"])
     capsys.readouterr()

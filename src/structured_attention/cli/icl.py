@@ -145,18 +145,27 @@ def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
     return runs
 
 
-def _run_metrics(run_dir: Path, config: Any) -> dict[str, Any]:
-    """From ``metrics.jsonl``: the median training throughput, and the validation error after each
-    evaluation against the training FLOPs spent by then, counted along the curriculum as the
-    sweep's budgets are (``trajectory``: ``[flops, mse]`` pairs)."""
-    from ..experiments.icl import build_icl_model, training_flops
+def _throughput(run_dir: Path) -> float | None:
+    speeds = [r["tokens_per_s"] for r in _metrics(run_dir) if "tokens_per_s" in r]
+    return statistics.median(speeds) if speeds else None
 
+
+def _metrics(run_dir: Path) -> list[dict[str, Any]]:
     path = run_dir / "metrics.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
-    speeds = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r]
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def _trajectory(run_dir: Path) -> list[tuple[float, float]]:
+    """The validation error after each evaluation of a run against the training FLOPs spent by then,
+    counted along the curriculum as the sweep's budgets are (the log's own count assumes full prompts)."""
+    from ..experiments.icl import build_icl_model, load_icl_config, training_flops
+
+    rows = {r["step"]: r["val_mse_last"] for r in _metrics(run_dir) if "val_mse_last" in r}  # a resumed run logs a step twice
+    if not rows or not (run_dir / "config.json").is_file():
+        return []
+    config = load_icl_config(run_dir / "config.json")
     model = build_icl_model(config)
-    return {"tokens_per_s": statistics.median(speeds) if speeds else None,
-            "trajectory": [[training_flops(model, config, r["step"]), r["val_mse_last"]] for r in rows if "val_mse_last" in r]}
+    return [(training_flops(model, config, step), mse) for step, mse in sorted(rows.items())]
 
 
 def run_sweep(args: argparse.Namespace) -> int:
@@ -168,11 +177,10 @@ def run_sweep(args: argparse.Namespace) -> int:
     from ..experiments.icl import load_icl_config, train_icl
 
     def train_one(r: dict[str, Any], resume: bool) -> dict[str, Any]:
-        config = load_icl_config(args.config, r["overrides"])
         with one_line_warnings("sweep"):
-            result = train_icl(config, resume=resume)
+            result = train_icl(load_icl_config(args.config, r["overrides"]), resume=resume)
         return {"mse_last": result["mse_last"], "curves": result["curves"], "flops": result["flops"],
-                "steps_done": result["steps"], "wall_s": result["wall_s"], **_run_metrics(out / r["name"], config),
+                "steps_done": result["steps"], "wall_s": result["wall_s"], "tokens_per_s": _throughput(out / r["name"]),
                 "n_dims": result["config"]["task"]["n_dims"]}
 
     results = run_grid(out, EXPERIMENT, runs, train_one)
@@ -186,7 +194,8 @@ BASELINE_STYLE = {"least_squares": ":", "ridge": "-.", "3nn": "--", "averaging":
 
 def plot(results: list[dict[str, Any]], out: Path) -> int:
     """``icl.md`` (the table) and ``icl_width.png``, ``icl_flops.png``, ``icl_examples.png`` in
-    ``out`` from a sweep's results (best learning rate per kind and width)."""
+    ``out`` from a sweep's results (best learning rate per kind and width; a result's ``run_dir``,
+    where given, adds the run's validation error along its training to ``icl_flops.png``)."""
     best = best_per_kind_width(results, "mse_last")
     out.mkdir(parents=True, exist_ok=True)
     n_examples = len(best[0]["curves"]["model"]) - 1
@@ -232,8 +241,9 @@ def plot(results: list[dict[str, Any]], out: Path) -> int:
             ax.plot(*zip(*pts), marker="o", color=colours[kind], label=kind)
             if key == "flops":  # each run's validation error as training went, where it was logged
                 for r in best:
-                    if r["kind"] == kind and len(r.get("trajectory") or []) > 1:
-                        ax.plot(*zip(*r["trajectory"]), color=colours[kind], linestyle=width_styles[r["width"]], linewidth=1,
+                    trajectory = _trajectory(Path(r["run_dir"])) if r["kind"] == kind and "run_dir" in r else []
+                    if len(trajectory) > 1:
+                        ax.plot(*zip(*trajectory), color=colours[kind], linestyle=width_styles[r["width"]], linewidth=1,
                                 alpha=0.6, label=f"{kind}, width {r['width']}, during training")
         baseline_lines(ax)
         ax.set(xscale="log", yscale="log", xlabel=xlabel, ylabel=ylabel, title=f"in-context regression, d={d}")

@@ -47,7 +47,7 @@ def run_plot(args: argparse.Namespace) -> int:
     sweep = Path(args.sweep_dir)
     if not sweep.is_dir():
         raise FileNotFoundError(f"sweep_dir: no such folder: {str(sweep)!r}")
-    results = [json.loads(p.read_text()) for p in sorted(sweep.glob("*/result.json"))]
+    results = [{**json.loads(p.read_text()), "run_dir": str(p.parent)} for p in sorted(sweep.glob("*/result.json"))]
     if not results:
         raise ValueError(f"sweep_dir: no finished runs (*/result.json) in {str(sweep)!r}")
     manifest = sweep / "sweep.json"
