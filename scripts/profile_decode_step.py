@@ -17,6 +17,8 @@ decodes one token at a time, and the script prints:
 from __future__ import annotations
 
 import argparse
+import os
+import platform
 import statistics
 import time
 from collections import Counter
@@ -77,7 +79,9 @@ def main() -> None:
     args = ap.parse_args()
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     torch.manual_seed(0)
-    lines = [f"torch {torch.__version__}, device {args.device}, layers built for a {CONTEXT}-token context", "",
+    where = torch.cuda.get_device_name() if args.device == "cuda" else f"{platform.machine()}, {os.cpu_count()} CPUs"
+    lines = [f"python {platform.python_version()}, torch {torch.__version__}, {args.device} ({where}, "
+             f"{torch.get_num_threads()} threads); layers built for a {CONTEXT}-token context", "",
              "| kind | views / step | other ops / step | host us / step (1 head, batch 1, cache 130) |",
              "|---|---|---|---|"]
     detail = []
