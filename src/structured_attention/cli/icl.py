@@ -235,7 +235,8 @@ def plot(results: list[dict[str, Any]], out: Path) -> int:
     widths = sorted({r["width"] for r in best})
     width_styles = dict(zip(reversed(widths), ("-", "--", ":", "-.") * len(widths)))
     for key, xlabel, fname in (("width", "width (d_model)", "icl_width.png"), ("flops", "training FLOPs", "icl_flops.png")):
-        fig, ax = plt.subplots(figsize=(6.5, 4.5))
+        fig, ax = plt.subplots(figsize=(8.5, 4.5))
+        drawn: set[int] = set()
         for kind in kinds:
             pts = sorted((r[key], r["mse_last"]) for r in best if r["kind"] == kind)
             ax.plot(*zip(*pts), marker="o", color=colours[kind], label=kind)
@@ -244,13 +245,16 @@ def plot(results: list[dict[str, Any]], out: Path) -> int:
                     trajectory = _trajectory(Path(r["run_dir"])) if r["kind"] == kind and "run_dir" in r else []
                     if len(trajectory) > 1:
                         ax.plot(*zip(*trajectory), color=colours[kind], linestyle=width_styles[r["width"]], linewidth=1,
-                                alpha=0.6, label=f"{kind}, width {r['width']}, during training")
+                                alpha=0.6)
+                        drawn.add(r["width"])
+        for width in sorted(drawn):
+            ax.plot([], [], color="grey", linestyle=width_styles[width], linewidth=1, label=f"width {width}, during training")
         baseline_lines(ax)
         ax.set(xscale="log", yscale="log", xlabel=xlabel, ylabel=ylabel, title=f"in-context regression, d={d}")
         if key == "width":
             ax.set_xticks(widths, labels=[str(w) for w in widths])
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
         fig.tight_layout()
         fig.savefig(out / fname, dpi=120)
         plt.close(fig)
