@@ -71,6 +71,21 @@ def test_parameter_fans_cover_every_matrix():
     assert "backbone.blocks.0.attn.key_map.R" in fans  # a structured matrix declares its own fans
 
 
+def test_structured_factors_start_at_the_dense_weights_std():
+    from structured_attention.matrices import BTT, BlockDiag
+
+    model = tiny("bilinear_btt:1,bilinear_mlr:4|2", d_model=64, n_heads=2)
+    structured = [m for m in model.modules() if isinstance(m, (BTT, BlockDiag))]
+    assert len(structured) == 1 + 4  # the BTT key map; two query and two key maps per MLR level
+    for m in structured:
+        for p in m.parameters():
+            assert abs(p.std().item() - 0.02) < 0.1 * 0.02
+    own = BTT(64, 2 * 64)  # the matrix's own variance-preserving init: N(0, 1/fan_in) per factor
+    kept = tiny("bilinear_btt:1", d_model=64, n_heads=2, structured_std=None).backbone.blocks[0].attn.key_map
+    for name, fan in own.parameter_fans().items():
+        assert abs(kept.get_parameter(name).std().item() - fan.fan_in**-0.5) < 0.1 * fan.fan_in**-0.5
+
+
 def test_tied_embeddings_share_storage():
     model = tiny()
     assert model.head.weight is model.tok_emb.weight
@@ -84,6 +99,7 @@ def test_tied_embeddings_share_storage():
         (dict(attention="mha,nope"), "kind"),
         (dict(n_heads=5), "n_heads"),
         (dict(attention="bilinear_btt:1", positions="rotary"), "rotary"),
+        (dict(structured_std=0.0), "structured_std"),
     ],
 )
 def test_bad_config_names_the_parameter(kw, param):

@@ -171,7 +171,7 @@ class _Forecaster(nn.Module, ABC):
         self.config = config
         self.revin = RevIN(config.n_channels, config.revin_affine) if config.revin else None
         self.backbone = Transformer(config.backbone_config())
-        init_gpt2_(self.backbone, config.n_layers)
+        init_gpt2_(self.backbone, self.backbone.config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The forecast ``(B, H, C)`` of lookback windows ``x: (B, L, C)``."""

@@ -40,7 +40,7 @@ class GPT(nn.Module):
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
         self.backbone = Transformer(config)
         self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
-        init_gpt2_(self, config.n_layers)
+        init_gpt2_(self, config)
         if config.tie_embeddings:
             self.head.weight = self.tok_emb.weight
 

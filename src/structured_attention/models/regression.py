@@ -29,7 +29,7 @@ class RegressionTransformer(nn.Module):
         self.read_in = nn.Linear(n_dims, config.d_model)
         self.backbone = Transformer(config)
         self.read_out = nn.Linear(config.d_model, 1)
-        init_gpt2_(self, config.n_layers)
+        init_gpt2_(self, config)
 
     def forward(self, xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
         """Predictions ``(B, N)`` of ``ys`` for prompts ``xs: (B, N, n_dims)``, ``ys: (B, N)``; the
