@@ -71,3 +71,15 @@ def test_sweep_matches_training_flops_and_plots(capsys, tmp_path):
         assert (tmp_path / "plots" / name).is_file()
     table = (tmp_path / "plots" / "icl.md").read_text()
     assert table.count("| bilinear_btt:1@2 | 8 |") == 1 and "least_squares" in table
+    # the matched-FLOP table: at each budget a kind shows the error it had reached with no more FLOPs
+    _, _, header, _, *matched = table.split("Validation MSE at matched training FLOPs, width 8")[1].strip().splitlines()
+    kinds = [r["kind"] for r in results]
+    columns = [c.strip() for c in header.strip("|").split("|")][1:]
+    assert sorted(columns) == sorted(kinds)
+    by_kind = {r["kind"]: _trajectory(tmp_path / r["name"]) for r in results}
+    assert len(matched) == max(len(t) for t in by_kind.values())
+    for row in matched:
+        budget, *cells = [c.strip() for c in row.strip("|").split("|")]
+        for kind, cell in zip(columns, cells):
+            spent = [(f, m) for f, m in by_kind[kind] if f <= float(budget) * 1.001]
+            assert cell == (f"{spent[-1][1]:.4f}" if spent else "")

@@ -189,6 +189,32 @@ def run_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def matched_flops_table(best: list[dict[str, Any]]) -> list[str]:
+    """Markdown lines, per width: each kind's validation error at the training FLOPs of every
+    evaluation of the width's most often evaluated run, read from the kind's last evaluation within
+    that budget (never one that cost more), so kinds with different costs per step compare at equal
+    compute all along training, not only at the end."""
+    lines: list[str] = []
+    for width in sorted({r["width"] for r in best}):
+        runs = [r for r in best if r["width"] == width and "run_dir" in r]
+        trajectories = {r["kind"]: _trajectory(Path(r["run_dir"])) for r in runs}
+        trajectories = {kind: t for kind, t in trajectories.items() if t}
+        if len(trajectories) < 2:
+            continue
+        budgets = [flops for flops, _ in max(trajectories.values(), key=len)]
+        kinds = list(trajectories)
+        lines += ["", f"Validation MSE at matched training FLOPs, width {width} (each kind's last evaluation within "
+                  "the budget):", "", "| training FLOPs | " + " | ".join(k.replace("|", chr(92) + "|") for k in kinds) + " |",
+                  "|---|" + "---|" * len(kinds)]
+        for budget in budgets:
+            cells = []
+            for kind in kinds:
+                within = [mse for flops, mse in trajectories[kind] if flops <= budget * (1 + 1e-9)]
+                cells.append(f"{within[-1]:.4f}" if within else "")
+            lines.append(f"| {budget:.3e} | " + " | ".join(cells) + " |")
+    return lines
+
+
 BASELINE_STYLE = {"least_squares": ":", "ridge": "-.", "3nn": "--", "averaging": (0, (1, 3)), "gd_step": (0, (3, 1, 1, 1, 1, 1))}
 
 
@@ -211,6 +237,7 @@ def plot(results: list[dict[str, Any]], out: Path) -> int:
     baselines = best[0]["curves"]
     lines += ["", f"Baselines on the same prompts (normalised MSE with {n_examples} examples): "
               + ", ".join(f"{k} {v[-1]:.4f}" for k, v in baselines.items() if k != "model")]
+    lines += matched_flops_table(best)
     table = "\n".join(lines)
     (out / "icl.md").write_text(table + "\n")
     print(table)
