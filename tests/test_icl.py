@@ -21,6 +21,7 @@ from structured_attention.experiments.icl import (
 )
 from structured_attention.experiments.icl_baselines import (
     averaging,
+    best_gradient_descent,
     gradient_step,
     least_squares,
     nearest_neighbours,
@@ -147,6 +148,33 @@ def test_the_gradient_step_baseline_reaches_its_analytic_error_and_its_step_size
     for factor in (0.8, 1.2):
         other = err(raw * factor / (torch.arange(n) + d + 1 + k))
         assert (other[2:] > got[2:]).all()
+
+
+@pytest.mark.parametrize("steps", [1, 2, 4])
+def test_best_gradient_descent_matches_running_its_steps_on_fresh_prompts(steps):
+    d, n = 6, 12
+    error, step_sizes = best_gradient_descent(d, n, steps, samples=4000, seed=0)
+    assert len(step_sizes) == steps
+    if steps == 1:
+        assert error == pytest.approx((d + 1) / (n + d + 1), rel=0.02)
+    # run the steps on other prompts: w <- w - eta X^T (X w - y) / n from zero
+    p = sample_prompts(20000, n, d, seed=3, index=0)
+    x, y, w_true = p.xs.double(), p.ys.double(), p.ws.double()
+
+    def run(etas: list[float]) -> float:
+        w = torch.zeros_like(w_true)
+        for eta in etas:
+            w = w - eta * torch.einsum("bnd,bn->bd", x, torch.einsum("bnd,bd->bn", x, w) - y) / n
+        return float(((w - w_true) ** 2).sum(1).mean()) / d
+
+    measured = run(step_sizes)
+    assert measured == pytest.approx(error, rel=0.03)
+    # the step sizes are the best: 10 % more or less on any one of them does worse
+    for t in range(steps):
+        for factor in (0.9, 1.1):
+            assert run([eta * factor if i == t else eta for i, eta in enumerate(step_sizes)]) > measured
+    if steps > 1:  # and one more step lowers the floor
+        assert error < best_gradient_descent(d, n, steps - 1, samples=4000, seed=0)[0]
 
 
 # -- the model and the task --------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import torch
 
 from .._checks import check_positive_int, require
 
-__all__ = ["BASELINES", "averaging", "baseline_predictions", "gradient_step", "least_squares", "nearest_neighbours", "ridge"]
+__all__ = ["BASELINES", "averaging", "baseline_predictions", "best_gradient_descent", "gradient_step", "least_squares", "nearest_neighbours", "ridge"]
 
 
 def _check(xs: torch.Tensor, ys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,6 +83,34 @@ def gradient_step(xs: torch.Tensor, ys: torch.Tensor, noise_to_signal: float = 0
     xs, ys = _check(xs, ys)
     i = torch.arange(xs.shape[1], dtype=xs.dtype)
     return _one_gradient_step(xs, ys, 1 / (i + xs.shape[-1] + 1 + noise_to_signal))
+
+
+def best_gradient_descent(d: int, n: int, steps: int, samples: int = 2000, seed: int = 0) -> tuple[float, list[float]]:
+    """The expected normalised error of ``steps`` gradient-descent steps from ``w = 0`` on ``n``
+    noise-free Gaussian examples in ``d`` dims, with the step sizes that minimise it; returns the
+    error and the step sizes (on the loss ``|Xw - y|^2 / (2n)``).
+
+    After steps ``eta_t`` the weight error is ``p(A) w`` with ``A = X^T X / n`` and
+    ``p(lam) = prod_t (1 - eta_t lam)``, so the error is the mean of ``p(lam)^2`` over the
+    eigenvalues of ``A``, estimated on ``samples`` draws of ``X``. Minimising it over polynomials
+    of degree ``steps`` with ``p(0) = 1`` is a least-squares fit; the step sizes are the inverse
+    roots. One step gives ``(d + 1) / (n + d + 1)`` (:func:`gradient_step`); it is a point of
+    reference for what a few layers can do, since one layer of linear attention computes one step.
+    """
+    for value, name in ((d, "d"), (n, "n"), (steps, "steps"), (samples, "samples")):
+        check_positive_int(value, name)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(samples, n, d, generator=g, dtype=torch.float64)
+    lam = torch.linalg.eigvalsh(x.transpose(1, 2) @ x / n).flatten()
+    powers = torch.stack([lam**j for j in range(1, steps + 1)], 1)
+    coeffs = torch.linalg.lstsq(powers, -torch.ones_like(lam)[:, None]).solution[:, 0]
+    error = float(((1 + powers @ coeffs) ** 2).mean())
+    # p(lam) = 1 + c_1 lam + ... + c_k lam^k; its roots, real for this minimiser, are 1 / eta_t
+    companion = torch.zeros(steps, steps, dtype=torch.float64)
+    companion[0] = -torch.cat([coeffs.flip(0)[1:], coeffs.new_ones(1)]) / coeffs[-1]
+    companion[1:, :-1] = torch.eye(steps - 1, dtype=torch.float64)
+    roots = torch.linalg.eigvals(companion)
+    return error, sorted(float(1 / r.real) for r in roots)
 
 
 BASELINES = ("least_squares", "ridge", "3nn", "averaging", "gd_step")
