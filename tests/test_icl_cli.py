@@ -71,6 +71,14 @@ def test_sweep_matches_training_flops_and_plots(capsys, tmp_path):
         assert (tmp_path / "plots" / name).is_file()
     table = (tmp_path / "plots" / "icl.md").read_text()
     assert table.count("| bilinear_btt:1@2 | 8 |") == 1 and "least_squares" in table
+    # the examples table: every kind's and baseline's curve, read at evenly spaced example counts
+    header, _, *rows = table.split("by number of in-context examples, width 8:")[1].split("\n\n")[1].strip().splitlines()
+    columns = [c.strip() for c in header.strip("|").split("|")][1:]
+    curves = {r["kind"]: r["curves"]["model"] for r in results} | {k: v for k, v in results[0]["curves"].items() if k != "model"}
+    assert sorted(columns) == sorted(curves) and len(rows) == 4  # 4 examples: counts 1..4
+    for row in rows:
+        count, *cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells == [f"{curves[k][int(count)]:.4f}" for k in columns]
     # the matched-FLOP table: at each budget a kind shows the error it had reached with no more FLOPs
     _, _, header, _, *matched = table.split("Validation MSE at matched training FLOPs, width 8")[1].strip().splitlines()
     kinds = [r["kind"] for r in results]

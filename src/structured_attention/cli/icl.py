@@ -215,11 +215,29 @@ def matched_flops_table(best: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def examples_table(best: list[dict[str, Any]]) -> list[str]:
+    """Markdown lines, per width: each kind's and each baseline's validation error at eight evenly
+    spaced numbers of in-context examples (the numbers behind ``icl_examples.png``), so a reader can
+    see which baseline a model's curve follows, not only where it ends."""
+    lines: list[str] = []
+    baselines = {k: v for k, v in best[0]["curves"].items() if k != "model"}
+    n = len(best[0]["curves"]["model"]) - 1
+    counts = sorted({max(1, round(n * k / 8)) for k in range(1, 9)})
+    for width in sorted({r["width"] for r in best}):
+        models = {r["kind"]: r["curves"]["model"] for r in best if r["width"] == width}
+        curves = {**models, **baselines}
+        lines += ["", f"Normalised MSE by number of in-context examples, width {width}:", "",
+                  "| examples | " + " | ".join(k.replace("|", chr(92) + "|") for k in curves) + " |",
+                  "|---|" + "---|" * len(curves)]
+        lines += [f"| {i} | " + " | ".join(f"{c[i]:.4f}" for c in curves.values()) + " |" for i in counts]
+    return lines
+
+
 BASELINE_STYLE = {"least_squares": ":", "ridge": "-.", "3nn": "--", "averaging": (0, (1, 3)), "gd_step": (0, (3, 1, 1, 1, 1, 1))}
 
 
 def plot(results: list[dict[str, Any]], out: Path) -> int:
-    """``icl.md`` (the table) and ``icl_width.png``, ``icl_flops.png``, ``icl_examples.png`` in
+    """``icl.md`` (the tables: final errors, errors by number of examples, errors at matched FLOPs) and ``icl_width.png``, ``icl_flops.png``, ``icl_examples.png`` in
     ``out`` from a sweep's results (best learning rate per kind and width; a result's ``run_dir``,
     where given, adds the run's validation error along its training to ``icl_flops.png``)."""
     best = best_per_kind_width(results, "mse_last")
@@ -237,6 +255,7 @@ def plot(results: list[dict[str, Any]], out: Path) -> int:
     baselines = best[0]["curves"]
     lines += ["", f"Baselines on the same prompts (normalised MSE with {n_examples} examples): "
               + ", ".join(f"{k} {v[-1]:.4f}" for k, v in baselines.items() if k != "model")]
+    lines += examples_table(best)
     lines += matched_flops_table(best)
     table = "\n".join(lines)
     (out / "icl.md").write_text(table + "\n")
