@@ -17,7 +17,8 @@ from typing import Any
 from .._files import atomic_write
 from ..training.checkpoint import find_checkpoints
 
-__all__ = ["add_sweep_parser", "add_train_parser", "best_per_kind_width", "claim_run", "number_list", "one_line_warnings", "print_plan", "run_grid", "slug"]
+__all__ = ["add_sweep_parser", "add_train_parser", "best_per_kind_width", "claim_run", "number_list", "one_line_warnings", "print_plan",
+           "pyplot", "run_grid", "slug"]
 
 
 @contextlib.contextmanager
@@ -33,6 +34,20 @@ def one_line_warnings(command: str) -> Iterator[None]:
         yield
     finally:
         warnings.showwarning = old
+
+
+def pyplot() -> Any | None:
+    """``matplotlib.pyplot`` on the file-only Agg backend, or ``None`` after saying, in one line,
+    that matplotlib is missing (the tables are still written; only the PNGs need it)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install 'structured-attention[bench]'): no PNG written")
+        return None
+    return plt
 
 
 def add_train_parser(train: argparse._SubParsersAction, name: str, help: str, description: str,

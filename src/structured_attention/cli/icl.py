@@ -24,11 +24,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 from typing import Any
 
-from .common import add_sweep_parser, add_train_parser, best_per_kind_width, number_list, one_line_warnings, print_plan, run_grid, slug
+from .common import add_sweep_parser, add_train_parser, best_per_kind_width, number_list, one_line_warnings, print_plan, pyplot, run_grid, slug
 
 EXPERIMENT = "icl"
 
@@ -65,15 +64,10 @@ def _summary(result: dict[str, Any], n_dims: int) -> list[str]:
 
 def run_train_icl(args: argparse.Namespace) -> int:
     from ..experiments.icl import load_icl_config, train_icl
-    from ..training import NonFiniteLossError
 
     config = load_icl_config(args.config, args.overrides)
     with one_line_warnings("train"):
-        try:
-            result = train_icl(config, resume=args.resume)
-        except NonFiniteLossError as err:
-            print(f"sattn train: error: {err}", file=sys.stderr)
-            return 1
+        result = train_icl(config, resume=args.resume)
     if result["rank"] != 0:
         return 0
     out = Path(result["out_dir"])
@@ -260,13 +254,8 @@ def plot(results: list[dict[str, Any]], out: Path) -> int:
     table = "\n".join(lines)
     (out / "icl.md").write_text(table + "\n")
     print(table)
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install 'structured-attention[bench]'): no PNG written")
+    plt = pyplot()
+    if plt is None:
         return 0
     kinds = list(dict.fromkeys(r["kind"] for r in best))
     ylabel = f"normalised MSE, {n_examples} in-context examples"

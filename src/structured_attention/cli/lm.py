@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ..models.gpt import GPT
-from .common import add_sweep_parser, add_train_parser, best_per_kind_width, number_list, one_line_warnings, print_plan, run_grid, slug
+from .common import add_sweep_parser, add_train_parser, best_per_kind_width, number_list, one_line_warnings, print_plan, pyplot, run_grid, slug
 
 EXPERIMENT = "lm"
 
@@ -237,13 +237,8 @@ def plot(results: list[dict[str, Any]], out: Path) -> int:
     table = "\n".join(lines)
     (out / "lm.md").write_text(table + "\n")
     print(table)
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install 'structured-attention[bench]'): no PNG written")
+    plt = pyplot()
+    if plt is None:
         return 0
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     for kind in dict.fromkeys(r["kind"] for r in best):

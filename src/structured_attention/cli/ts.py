@@ -22,11 +22,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 from pathlib import Path
 from typing import Any
 
-from .common import add_sweep_parser, add_train_parser, number_list, one_line_warnings, print_plan, run_grid, slug
+from .common import add_sweep_parser, add_train_parser, number_list, one_line_warnings, print_plan, pyplot, run_grid, slug
 
 EXPERIMENT = "ts"
 
@@ -57,15 +56,10 @@ def _report(result: dict[str, Any]) -> str:
 
 def run_train_ts(args: argparse.Namespace) -> int:
     from ..experiments.forecasting import load_ts_config, train_ts
-    from ..training import NonFiniteLossError
 
     config = load_ts_config(args.config, args.overrides)
     with one_line_warnings("train"):
-        try:
-            result = train_ts(config, resume=args.resume)
-        except NonFiniteLossError as err:
-            print(f"sattn train: error: {err}", file=sys.stderr)
-            return 1
+        result = train_ts(config, resume=args.resume)
     if result:
         print(_report(result))
         print(f"trained in {result['wall_s']:.1f} s; metrics and example forecasts in {Path(config.run.out_dir) / 'test.json'}")
@@ -205,13 +199,8 @@ def plot(results: list[dict[str, Any]], out: Path) -> int:
         text = table(results, family)
         (out / f"{family}.md").write_text(text + "\n", encoding="utf-8")
         print(text)
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install 'structured-attention[bench]'): no PNG written")
+    plt = pyplot()
+    if plt is None:
         return 0
     groups = _groups(results)
     for family in families:
