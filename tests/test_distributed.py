@@ -22,9 +22,13 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
 
 WORKER = textwrap.dedent(
     """
-    import json, sys
+    import gc, json, sys
+    from torch.nn.parallel import DistributedDataParallel
     from structured_attention.experiments.lm import load_lm_config, train_lm
     result = train_lm(load_lm_config(None, json.loads(sys.argv[1])))
+    # a wrapper that outlives training holds the process group until interpreter exit (a SIGABRT there)
+    gc.disable()
+    assert not any(isinstance(o, DistributedDataParallel) for o in gc.get_objects()), "the DDP wrapper outlived train_lm"
     if result["rank"] == 0:
         with open(sys.argv[2], "w") as f:
             json.dump({"losses": result["losses"], "world_size": result["world_size"], "bpb": result["final_val_bpb"]}, f)
@@ -49,6 +53,7 @@ def launch(tmp_path, overrides: list[str], world_size: int = 2, timeout: float =
         env = {
             **os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
             "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": "1",
+            "PYTHONFAULTHANDLER": "1",  # a crash prints every thread's Python stack
         }
         procs.append(subprocess.Popen(
             [sys.executable, str(script), json.dumps(overrides), str(result_file)],

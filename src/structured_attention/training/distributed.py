@@ -6,6 +6,7 @@ run is a single process and nothing is initialised.
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 
@@ -59,6 +60,11 @@ def setup_distributed(device: str = "auto") -> DistInfo:
 
 def cleanup_distributed(info: DistInfo) -> None:
     if info.initialized_here and dist.is_initialized():
+        # A reference cycle inside torch (the frames of DDP's construction, held by a lazy import) can
+        # keep the DDP wrapper, and the gloo work it holds, alive past training. Freed during
+        # interpreter exit, that work aborts the process ("terminate called without an active
+        # exception", seen in CI), so free it now, while the group still exists.
+        gc.collect()
         dist.destroy_process_group()
 
 
