@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from structured_attention.cli.icl import _trajectory
 from structured_attention.cli.main import main
-from structured_attention.experiments.icl import build_icl_model, load_icl_config, training_flops
+from structured_attention.experiments.icl import build_icl_model, load_icl_config, training_flops, validation_prompts
+from structured_attention.training.checkpoint import load_checkpoint
 
 TINY = ["task.n_dims=2", "task.n_points=5", "model.max_seq_len=9", "model.d_model=8", "model.n_layers=1",
         "model.n_heads=1", "run.batch_size=4", "run.eval_batches=2", "run.log_every=1", "optim.warmup_steps=0"]
@@ -54,6 +56,46 @@ def test_train_icl_prints_the_error_against_the_baselines_and_writes_the_curves(
     assert "normalised MSE with 4 in-context examples (d=2)" in out and "least_squares" in out
     curves = json.loads((tmp_path / "curves.json").read_text())
     assert set(curves) == {"model", "least_squares", "ridge", "3nn", "averaging", "gd_step"} and len(curves["model"]) == 5
+
+
+def _table(out: str) -> dict[str, list[str]]:
+    """The rows of a markdown table printed by ``sattn eval``, by first cell (``examples``: the header)."""
+    rows = [[c.strip() for c in line.strip("|").replace("\\|", "/").split("|")] for line in out.splitlines()
+            if line.startswith("| ")]
+    return {row[0]: row[1:] for row in rows}
+
+
+def test_eval_prints_the_checkpoints_error_by_number_of_examples_beside_the_baselines(capsys, tmp_path):
+    assert main(["train", "icl", *TINY, "model.attention=bilinear_btt:1", "run.steps=3", f"run.out_dir={tmp_path}"]) == 0
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "(step 3)" in out and "8 validation prompts, d=2" in out
+    table = _table(out)
+    assert table["examples"] == ["1", "2", "3", "4"]  # N - 1 = 4 examples: fewer than eight counts
+    # the model's row, recomputed from the checkpoint's weights on the run's validation prompts
+    cfg = load_icl_config(tmp_path / "config.json")
+    model = build_icl_model(cfg).eval()
+    model.load_state_dict(load_checkpoint(tmp_path).model_state)
+    prompts = validation_prompts(cfg)
+    with torch.no_grad():
+        preds = model(prompts.xs, prompts.ys).double()
+    expected = ((preds - prompts.ys.double()) ** 2).mean(0) / 2
+    assert table["bilinear_btt:1"] == [f"{expected[i]:.4f}" for i in (1, 2, 3, 4)]
+    # noiseless prompts in d = 2: least squares is exact from 2 examples on
+    assert table["`least_squares`"][1:] == ["0.0000"] * 3 and set(table) >= {"`ridge`", "`gd_step`", "`3nn`", "`averaging`"}
+    assert main(["eval", "--checkpoint", str(tmp_path), "--examples", "0,4"]) == 0
+    assert _table(capsys.readouterr().out)["bilinear_btt:1"] == [f"{expected[i]:.4f}" for i in (0, 4)]
+
+
+@pytest.mark.parametrize("flags, needle", [(["--examples", "5"], "--examples"), (["--examples", "x"], "--examples"),
+                                           (["--source", "corpus.txt"], "--source"), (["--max-batches", "2"], "--max-batches")])
+def test_eval_bad_input_exits_2_with_one_line_naming_the_parameter(flags, needle, capsys, tmp_path):
+    assert main(["train", "icl", *TINY, "run.steps=1", f"run.out_dir={tmp_path}"]) == 0
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(tmp_path), *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0]
 
 
 def test_sweep_matches_training_flops_and_plots(capsys, tmp_path):

@@ -257,6 +257,9 @@ def test_cli_bad_checkpoint(tmp_path, capsys):
     capsys.readouterr()
     assert sattn(["generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "x" * 40, "--max-new-tokens", "5"]) == 2
     assert "max-new-tokens" in capsys.readouterr().err
+    assert sattn(["eval", "--checkpoint", str(tmp_path / "run"), "--examples", "4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--examples" in err[0] and "in-context regression" in err[0]
     (tmp_path / "run" / "ckpt" / "step-00000001" / "model.safetensors").write_bytes(b"garbage")
     assert sattn(["generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "a", "--max-new-tokens", "2"]) == 2
     err = capsys.readouterr().err

@@ -192,6 +192,9 @@ def test_a_sweep_continues_an_interrupted_run_from_its_checkpoint(tmp_path, caps
     resumed, straight = (json.loads((d / "patch-mha-h12-s0" / "result.json").read_text()) for d in (cut, whole))
     assert resumed["steps"] == 4
     assert resumed["test_mse"] == pytest.approx(straight["test_mse"], rel=1e-6)
+    # `sattn eval` reads language-model and in-context regression checkpoints, and says so
+    code, err = run_cli(capsys, "eval", "--checkpoint", str(cut / "patch-mha-h12-s0"))
+    assert code == 2 and len(err.splitlines()) == 1 and "forecasting run" in err
 
 
 @pytest.mark.skipif(not ETTH1.is_file(), reason="../shared/data/ett/ETTh1.csv is not beside this checkout")

@@ -74,6 +74,11 @@ def add_sweep_parser(sweep: argparse._SubParsersAction, name: str, help: str, ou
     return s
 
 
+def markdown_cell(text: str) -> str:
+    """``text`` escaped for a markdown table cell (attention specs contain ``|``)."""
+    return text.replace("|", "\\|")
+
+
 def number_list(text: str, flag: str, cast: Callable[[str], Any] = int, *, minimum: float = 1) -> list[Any]:
     """``"64,128"`` -> ``[64, 128]``; a value that does not parse, is below ``minimum`` or is not
     finite, or an empty list, is a ``ValueError`` naming ``flag``."""

@@ -5,6 +5,7 @@ sattn train icl [--config FILE] [section.key=value ...] [--resume]
 sattn sweep icl [--config FILE] --widths 16,32,64 --kinds "mha@8;mha@1;bilinear_btt:1@8;bilinear_mlr:8|4|2@8" \
     --lrs 1e-3 --base-steps 3000 --out DIR [section.key=value ...]
 sattn plot DIR
+sattn eval --checkpoint DIR [--examples 8,16,32] [--batch-size B]
 ```
 
 A kind is an attention spec and its number of heads, ``SPEC@HEADS`` (``mha@8`` is 8-head
@@ -16,7 +17,8 @@ forward multiply-adds per position x positions, step by step along the curriculu
 early prompts cost less); every other kind trains for as many steps as the same budget buys.
 ``sattn plot`` draws the error at ``N - 1`` in-context examples versus width and versus training
 FLOPs (with each run's validation error along its training), the error versus the number of
-examples, and writes a markdown table.
+examples, and writes a markdown table. ``sattn eval`` prints the same error-by-examples table for
+any checkpoint of a run, the model's row beside every baseline's on the run's validation prompts.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from .common import add_sweep_parser, add_train_parser, best_per_kind_width, number_list, one_line_warnings, print_plan, pyplot, run_grid, slug
+from ..training.checkpoint import LoadedCheckpoint
+from .common import add_sweep_parser, add_train_parser, best_per_kind_width, markdown_cell, number_list, one_line_warnings, print_plan, pyplot, run_grid, slug
 
 EXPERIMENT = "icl"
 
@@ -78,6 +81,41 @@ def run_train_icl(args: argparse.Namespace) -> int:
     print("\n".join(_summary(result, d)))
     print(f"trained {result['steps']} steps, {result['flops']:.3e} training FLOPs in {result['wall_s']:.1f} s; "
           f"checkpoint {result['checkpoint']}; curves in {out / 'curves.json'}")
+    return 0
+
+
+def example_counts(n_examples: int) -> list[int]:
+    """Eight evenly spaced numbers of in-context examples up to ``n_examples`` (fewer when it is below 8)."""
+    return sorted({max(1, round(n_examples * k / 8)) for k in range(1, 9)})
+
+
+def run_eval(args: argparse.Namespace, ckpt: LoadedCheckpoint) -> int:
+    """``sattn eval`` on an in-context regression checkpoint: the model's and every baseline's
+    normalised MSE by number of in-context examples, on the run's validation prompts."""
+    from ..experiments.icl import error_curves, load_icl, validation_prompts
+
+    for flag, value in (("--source", args.source), ("--max-batches", args.max_batches)):
+        if value is not None:
+            raise ValueError(f"{flag}: applies to language-model checkpoints; {ckpt.path} is an in-context regression run's")
+    model, config, ckpt = load_icl(ckpt)
+    n = config.task.points - 1
+    if args.examples is None:
+        counts = example_counts(n)
+    else:
+        counts = number_list(args.examples, "--examples", minimum=0)
+        if max(counts) > n:
+            raise ValueError(f"--examples: expected numbers from 0 to {n} (the prompts have {n + 1} points), got {args.examples!r}")
+    prompts = validation_prompts(config)
+    curves = error_curves(model, prompts, config.task.ridge, args.batch_size or config.run.batch_size,
+                          config.task.noise_to_signal)
+    print(f"checkpoint {ckpt.path} (step {ckpt.step}), attention {config.model.attention}, {config.model.n_heads} heads; "
+          f"{prompts.xs.shape[0]:,} validation prompts, d={config.task.n_dims}")
+    print("normalised MSE by number of in-context examples:")
+    print("| examples | " + " | ".join(str(i) for i in counts) + " |")
+    print("|---|" + "---|" * len(counts))
+    for name, curve in curves.items():
+        label = markdown_cell(config.model.attention) if name == "model" else f"`{name}`"
+        print(f"| {label} | " + " | ".join(f"{curve[i]:.4f}" for i in counts) + " |")
     return 0
 
 
@@ -198,7 +236,7 @@ def matched_flops_table(best: list[dict[str, Any]]) -> list[str]:
         budgets = [flops for flops, _ in max(trajectories.values(), key=len)]
         kinds = list(trajectories)
         lines += ["", f"Validation MSE at matched training FLOPs, width {width} (each kind's last evaluation within "
-                  "the budget):", "", "| training FLOPs | " + " | ".join(k.replace("|", chr(92) + "|") for k in kinds) + " |",
+                  "the budget):", "", "| training FLOPs | " + " | ".join(markdown_cell(k) for k in kinds) + " |",
                   "|---|" + "---|" * len(kinds)]
         for budget in budgets:
             cells = []
@@ -215,13 +253,12 @@ def examples_table(best: list[dict[str, Any]]) -> list[str]:
     see which baseline a model's curve follows, not only where it ends."""
     lines: list[str] = []
     baselines = {k: v for k, v in best[0]["curves"].items() if k != "model"}
-    n = len(best[0]["curves"]["model"]) - 1
-    counts = sorted({max(1, round(n * k / 8)) for k in range(1, 9)})
+    counts = example_counts(len(best[0]["curves"]["model"]) - 1)
     for width in sorted({r["width"] for r in best}):
         models = {r["kind"]: r["curves"]["model"] for r in best if r["width"] == width}
         curves = {**models, **baselines}
         lines += ["", f"Normalised MSE by number of in-context examples, width {width}:", "",
-                  "| examples | " + " | ".join(k.replace("|", chr(92) + "|") for k in curves) + " |",
+                  "| examples | " + " | ".join(markdown_cell(k) for k in curves) + " |",
                   "|---|" + "---|" * len(curves)]
         lines += [f"| {i} | " + " | ".join(f"{c[i]:.4f}" for c in curves.values()) + " |" for i in counts]
     return lines
@@ -244,7 +281,7 @@ def plot(results: list[dict[str, Any]], out: Path) -> int:
     for r in best:
         tps = f"{r['tokens_per_s']:.0f}" if r.get("tokens_per_s") else ""
         mse_d = f"{r['curves']['model'][d]:.4f}" if d is not None and d <= n_examples else ""
-        lines.append(f"| {r['kind'].replace('|', chr(92) + '|')} | {r['width']} | {r['lr']:g} | {r['steps']} | "
+        lines.append(f"| {markdown_cell(r['kind'])} | {r['width']} | {r['lr']:g} | {r['steps']} | "
                      f"{r['flops']:.3e} | {r['params']:,} | {r['mse_last']:.4f} | {mse_d} | {tps} |")
     baselines = best[0]["curves"]
     lines += ["", f"Baselines on the same prompts (normalised MSE with {n_examples} examples): "

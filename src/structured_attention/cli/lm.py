@@ -1,4 +1,5 @@
-"""``sattn train lm``, ``sattn eval``, ``sattn generate`` and ``sattn sweep lm``: the language model.
+"""``sattn train lm``, ``sattn eval`` (of a language-model checkpoint), ``sattn generate`` and
+``sattn sweep lm``: the language model.
 
 ```
 sattn train lm [--config FILE] [section.key=value ...] [--resume]
@@ -28,7 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from ..models.gpt import GPT
-from .common import add_sweep_parser, add_train_parser, best_per_kind_width, number_list, one_line_warnings, print_plan, pyplot, run_grid, slug
+from ..training.checkpoint import LoadedCheckpoint
+from .common import add_sweep_parser, add_train_parser, best_per_kind_width, markdown_cell, number_list, one_line_warnings, print_plan, pyplot, run_grid, slug
 
 EXPERIMENT = "lm"
 
@@ -38,13 +40,6 @@ def add_parsers(top: argparse._SubParsersAction, train: argparse._SubParsersActi
     add_train_parser(train, "lm", "train a GPT language model",
                      "Train a GPT language model from a YAML config plus section.key=value overrides, "
                      "e.g. model.attention=mlr:16|16|16|16 optim.lr=3e-3 run.steps=2000.", run_train_lm)
-
-    e = top.add_parser("eval", help="validation loss and bits per byte of a language-model checkpoint")
-    e.add_argument("--checkpoint", required=True, help="checkpoint folder, its ckpt/ folder or the run's out_dir")
-    e.add_argument("--source", default=None, help="evaluate on this corpus's validation split instead of the training one")
-    e.add_argument("--max-batches", type=int, default=None, help="cap on validation batches (default: the whole split)")
-    e.add_argument("--batch-size", type=int, default=None, help="sequences per batch (default: the run's)")
-    e.set_defaults(run=run_eval)
 
     g = top.add_parser("generate", help="sample text from a language-model checkpoint, streamed to stdout")
     g.add_argument("--checkpoint", required=True, help="checkpoint folder, its ckpt/ folder or the run's out_dir")
@@ -80,14 +75,16 @@ def run_train_lm(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_eval(args: argparse.Namespace) -> int:
+def run_eval(args: argparse.Namespace, ckpt: LoadedCheckpoint) -> int:
+    """``sattn eval`` on a language-model checkpoint: validation loss and bits per byte."""
     import numpy as np
 
     from ..data import load_corpus
     from ..experiments.lm import evaluate_lm, load_lm
 
-    with one_line_warnings("eval"):
-        model, tokenizer, config, ckpt = load_lm(args.checkpoint)
+    if args.examples is not None:
+        raise ValueError(f"--examples: applies to in-context regression checkpoints; {ckpt.path} is a language model's")
+    model, tokenizer, config, ckpt = load_lm(ckpt)
     d = config.data
     corpus = load_corpus(args.source if args.source is not None else d.source, tokenizer=d.tokenizer,
                          val_fraction=d.val_fraction, cache_dir=d.cache_dir)
@@ -232,7 +229,7 @@ def plot(results: list[dict[str, Any]], out: Path) -> int:
     lines = ["| kind | width | best lr | steps | training FLOPs | val bits/byte | tokens/s |", "|---|---|---|---|---|---|---|"]
     for r in best:
         tps = f"{r['tokens_per_s']:.0f}" if r.get("tokens_per_s") else ""
-        lines.append(f"| {r['kind'].replace('|', chr(92) + '|')} | {r['width']} | {r['lr']:g} | {r['steps']} | "
+        lines.append(f"| {markdown_cell(r['kind'])} | {r['width']} | {r['lr']:g} | {r['steps']} | "
                      f"{r['flops']:.3e} | {r['val_bpb']:.4f} | {tps} |")
     table = "\n".join(lines)
     (out / "lm.md").write_text(table + "\n")

@@ -36,6 +36,17 @@ def build_parser() -> argparse.ArgumentParser:
     sweep_sub = sweep.add_subparsers(dest="experiment", required=True)
     for module in EXPERIMENTS.values():
         module.add_parsers(sub, train_sub, sweep_sub)
+    e = sub.add_parser("eval", help="validation metrics of a language-model or in-context regression checkpoint")
+    e.add_argument("--checkpoint", required=True, help="checkpoint folder, its ckpt/ folder or the run's out_dir")
+    e.add_argument("--source", default=None,
+                   help="language model: evaluate on this corpus's validation split instead of the training one")
+    e.add_argument("--max-batches", type=int, default=None,
+                   help="language model: cap on validation batches (default: the whole split)")
+    e.add_argument("--examples", default=None,
+                   help="in-context regression: comma-separated numbers of in-context examples "
+                        "(default: eight evenly spaced up to N - 1)")
+    e.add_argument("--batch-size", type=int, default=None, help="sequences per batch (default: the run's)")
+    e.set_defaults(run=run_eval)
     plot = sub.add_parser("plot", help="the plots and markdown tables of a sweep")
     plot.add_argument("sweep_dir", help="a folder made by 'sattn sweep ...'")
     plot.add_argument("--out", default=None, help="folder for the plots and tables (default: the sweep folder)")
@@ -55,6 +66,25 @@ def run_plot(args: argparse.Namespace) -> int:
     if experiment not in EXPERIMENTS:
         raise ValueError(f"sweep_dir: {str(manifest)!r} names experiment {experiment!r}; expected one of {sorted(EXPERIMENTS)}")
     return EXPERIMENTS[experiment].plot(results, Path(args.out) if args.out else sweep)
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    """A language-model checkpoint's validation loss and bits per byte, or an in-context regression
+    checkpoint's error by number of examples beside the baselines'; the checkpoint's config says which."""
+    from ..training.checkpoint import load_checkpoint
+    from .common import one_line_warnings
+
+    if args.batch_size is not None and args.batch_size < 1:
+        raise ValueError(f"--batch-size: expected a positive integer, got {args.batch_size}")
+    with one_line_warnings("eval"):
+        ckpt = load_checkpoint(args.checkpoint)
+    config = ckpt.state.get("config")
+    if isinstance(config, dict) and "task" in config:  # only the in-context regression config has a task section
+        return icl.run_eval(args, ckpt)
+    if isinstance(config, dict) and "lookback" in (config.get("data") or {}):
+        raise ValueError(f"--checkpoint: {ckpt.path} is a forecasting run's; sattn eval reads language-model and "
+                         "in-context regression checkpoints (a forecasting run reports its test metrics when it ends)")
+    return lm.run_eval(args, ckpt)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

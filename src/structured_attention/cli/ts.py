@@ -25,7 +25,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from .common import add_sweep_parser, add_train_parser, number_list, one_line_warnings, print_plan, pyplot, run_grid, slug
+from .common import add_sweep_parser, add_train_parser, markdown_cell, number_list, one_line_warnings, print_plan, pyplot, run_grid, slug
 
 EXPERIMENT = "ts"
 
@@ -152,7 +152,7 @@ def table(results: list[dict[str, Any]], family: str) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     if len(kinds) > 1:  # each kind against the first, seed by seed (same seed: same init and batches)
         base = kinds[0]
-        lines += ["", f"Test MSE change against {base.replace('|', chr(92) + '|')}, paired by seed (negative: lower error):", "",
+        lines += ["", f"Test MSE change against {markdown_cell(base)}, paired by seed (negative: lower error):", "",
                   "| horizon | " + " | ".join(k.replace("|", "\\|") for k in kinds[1:]) + " |", "|" + "---|" * len(kinds)]
         for h in horizons:
             ref = {r["seed"]: r["test_mse"] for r in groups.get((family, h, base), [])}

@@ -9,7 +9,8 @@ examples before it.
   the ``y`` predictions divided by the active dimensions;
 - :func:`error_curves`: MSE normalised by ``d`` against the number of in-context examples, for the
   model and the baselines of :mod:`.icl_baselines` on the same prompts;
-- :func:`train_icl` -> dict (per-step losses, error curves, curriculum-exact training FLOPs).
+- :func:`train_icl` -> dict (per-step losses, error curves, curriculum-exact training FLOPs);
+- :func:`load_icl`: a trained model and its config back from a checkpoint.
 
 Training FLOPs follow the curriculum: a step at ``T`` tokens per prompt costs
 ``batch x T x 6 x RegressionTransformer.forward_flops_per_position(T)`` (:func:`training_flops`).
@@ -28,7 +29,8 @@ from .._checks import require
 from ..data.regression import Curriculum, Prompts, sample_prompts
 from ..models.regression import RegressionTransformer
 from ..models.transformer import TransformerConfig
-from ..training.config import OptimConfig, RunConfig, load_config
+from ..training.checkpoint import LoadedCheckpoint, check_compatible, load_checkpoint
+from ..training.config import OptimConfig, RunConfig, config_from_dict, load_config
 from ..training.distributed import DistInfo
 from ..training.loop import Task, fit
 from .icl_baselines import baseline_predictions
@@ -40,6 +42,7 @@ __all__ = [
     "RegressionConfig",
     "build_icl_model",
     "error_curves",
+    "load_icl",
     "load_icl_config",
     "steps_for_budget",
     "train_icl",
@@ -135,6 +138,22 @@ def load_icl_config(path: str | Path | None = None, overrides: list[str] | tuple
 
 def build_icl_model(config: ICLConfig) -> RegressionTransformer:
     return RegressionTransformer(config.model, config.task.n_dims)
+
+
+def load_icl(path: str | Path | LoadedCheckpoint, device: str | torch.device = "cpu"
+             ) -> tuple[RegressionTransformer, ICLConfig, LoadedCheckpoint]:
+    """``(model in eval mode, config, checkpoint)`` from the newest valid checkpoint at ``path`` (a
+    checkpoint folder, a ``ckpt/`` folder or a run's ``out_dir``), or from a checkpoint already
+    loaded. ``ValueError`` (one line) when it was written by another experiment or its tensors do
+    not fit the architecture its config describes."""
+    ckpt = path if isinstance(path, LoadedCheckpoint) else load_checkpoint(path)
+    if "config" not in ckpt.state:
+        raise ValueError(f"checkpoint {ckpt.path}: state.json lacks 'config'")
+    config = config_from_dict(ICLConfig, ckpt.state["config"])
+    model = build_icl_model(config)
+    check_compatible(model, ckpt.model_state, str(ckpt.path))
+    model.load_state_dict(ckpt.model_state)
+    return model.to(device).eval(), config, ckpt
 
 
 def _prompts(task: RegressionConfig, batch_size: int, *, seed: int, index: int, active_dims: int | None = None,

@@ -219,15 +219,17 @@ def train_lm(config: LMConfig, *, resume: bool = False, stream: TextIO | None = 
     }
 
 
-def load_lm(path: str | Path, device: str | torch.device = "cpu") -> tuple[GPT, Tokenizer, LMConfig, LoadedCheckpoint]:
+def load_lm(path: str | Path | LoadedCheckpoint, device: str | torch.device = "cpu"
+            ) -> tuple[GPT, Tokenizer, LMConfig, LoadedCheckpoint]:
     """``(model in eval mode, tokenizer, config, checkpoint)`` from the newest valid checkpoint at
-    ``path`` (a checkpoint folder, a ``ckpt/`` folder or a run's ``out_dir``).
+    ``path`` (a checkpoint folder, a ``ckpt/`` folder or a run's ``out_dir``), or from a checkpoint
+    already loaded.
 
     ``FileNotFoundError`` when there is none; ``ValueError`` (one line) when it is corrupt, was
     written by another format or experiment, or its tensors do not fit the architecture its
     config describes.
     """
-    ckpt = load_checkpoint(path)
+    ckpt = path if isinstance(path, LoadedCheckpoint) else load_checkpoint(path)
     try:
         config = config_from_dict(LMConfig, ckpt.state["config"])
         tokenizer = tokenizer_from_json(ckpt.state["tokenizer"])
