@@ -192,9 +192,64 @@ def test_a_sweep_continues_an_interrupted_run_from_its_checkpoint(tmp_path, caps
     resumed, straight = (json.loads((d / "patch-mha-h12-s0" / "result.json").read_text()) for d in (cut, whole))
     assert resumed["steps"] == 4
     assert resumed["test_mse"] == pytest.approx(straight["test_mse"], rel=1e-6)
-    # `sattn eval` reads language-model and in-context regression checkpoints, and says so
-    code, err = run_cli(capsys, "eval", "--checkpoint", str(cut / "patch-mha-h12-s0"))
-    assert code == 2 and len(err.splitlines()) == 1 and "forecasting run" in err
+    # `sattn eval` on the run's best checkpoint gives the test MSE the run reported
+    assert main(["eval", "--checkpoint", str(cut / "patch-mha-h12-s0" / "best")]) == 0
+    assert eval_table(capsys.readouterr().out)["test"][1] == f"{resumed['test_mse']:.4f}"
+
+
+def eval_table(out: str) -> dict[str, list[str]]:
+    """The rows of the markdown table printed by ``sattn eval``, by first cell."""
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines() if line.startswith("| ")]
+    return {r[0]: r[1:] for r in rows}
+
+
+def test_eval_scores_every_window_with_the_checkpoints_training_statistics(tmp_path, capsys):
+    config = small_config(tmp_path, "run.steps=4", "run.eval_every=2", "run.batch_size=8")
+    train_ts(config)
+    capsys.readouterr()
+    model, _, _ = load_forecaster(tmp_path / "run" / "best")
+
+    def by_hand(csv: Path, split: str) -> tuple[float, float, int]:
+        # every window, sliced from the CSV scaled by hand with the first run's training rows
+        trained_on = np.loadtxt(config.data.source, delimiter=",", skiprows=1, usecols=(1, 2))
+        raw = np.loadtxt(csv, delimiter=",", skiprows=1, usecols=(1, 2))
+        n = len(raw)
+        n_train, n_test = int(0.7 * len(trained_on)), int(0.2 * n)  # the custom 70/10/20 split
+        train = trained_on[:n_train]
+        z = ((raw - train.mean(0)) / np.where(train.std(0) > 0, train.std(0), 1.0)).astype(np.float32)
+        a, b = {"val": (int(0.7 * n) - 48, n - n_test), "test": (n - n_test - 48, n)}[split]
+        starts = range(a, b - 72 + 1)
+        with torch.no_grad():
+            pred = np.concatenate([model(torch.from_numpy(np.stack([z[i:i + 48] for i in starts[k:k + 50]]))).numpy()
+                                   for k in range(0, len(starts), 50)])
+        err = pred.astype(np.float64) - np.stack([z[i + 48:i + 72] for i in starts])
+        return float(np.mean(err**2)), float(np.mean(np.abs(err))), len(starts)
+
+    assert main(["eval", "--checkpoint", str(tmp_path / "run" / "best"), "--batch-size", "7"]) == 0
+    out = capsys.readouterr().out
+    table = eval_table(out)
+    for split in ("val", "test"):
+        mse, mae, n = by_hand(config.data.source, split)
+        assert table[split][0] == f"{n:,}"
+        assert float(table[split][1]) == pytest.approx(mse, abs=1e-4) and float(table[split][2]) == pytest.approx(mae, abs=1e-4)
+    # another file with the same columns is scored in the units the model was trained in
+    other = sinusoid_csv(tmp_path / "other.csv", n=900, seed=1)
+    assert main(["eval", "--checkpoint", str(tmp_path / "run" / "best"), "--source", str(other)]) == 0
+    table = eval_table(capsys.readouterr().out)
+    mse, mae, n = by_hand(other, "test")
+    assert table["test"] == [f"{n:,}", f"{mse:.4f}", f"{mae:.4f}"]
+
+
+@pytest.mark.parametrize("flags, needle", [(["--examples", "4"], "--examples"), (["--max-batches", "2"], "--max-batches"),
+                                           (["--source", "OTHER"], "--source"), (["--source", "missing.csv"], "missing.csv")])
+def test_eval_bad_input_exits_2_with_one_line_naming_the_parameter(tmp_path, capsys, flags, needle):
+    train_ts(small_config(tmp_path, "run.steps=2", "run.eval_every=2", "run.batch_size=8"))
+    other = tmp_path / "other.csv"  # one channel fewer than the model reads
+    other.write_text("\n".join(["date,OT"] + [f"2020-01-01 {i},{float(np.sin(i / 4))!r}" for i in range(600)]) + "\n")
+    flags = [str(other) if f == "OTHER" else str(tmp_path / f) if f.endswith(".csv") else f for f in flags]
+    capsys.readouterr()
+    code, err = run_cli(capsys, "eval", "--checkpoint", str(tmp_path / "run" / "best"), *flags)
+    assert code == 2 and len(err.splitlines()) == 1 and needle in err
 
 
 @pytest.mark.skipif(not ETTH1.is_file(), reason="../shared/data/ett/ETTh1.csv is not beside this checkout")

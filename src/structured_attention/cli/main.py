@@ -36,10 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
     sweep_sub = sweep.add_subparsers(dest="experiment", required=True)
     for module in EXPERIMENTS.values():
         module.add_parsers(sub, train_sub, sweep_sub)
-    e = sub.add_parser("eval", help="validation metrics of a language-model or in-context regression checkpoint")
+    e = sub.add_parser("eval", help="metrics of a checkpoint: language model, in-context regression or forecaster")
     e.add_argument("--checkpoint", required=True, help="checkpoint folder, its ckpt/ folder or the run's out_dir")
     e.add_argument("--source", default=None,
-                   help="language model: evaluate on this corpus's validation split instead of the training one")
+                   help="language model: evaluate on this corpus's validation split instead of the training one; "
+                        "forecaster: score this CSV (the same columns) instead of the run's file")
     e.add_argument("--max-batches", type=int, default=None,
                    help="language model: cap on validation batches (default: the whole split)")
     e.add_argument("--examples", default=None,
@@ -69,8 +70,9 @@ def run_plot(args: argparse.Namespace) -> int:
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    """A language-model checkpoint's validation loss and bits per byte, or an in-context regression
-    checkpoint's error by number of examples beside the baselines'; the checkpoint's config says which."""
+    """A language-model checkpoint's validation loss and bits per byte, an in-context regression
+    checkpoint's error by number of examples beside the baselines', or a forecaster's validation
+    and test MSE/MAE; the checkpoint's config says which."""
     from ..training.checkpoint import load_checkpoint
     from .common import one_line_warnings
 
@@ -82,8 +84,7 @@ def run_eval(args: argparse.Namespace) -> int:
     if isinstance(config, dict) and "task" in config:  # only the in-context regression config has a task section
         return icl.run_eval(args, ckpt)
     if isinstance(config, dict) and "lookback" in (config.get("data") or {}):
-        raise ValueError(f"--checkpoint: {ckpt.path} is a forecasting run's; sattn eval reads language-model and "
-                         "in-context regression checkpoints (a forecasting run reports its test metrics when it ends)")
+        return ts.run_eval(args, ckpt)
     return lm.run_eval(args, ckpt)
 
 

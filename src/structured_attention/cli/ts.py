@@ -4,6 +4,7 @@
 sattn train ts [--config FILE] [section.key=value ...] [--resume]
 sattn sweep ts [--config FILE] --horizons 96,192,336,720 --kinds "mha;mlr:8|4|4" --seeds 0,1,2 [--out DIR]
 sattn plot DIR [--out DOCS_DIR]
+sattn eval --checkpoint DIR [--source CSV] [--batch-size B]
 ```
 
 ``train ts`` trains with early stopping on validation MSE, then reports the test MSE and MAE
@@ -16,6 +17,8 @@ and exit status 2.
 is skipped). ``plot`` writes ``<family>.md`` (test MSE/MAE mean +/- std over seeds per horizon and
 kind, beside the published ETTh1 PatchTST/64 and DLinear figures), ``<family>-mse.png`` (test MSE
 versus horizon) and ``<family>-forecast.png`` (forecast versus truth on test windows).
+``eval`` scores any checkpoint of a run (``<out_dir>/best`` is the one ``train ts`` reports) on
+every validation and test window, of the run's file or of another CSV with the same columns.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from ..training.checkpoint import LoadedCheckpoint
 from .common import add_sweep_parser, add_train_parser, markdown_cell, number_list, one_line_warnings, print_plan, pyplot, run_grid, slug
 
 EXPERIMENT = "ts"
@@ -63,6 +67,36 @@ def run_train_ts(args: argparse.Namespace) -> int:
     if result:
         print(_report(result))
         print(f"trained in {result['wall_s']:.1f} s; metrics and example forecasts in {Path(config.run.out_dir) / 'test.json'}")
+    return 0
+
+
+def run_eval(args: argparse.Namespace, ckpt: LoadedCheckpoint) -> int:
+    """``sattn eval`` on a forecasting checkpoint: MSE and MAE (normalised with the run's training
+    statistics) over every validation and test window, and over the test windows PatchTST's
+    published figures used."""
+    import numpy as np
+
+    from ..experiments.forecasting import PUBLISHED_TEST_BATCH, checkpoint_series, forecast_metrics, load_forecaster
+
+    for flag, value, kind in (("--examples", args.examples, "in-context regression"),
+                              ("--max-batches", args.max_batches, "language-model")):
+        if value is not None:
+            raise ValueError(f"{flag}: applies to {kind} checkpoints; {ckpt.path} is a forecasting run's")
+    model, config, ckpt = load_forecaster(ckpt)
+    data = checkpoint_series(config, ckpt, args.source)
+    batch_size = args.batch_size or config.run.batch_size
+    n_test = data.n_windows("test")
+    n_published = n_test // PUBLISHED_TEST_BATCH * PUBLISHED_TEST_BATCH
+    rows = [("val", "val", data.n_windows("val"), None), ("test", "test", n_test, None)]
+    if n_published:
+        rows.append((f"test, first {n_published:,} (PatchTST's windows)", "test", n_published, np.arange(n_published)))
+    print(f"checkpoint {ckpt.path} (step {ckpt.step}), {config.model.family} model, attention {config.model.attention}")
+    print(data.describe())
+    print("| split | windows | MSE | MAE |")
+    print("|---|---|---|---|")
+    for label, split, n, index in rows:
+        m = forecast_metrics(model, data, split, batch_size, index=index)
+        print(f"| {label} | {n:,} | {m['mse']:.4f} | {m['mae']:.4f} |")
     return 0
 
 

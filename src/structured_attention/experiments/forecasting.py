@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from .._checks import require
-from ..data.timeseries import SeriesData, load_series
+from ..data.timeseries import Scaler, SeriesData, load_series
 from ..models.forecasting import ForecasterConfig, build_forecaster
 from ..training.checkpoint import LoadedCheckpoint, check_compatible, load_checkpoint
 from ..training.config import OptimConfig, RunConfig, config_from_dict, load_config
@@ -38,6 +38,7 @@ __all__ = [
     "TSDataConfig",
     "TSRunConfig",
     "forecast_metrics",
+    "checkpoint_series",
     "load_forecaster",
     "load_ts_config",
     "predict",
@@ -304,10 +305,12 @@ def train_ts(config: TSConfig, *, resume: bool = False, stream: TextIO | None = 
     return out
 
 
-def load_forecaster(path: str | Path, device: str | torch.device = "cpu") -> tuple[nn.Module, TSConfig, LoadedCheckpoint]:
+def load_forecaster(path: str | Path | LoadedCheckpoint, device: str | torch.device = "cpu"
+                    ) -> tuple[nn.Module, TSConfig, LoadedCheckpoint]:
     """``(model in eval mode, config, checkpoint)`` from a checkpoint folder (``<out_dir>/best``,
-    ``<out_dir>/ckpt``...). The scaler's statistics are in ``checkpoint.state['scaler']``."""
-    ckpt = load_checkpoint(path)
+    ``<out_dir>/ckpt``...) or a checkpoint already loaded. The scaler's statistics are in
+    ``checkpoint.state['scaler']``, the channels in ``checkpoint.state['columns']``."""
+    ckpt = path if isinstance(path, LoadedCheckpoint) else load_checkpoint(path)
     try:
         config = config_from_dict(TSConfig, ckpt.state["config"])
     except (KeyError, TypeError) as e:
@@ -316,3 +319,21 @@ def load_forecaster(path: str | Path, device: str | torch.device = "cpu") -> tup
     check_compatible(model, ckpt.model_state, str(ckpt.path))
     model.load_state_dict(ckpt.model_state)
     return model.to(device).eval(), config, ckpt
+
+
+def checkpoint_series(config: TSConfig, ckpt: LoadedCheckpoint, source: str | Path | None = None) -> SeriesData:
+    """The series a forecasting checkpoint was trained on (``config.data``), or ``source``, a CSV
+    with the same columns, scaled with the training statistics saved in the checkpoint, so its
+    metrics are in the units the model was trained and validated in. ``ValueError`` (one line,
+    naming ``--source`` or ``data.source``) when the file's channels are not the model's."""
+    d = config.data
+    data = load_series(source if source is not None else d.source, dataset=d.dataset, target=d.target,
+                       features=d.features, lookback=d.lookback, horizon=d.horizon, download=d.download,
+                       cache_dir=d.cache_dir)
+    columns = tuple(ckpt.state.get("columns") or ())
+    if data.columns != columns:
+        name = "--source" if source is not None else "data.source"
+        raise ValueError(f"{name}: {data.source!r} has the channels {', '.join(data.columns)}; the checkpoint's "
+                         f"model reads {', '.join(columns) or '(none recorded)'}")
+    scaler = Scaler.from_json(ckpt.state["scaler"])
+    return dataclasses.replace(data, scaler=scaler, values=scaler.transform(data.raw).astype(np.float32))
