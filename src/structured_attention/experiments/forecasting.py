@@ -37,8 +37,8 @@ __all__ = [
     "TSConfig",
     "TSDataConfig",
     "TSRunConfig",
-    "forecast_metrics",
     "checkpoint_series",
+    "forecast_metrics",
     "load_forecaster",
     "load_ts_config",
     "predict",
@@ -106,6 +106,13 @@ def load_ts_config(path: str | Path | None = None, overrides: list[str] | tuple[
     return load_config(TSConfig, path, overrides)
 
 
+def _load_data(d: TSDataConfig, source: str | Path | None = None) -> SeriesData:
+    """The series ``d`` names (or ``source`` in place of ``d.source``), scaled with its training rows."""
+    return load_series(d.source if source is None else source, dataset=d.dataset, target=d.target,
+                       features=d.features, lookback=d.lookback, horizon=d.horizon, download=d.download,
+                       cache_dir=d.cache_dir)
+
+
 def _batches(n: int, batch_size: int) -> list[np.ndarray]:
     return [np.arange(a, min(a + batch_size, n)) for a in range(0, n, batch_size)]
 
@@ -160,9 +167,7 @@ class ForecastTask(Task):
         self.data: SeriesData | None = None
 
     def setup(self, info: DistInfo) -> None:
-        d = self.config.data
-        self.data = load_series(d.source, dataset=d.dataset, target=d.target, features=d.features,
-                                lookback=d.lookback, horizon=d.horizon, download=d.download, cache_dir=d.cache_dir)
+        self.data = _load_data(self.config.data)
         self.config = dataclasses.replace(
             self.config, model=dataclasses.replace(self.config.model, n_channels=self.data.n_channels))
 
@@ -326,10 +331,7 @@ def checkpoint_series(config: TSConfig, ckpt: LoadedCheckpoint, source: str | Pa
     with the same columns, scaled with the training statistics saved in the checkpoint, so its
     metrics are in the units the model was trained and validated in. ``ValueError`` (one line,
     naming ``--source`` or ``data.source``) when the file's channels are not the model's."""
-    d = config.data
-    data = load_series(source if source is not None else d.source, dataset=d.dataset, target=d.target,
-                       features=d.features, lookback=d.lookback, horizon=d.horizon, download=d.download,
-                       cache_dir=d.cache_dir)
+    data = _load_data(config.data, source)
     columns = tuple(ckpt.state.get("columns") or ())
     if data.columns != columns:
         name = "--source" if source is not None else "data.source"
