@@ -32,6 +32,7 @@ SPECS = {
     "bilinear_btt": "bilinear_btt:2",
     "bilinear_mlr": "bilinear_mlr:4|2|1",
     "bilinear_mlr_gqa": "bilinear_mlr:4|2:n_kv_heads=2",
+    "bilinear_mlr_key_map": "bilinear_mlr:4|2|1:n_blocks=1|2|8:key_map=true",
     "mlr": "mlr:4|2|1|1",
     "mlr_gqa": "mlr:5|3:n_kv_heads=2:block_sizes=64|8",
     "mlr_depth_norm": "mlr:2|2|2|2:depth_normalize=true:block_sizes=64|16|8|4",
@@ -103,7 +104,7 @@ def reference_forward(layer, x, causal):
             g = layer.global_dims
             out = naive_attention(q[..., :g], k[..., :g], v, 1 / math.sqrt(g), band(t, causal)) + naive_attention(
                 q[..., g:], k[..., g:], v, 1 / math.sqrt(layer.window_dims), band(t, causal, layer.window))
-    elif kind == "bilinear_btt":
+    elif kind == "bilinear_btt" or (kind == "bilinear_mlr" and cfg.key_map):
         m = layer.key_map.to_dense().view(layer.n_heads, D, D)  # M_h: rows of head h's keys
         keys = torch.einsum("hed,btd->bhte", m, x)
         keys = torch.nn.functional.layer_norm(keys, (D,)) * layer.key_gain.view(layer.n_heads, 1, D)
@@ -230,6 +231,7 @@ def test_token_buffers_append_together_as_one_by_one_and_grow_past_their_capacit
 
 SMALL_SPECS = [
     "mha:n_kv_heads=1", "swa:2", "global_swa:2|2:window=2", "bilinear_btt:1", "bilinear_mlr:2|1",
+    "bilinear_mlr:2|1:key_map=true",
     "mlr:2|1|1:block_sizes=16|4|2:n_kv_heads=1", "mlr:2|1|1:block_sizes=16|4|2:depth_normalize=true:qk_norm=true",
 ]
 
@@ -282,6 +284,7 @@ def test_cost_counts_parameters_and_flops():
         (dict(spec="swa:-1"), "window"),
         (dict(spec="bilinear_btt:n_kv_heads=2"), "n_kv_heads"),
         (dict(spec="bilinear_mlr:4|2:n_blocks=1|3"), "n_blocks"),
+        (dict(spec="bilinear_mlr:4|2:key_map=true:n_kv_heads=2"), "n_kv_heads"),
         (dict(spec="mha:attn_scale=xp"), "attn_scale"),
         (dict(spec="nope"), "kind"),
         (dict(spec="mha:colour=red"), "attention spec key"),

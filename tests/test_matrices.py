@@ -45,6 +45,8 @@ CASES: dict[str, tuple[Callable[[], StructuredMatrix], int, int]] = {
     "blockdiag-16": (lambda: BlockDiag(16, 16, n_blocks=2), 16 * 16 // 2, 16 * 16 // 2),
     "mlr-16x24": (lambda: MLR(16, 24, ranks=(2, 3, 2)), (2 + 3 + 2) * (16 + 24), (2 + 3 + 2) * (16 + 24)),
     "mlr-12x8-blocks": (lambda: MLR(12, 8, ranks=(2, 2), n_blocks=(2, 4)), 4 * (12 + 8), 4 * (12 + 8)),
+    # three stacked 12 -> 8 MLRs: each level's ranks for every matrix
+    "mlr-12x24-stacks": (lambda: MLR(12, 24, ranks=(2, 2), n_blocks=(1, 2), n_stacks=3), 3 * 4 * (12 + 8), 3 * 4 * (12 + 8)),
     # BTT s(cdb + bca); 12 -> (c, d) = (3, 4), 20 -> (a, b) = (4, 5)
     "btt-12x20": (lambda: BTT(12, 20, tt_rank=2), 2 * (3 * 4 * 5 + 5 * 3 * 4), 2 * (3 * 4 * 5 + 5 * 3 * 4)),
     "btt-16-shapes": (
@@ -176,11 +178,25 @@ def test_init_gives_unit_output_variance(kind: str) -> None:
     assert 0.5 < var < 2.0, var
 
 
+def test_stacked_mlr_is_independent_mlrs_one_above_the_other() -> None:
+    torch.manual_seed(3)
+    parts = [MLR(12, 8, ranks=(2, 1, 2), n_blocks=(1, 2, 4)).to(DTYPE) for _ in range(3)]
+    stacked = MLR(12, 24, ranks=(2, 1, 2), n_blocks=(1, 2, 4), n_stacks=3).to(DTYPE)
+    with torch.no_grad():
+        for level, r in enumerate(stacked.ranks):
+            stacked.R[level].copy_(torch.cat([m.R[level] for m in parts], dim=2))  # each block: matrices side by side
+            stacked.L[level].copy_(torch.cat([m.L[level] for m in parts], dim=1))  # each block: matrices' rows in turn
+    x = torch.randn(5, 12, dtype=DTYPE)
+    torch.testing.assert_close(stacked(x), torch.cat([m(x) for m in parts], dim=-1))
+    torch.testing.assert_close(stacked.to_dense(), torch.cat([m.to_dense() for m in parts]))
+
+
 @pytest.mark.parametrize(
     ("source", "reduce"),
     [
         (lambda: MLR(16, 24, ranks=(2, 3, 1)), MLBTC.from_mlr),
         (lambda: MLR(12, 8, ranks=(2, 2), n_blocks=(2, 4)), MLBTC.from_mlr),
+        (lambda: MLR(12, 24, ranks=(2, 1), n_blocks=(1, 2), n_stacks=3), MLBTC.from_mlr),
         (lambda: BTT(12, 20, tt_rank=2), MLBTC.from_btt),
         (lambda: BTT(16, 16, tt_rank=4, in_shape=(2, 8), out_shape=(8, 2)), MLBTC.from_btt),
         (lambda: Monarch(12, 18), MLBTC.from_btt),
@@ -293,6 +309,8 @@ def test_structured_linear_builds_every_kind() -> None:
         (lambda: MLR(12, 12, ranks=(1, 1, 1, 1)), "ranks"),  # default n_blocks 8 does not divide 12
         (lambda: MLR(16, 16, ranks=(2, 2), n_blocks=(1, 3)), "n_blocks"),
         (lambda: MLR(16, 16, ranks=(2, 2), n_blocks=(1,)), "n_blocks"),
+        (lambda: MLR(16, 16, ranks=(2, 2), n_stacks=0), "n_stacks"),
+        (lambda: MLR(16, 12, ranks=(2, 2), n_stacks=4), "n_stacks"),
         (lambda: LowRank(16, 16, rank=0), "rank"),
         (lambda: Dense(0, 4), "in_features"),
         (lambda: BTT(12, 12, tt_rank=0), "tt_rank"),

@@ -11,9 +11,29 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._checks import require
-from ..matrices import BTT, BlockDiag
+from ..matrices import BTT, MLR, BlockDiag
 from .base import FullScoreAttention, register_attention
 from .config import AttentionConfig, default_scale
+
+
+def _inputs_as_queries(layer: FullScoreAttention, config: AttentionConfig, key_map: nn.Module) -> None:
+    """Set up ``score_h(i, j) = x_i^T M_h x_j / tau`` with ``key_map`` stacking every head's ``M_h``
+    (``d -> n_heads * d``): queries ``x_i``, keys ``LN(M_h x_j)`` with a learned gain per head and dim."""
+    require(config.kv_heads == config.n_heads, "n_kv_heads",
+            f"n_heads={config.n_heads} (GQA does not apply: every head's query is x itself)", config.n_kv_heads)
+    d = config.d_model
+    layer.key_map = key_map
+    layer.key_gain = nn.Parameter(torch.ones(layer.n_heads * d))
+    layer.q_norm = nn.LayerNorm(d) if config.qk_norm else nn.Identity()
+    layer.score_dims = d
+    layer.scale = default_scale(config.attn_scale, d)
+
+
+def _inputs_as_queries_qk(layer: FullScoreAttention, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    b, t, d = x.shape
+    q = layer.q_norm(x).unsqueeze(1).expand(b, layer.n_heads, t, d)
+    keys = F.layer_norm(layer.split_heads(layer.key_map(x), layer.n_heads), (d,))
+    return q, keys * layer.key_gain.view(layer.n_heads, 1, d)
 
 
 @register_attention("bilinear_btt")
@@ -24,20 +44,10 @@ class BilinearBTTAttention(FullScoreAttention):
     def __init__(self, config: AttentionConfig) -> None:
         super().__init__(config)
         require(not config.rotary, "rotary", "False: bilinear_btt's queries are the inputs themselves (use learned positions)", config.rotary)
-        require(config.kv_heads == config.n_heads, "n_kv_heads",
-                f"n_heads={config.n_heads} (GQA does not apply: every head's query is x itself)", config.n_kv_heads)
-        d = config.d_model
-        self.key_map = BTT(d, self.n_heads * d, tt_rank=config.btt_rank)
-        self.key_gain = nn.Parameter(torch.ones(self.n_heads * d))  # a gain per head and dim
-        self.q_norm = nn.LayerNorm(d) if config.qk_norm else nn.Identity()
-        self.score_dims = d
-        self.scale = default_scale(config.attn_scale, d)
+        _inputs_as_queries(self, config, BTT(config.d_model, self.n_heads * config.d_model, tt_rank=config.btt_rank))
 
     def qk(self, x: torch.Tensor, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        b, t, d = x.shape
-        q = self.q_norm(x).unsqueeze(1).expand(b, self.n_heads, t, d)
-        k = F.layer_norm(self.split_heads(self.key_map(x), self.n_heads), (d,)) * self.key_gain.view(self.n_heads, 1, d)
-        return q, k
+        return _inputs_as_queries_qk(self, x)
 
     def _structured_projection_flops(self) -> int:
         return self.key_map.flops(1)
@@ -47,7 +57,11 @@ class BilinearBTTAttention(FullScoreAttention):
 class BilinearMLRAttention(FullScoreAttention):
     """``M_h`` multi-level low-rank over the feature axis: level ``l`` splits ``x`` into ``p_l``
     chunks and projects each to ``r_l`` dims for queries and for keys; each level's features get
-    a LayerNorm and a learned scale. Per-head score dims: ``sum_l p_l r_l``."""
+    a LayerNorm and a learned scale. Per-head score dims: ``sum_l p_l r_l``.
+
+    With ``key_map=True`` the scores are formed as Bilinear BTT's: queries ``x_i``, keys
+    ``LN(M_h x_j)`` with a gain per head and dim, ``M_h`` the same MLR matrix (``d`` score dims,
+    the same projection FLOPs); the LayerNorm then sees the whole ``M_h x`` rather than each level."""
 
     def __init__(self, config: AttentionConfig) -> None:
         super().__init__(config)
@@ -60,6 +74,10 @@ class BilinearMLRAttention(FullScoreAttention):
         for p in n_blocks:
             require(isinstance(p, int) and p > 0 and d % p == 0, "n_blocks", f"positive divisors of d_model={d}", n_blocks)
         self.ranks, self.n_blocks = tuple(ranks), tuple(n_blocks)
+        self.key_map_form = config.key_map
+        if self.key_map_form:
+            _inputs_as_queries(self, config, MLR(d, self.n_heads * d, ranks, n_blocks, n_stacks=self.n_heads))
+            return
         self.q_maps = nn.ModuleList(BlockDiag(d, p * self.n_heads * r, n_blocks=p) for p, r in zip(n_blocks, ranks))
         self.k_maps = nn.ModuleList(BlockDiag(d, p * self.n_kv_heads * r, n_blocks=p) for p, r in zip(n_blocks, ranks))
         self.level_scale = nn.Parameter(torch.ones(len(ranks)))
@@ -75,10 +93,14 @@ class BilinearMLRAttention(FullScoreAttention):
         return out
 
     def qk(self, x: torch.Tensor, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.key_map_form:
+            return _inputs_as_queries_qk(self, x)
         q_levels = self._levels(self.q_maps, x, self.n_heads)
         q = torch.cat([g * ql for g, ql in zip(self.level_scale, q_levels)], dim=-1)
         k = torch.cat(self._levels(self.k_maps, x, self.n_kv_heads), dim=-1)
         return q, k
 
     def _structured_projection_flops(self) -> int:
+        if self.key_map_form:
+            return self.key_map.flops(1)
         return sum(m.flops(1) for m in (*self.q_maps, *self.k_maps))

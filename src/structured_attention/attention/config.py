@@ -54,6 +54,8 @@ class AttentionConfig:
     depth_normalize: bool = False
     # bilinear_mlr: feature chunks per level, default 2^(l-1)
     n_blocks: tuple[int, ...] | None = None
+    # bilinear_mlr: queries x and keys LN(M_h x), as bilinear_btt, instead of per-level queries and keys
+    key_map: bool = False
     # bilinear_btt: TT-rank of the BTT matrix
     btt_rank: int = 1
 

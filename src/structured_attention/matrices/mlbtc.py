@@ -200,12 +200,17 @@ class MLBTC(StructuredMatrix):
 
     @classmethod
     def from_mlr(cls, m: MLR) -> MLBTC:
-        """Level ``l``: ``p_l`` blocks on both sides, ``inner = p_l r_l``, identity permutations."""
+        """Level ``l``: ``p_l`` right blocks, ``p_l S`` left blocks (one per block and stacked matrix),
+        ``inner = p_l S r_l``; the output permutation orders it by matrix, then block (identity when ``S = 1``)."""
         require(isinstance(m, MLR), "m", "an MLR", type(m).__name__)
-        specs = [
-            LevelSpec(inner=p * r, right_blocks=p, left_blocks=p, alpha=1.0) for p, r in zip(m.n_blocks, m.ranks)
-        ]
-        return cls._with_factors(m, specs, list(zip(m.R, m.L)))
+        s = m.n_stacks
+        specs, factors = [], []
+        for p, r, R, L in zip(m.n_blocks, m.ranks, m.R, m.L):
+            rows = m.out_features // (p * s)
+            order = torch.arange(m.out_features).view(p, s, rows).transpose(0, 1).flatten().tolist()
+            specs.append(LevelSpec(inner=p * s * r, right_blocks=p, left_blocks=p * s, out_perm=order if s > 1 else None, alpha=1.0))
+            factors.append((R, L.reshape(p * s, rows, r)))
+        return cls._with_factors(m, specs, factors)
 
     @classmethod
     def from_btt(cls, m: BTT) -> MLBTC:
