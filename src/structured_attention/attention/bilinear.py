@@ -74,8 +74,7 @@ class BilinearMLRAttention(FullScoreAttention):
         for p in n_blocks:
             require(isinstance(p, int) and p > 0 and d % p == 0, "n_blocks", f"positive divisors of d_model={d}", n_blocks)
         self.ranks, self.n_blocks = tuple(ranks), tuple(n_blocks)
-        self.key_map_form = config.key_map
-        if self.key_map_form:
+        if config.key_map:
             _inputs_as_queries(self, config, MLR(d, self.n_heads * d, ranks, n_blocks, n_stacks=self.n_heads))
             return
         self.q_maps = nn.ModuleList(BlockDiag(d, p * self.n_heads * r, n_blocks=p) for p, r in zip(n_blocks, ranks))
@@ -93,7 +92,7 @@ class BilinearMLRAttention(FullScoreAttention):
         return out
 
     def qk(self, x: torch.Tensor, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.key_map_form:
+        if self.config.key_map:
             return _inputs_as_queries_qk(self, x)
         q_levels = self._levels(self.q_maps, x, self.n_heads)
         q = torch.cat([g * ql for g, ql in zip(self.level_scale, q_levels)], dim=-1)
@@ -101,6 +100,6 @@ class BilinearMLRAttention(FullScoreAttention):
         return q, k
 
     def _structured_projection_flops(self) -> int:
-        if self.key_map_form:
+        if self.config.key_map:
             return self.key_map.flops(1)
         return sum(m.flops(1) for m in (*self.q_maps, *self.k_maps))
