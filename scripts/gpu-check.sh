@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The GPU check of the kernels, for a machine with one CUDA GPU: the Triton tests on the GPU, the
 # tile-setting and decoding timings, and the issue-3 benchmarks in bfloat16.
-#   scripts/gpu-check.sh [OUT_DIR] [tests|tune|bench|all]
+#   scripts/gpu-check.sh [OUT_DIR] [tests|tune|decode|bench|all]
 # (default OUT_DIR runs/gpu-check, or $OUT on the lent device machine; default all). On an H100 the
 # tests take about 5 minutes (most of it compiling), tune about 4 and bench about 3, so a machine
-# that stops a command after 10 minutes needs two calls.
+# that stops a command after 10 minutes needs two calls. decode is the short one for a small
+# budget: the decoding kernel's timings and the per-kernel profile of a whole decoding step.
 # Needs python3 with torch (CUDA), triton, numpy, pyyaml, safetensors, pytest, matplotlib; the
 # package is used from src/ without installing it.
 set -uo pipefail
@@ -27,7 +28,12 @@ if [[ $step == tests || $step == all ]]; then
 fi
 if [[ $step == tune || $step == all ]]; then
     python3 scripts/tune_mlr_triton.py --out "$out/tune.json" 2>&1 | tee "$out/tune.log" || status=1
+fi
+if [[ $step == tune || $step == decode || $step == all ]]; then
     python3 scripts/profile_decode_step.py --device cuda --out "$out/decode-profile.txt" || status=1
+fi
+if [[ $step == decode ]]; then
+    python3 scripts/tune_mlr_triton.py --decode-only --out "$out/decode.json" 2>&1 | tee "$out/decode.log" || status=1
 fi
 if [[ $step == bench || $step == all ]]; then
     sattn bench mlr --device cuda --dtype bfloat16 --seq-lens 4096,8192,16384 --paths sdpa_flash,sdpa,mlr \
