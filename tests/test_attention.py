@@ -167,6 +167,21 @@ def test_decoding_token_by_token_matches_full_forward(name):
     assert cache.length == CTX
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="checks which CUDA kernel SDPA picks")
+def test_decoding_on_cuda_avoids_cudnn_attention():
+    # cuDNN's attention builds a plan per key length, so each decoding step would build one.
+    layer = build_attention("mha", d_model=128, n_heads=2, max_seq_len=64).cuda().bfloat16().eval()
+    x = torch.randn(2, 24, 128, device="cuda", dtype=torch.bfloat16)
+    cache = layer.new_cache(batch_size=2)
+    with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        layer(x[:, :16], cache)
+        steps = [layer(x[:, i:i + 1], cache) for i in range(16, 24)]
+        full = layer(x)
+    calls = sum(e.name == "aten::_scaled_dot_product_cudnn_attention" for e in prof.events())
+    assert calls <= 2, calls  # the prompt and the full forward may take cuDNN; the 8 steps may not
+    torch.testing.assert_close(torch.cat(steps, 1).float(), full[:, 16:].float(), atol=3e-2, rtol=0)
+
+
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_prefill_then_chunks_matches_full_forward(name):
     layer = make(SPECS[name])

@@ -3,11 +3,13 @@ masked-softmax helper the kinds share."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .._checks import require
 from ..functional import scaled_dot_product_attention, sliding_window_attention
@@ -64,6 +66,12 @@ def position_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, window
     return keep
 
 
+# A decoding step scores one query against a key length it has not seen before. PyTorch's cuDNN
+# attention builds a new plan for every new length (34 ms a step on an H200 with torch 2.11; see
+# pytorch/pytorch#155958), so one-query steps on CUDA leave it out.
+DECODE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 def attend(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -82,14 +90,17 @@ def attend(
     gqa = k.shape[1] != q.shape[1]
     if window is not None and q_start == k_start and t_q == t_k:
         return sliding_window_attention(q, k, v, window, causal=causal, scale=scale, dropout_p=dropout)
-    if window is None and (not causal or (q_start == k_start and t_q == t_k) or t_q == 1):
-        # The plain causal or full pattern: no explicit mask, so SDPA can take a fused kernel.
-        is_causal = causal and t_q > 1
-        return scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=is_causal, scale=scale, enable_gqa=gqa)
-    q_pos = torch.arange(q_start, q_start + t_q, device=q.device)
-    k_pos = torch.arange(k_start, k_start + t_k, device=q.device)
-    mask = position_mask(q_pos, k_pos, causal, window)
-    return scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scale, enable_gqa=gqa)
+    decoding = sdpa_kernel(DECODE_BACKENDS) if q.is_cuda and t_q == 1 else contextlib.nullcontext()
+    with decoding:
+        if window is None and (not causal or (q_start == k_start and t_q == t_k) or t_q == 1):
+            # The plain causal or full pattern: no explicit mask, so SDPA can take a fused kernel.
+            is_causal = causal and t_q > 1
+            return scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=is_causal, scale=scale,
+                                                enable_gqa=gqa)
+        q_pos = torch.arange(q_start, q_start + t_q, device=q.device)
+        k_pos = torch.arange(k_start, k_start + t_k, device=q.device)
+        mask = position_mask(q_pos, k_pos, causal, window)
+        return scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scale, enable_gqa=gqa)
 
 
 class Attention(nn.Module):
