@@ -129,6 +129,29 @@ def test_triton_kernel_default_chunking_and_bad_input():
                                atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_triton_kernel_reads_levels_at_any_offset_and_stride(dtype):
+    # The kernel addresses the finer levels by their offset from level 1's buffer and tells the
+    # compiler the largest alignment all offsets and strides share: here levels sit at odd offsets
+    # of one flat buffer, one with padded rows, and level 1 has padded rows too (so it is copied).
+    q_new, keys, starts, v, _, _ = _step(2, 4, 2, 90, (8, 4, 4, 2), (128, 32, 8, 4), 16, torch.float64)
+    flat = torch.zeros(20_000, dtype=dtype, device=DEVICE)
+    packed, at = [], 3
+    for level, k in enumerate(keys):
+        b, h, t, r = k.shape
+        row = r + (1 if level in (0, 2) else 0)
+        view = flat[at : at + b * h * t * row].view(b, h, t, row)[..., :r]
+        view.copy_(k)
+        packed.append(view)
+        at += b * h * t * row + 5
+    q, vv = q_new.to(DEVICE, dtype), v.to(DEVICE, dtype)
+    ref = mlr_decode_reference(q.double().cpu(), [k.double().cpu() for k in packed], starts, vv.double().cpu(),
+                               (8, 4, 4, 2), 0.37)
+    out = mlr_decode_triton(q, packed, starts, vv, (8, 4, 4, 2), 0.37, chunk=32, block_n=16)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double().cpu(), ref, atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("spec", ["mlr:8|4|2|2", "mlr:8|4|2|2:depth_normalize=true"])
 def test_layer_decodes_through_the_kernel_like_its_full_forward(spec, monkeypatch):
     import structured_attention.attention.mlr as mlr_module

@@ -11,7 +11,8 @@ so the keys fall into regions of one depth: keys before ``start_2`` read level 1
 and the values only, keys in ``[start_l, start_{l+1})`` also the first ``l - 1`` finer levels. Each
 region is its own loop with the level count a compile-time constant, and the products run on the
 matrix units (the query heads of a group padded to 16 rows). The finer levels live in separate
-buffers of different shapes, so the kernel gets a table of their addresses and strides.
+buffers of different shapes, so the kernel gets a table of their offsets from level 1's buffer
+and their strides.
 Everything accumulates in float32. A new token needs no causal mask: every key held is at or
 before it.
 """
@@ -33,20 +34,14 @@ __all__ = ["mlr_decode_triton"]
 
 
 @triton.jit
-def _pick(vec, lv, i):
-    """Entry ``i`` of a small vector held in registers (loop-invariant, so hoisted out of loops)."""
-    return tl.sum(tl.where(lv == i, vec, 0), axis=0)
-
-
-@triton.jit
 def _mlr_decode_split_kernel(
-    Q, K0, V, FINE_PTRS, FINE_STRIDES, FINE_STARTS, FINE_QOFF, FINE_RANK, ACC, M, L,
+    Q, K0, V, FINE_OFFS, FINE_STRIDES, FINE_STARTS, FINE_QOFF, FINE_RANK, ACC, M, L,
     end, chunk, qk_scale, N_SPLITS,
-    stride_qb, stride_qh, stride_k0b, stride_k0h, stride_k0t, stride_vb, stride_vh, stride_vt,
+    stride_qb, stride_qh, stride_k0b, stride_k0h, stride_vb, stride_vh, stride_vt,
     HK: tl.constexpr, G: tl.constexpr,
     R0: tl.constexpr, DV: tl.constexpr, N_FINE: tl.constexpr, DEPTH_NORMALIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, R0P: tl.constexpr, RFP: tl.constexpr, DVP: tl.constexpr, BLOCK_N: tl.constexpr,
-    NFP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    ALIGN: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
     pid_bk = tl.program_id(0)
     split = tl.program_id(1)
@@ -59,15 +54,7 @@ def _mlr_decode_split_kernel(
     q0 = tl.load(q_rows[:, None] + d0[None, :], mask=g_ok[:, None] & (d0[None, :] < R0), other=0.0)
     dv = tl.arange(0, DVP)
     df = tl.arange(0, RFP)
-    lv = tl.arange(0, NFP)
-    lv_ok = lv < N_FINE
-    starts = tl.load(FINE_STARTS + lv, mask=lv_ok, other=0)
-    ptrs = tl.load(FINE_PTRS + lv, mask=lv_ok, other=0)
-    sbs = tl.load(FINE_STRIDES + 3 * lv, mask=lv_ok, other=0)
-    shs = tl.load(FINE_STRIDES + 3 * lv + 1, mask=lv_ok, other=0)
-    sts = tl.load(FINE_STRIDES + 3 * lv + 2, mask=lv_ok, other=0)
-    qoffs = tl.load(FINE_QOFF + lv, mask=lv_ok, other=0)
-    ranks = tl.load(FINE_RANK + lv, mask=lv_ok, other=0)
+    k0_rows = K0 + b * stride_k0b + hk * stride_k0h  # level-1 rows are contiguous: row stride R0
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -76,27 +63,29 @@ def _mlr_decode_split_kernel(
     hi = tl.minimum(lo + chunk, end)
     # The held ranges are nested (start_2 <= start_3 <= ...), so the keys fall into regions of one
     # depth: region j, [start of fine level j - 1, start of fine level j), reads level 1 and the
-    # first j fine levels, with no per-key test.
+    # first j fine levels, with no per-key test. The per-level tables are read as scalars (uniform
+    # loads that stay in cache); ALIGN, which divides every fine level's offset and strides, lets
+    # the compiler issue vector loads for their rows.
     for j in tl.static_range(N_FINE + 1):
         r_lo = lo
         r_hi = hi
         if j > 0:
-            r_lo = tl.maximum(lo, _pick(starts, lv, j - 1))
+            r_lo = tl.maximum(lo, tl.load(FINE_STARTS + (j - 1)))
         if j < N_FINE:
-            r_hi = tl.minimum(hi, _pick(starts, lv, j))
+            r_hi = tl.minimum(hi, tl.load(FINE_STARTS + j))
         for n0 in range(r_lo, r_hi, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             n_ok = n < r_hi
-            k0 = tl.load(K0 + b * stride_k0b + hk * stride_k0h + n[:, None] * stride_k0t + d0[None, :],
-                         mask=n_ok[:, None] & (d0[None, :] < R0), other=0.0)
+            k0 = tl.load(k0_rows + n[:, None] * R0 + d0[None, :], mask=n_ok[:, None] & (d0[None, :] < R0), other=0.0)
             s = dot(q0, tl.trans(k0), PREC, UPCAST)  # (BLOCK_G, BLOCK_N)
             for i in tl.static_range(j):
-                ptr = _pick(ptrs, lv, i).to(tl.pointer_type(K0.dtype.element_ty))
-                rank = _pick(ranks, lv, i)
-                kl = tl.load(ptr + b * _pick(sbs, lv, i) + hk * _pick(shs, lv, i)
-                             + (n - _pick(starts, lv, i))[:, None] * _pick(sts, lv, i) + df[None, :],
+                rank = tl.load(FINE_RANK + i)
+                row = tl.multiple_of(tl.load(FINE_OFFS + i) + b * tl.load(FINE_STRIDES + 3 * i)
+                                     + hk * tl.load(FINE_STRIDES + 3 * i + 1), ALIGN)
+                step = tl.multiple_of(tl.load(FINE_STRIDES + 3 * i + 2), ALIGN)
+                kl = tl.load(K0 + row + (n - tl.load(FINE_STARTS + i))[:, None] * step + df[None, :],
                              mask=n_ok[:, None] & (df[None, :] < rank), other=0.0)
-                ql = tl.load(q_rows[:, None] + _pick(qoffs, lv, i) + df[None, :],
+                ql = tl.load(q_rows[:, None] + tl.load(FINE_QOFF + i) + df[None, :],
                              mask=g_ok[:, None] & (df[None, :] < rank), other=0.0)
                 s = dot_acc(ql, tl.trans(kl), s, PREC, UPCAST)
             if DEPTH_NORMALIZE:
@@ -150,10 +139,16 @@ def mlr_decode_triton(
     chunk: int | None = None,
     block_n: int = 128,
     num_warps: int = 4,
+    num_stages: int = 2,
+    maxnreg: int | None = 128,
 ) -> torch.Tensor:
     """One new query against the compressed MLR cache in two kernel launches; same arguments and
     result as :func:`~structured_attention.functional.mlr_decode.mlr_decode_reference`. ``chunk``
-    (keys per program, a multiple of ``block_n``) defaults to enough programs to fill the device."""
+    (keys per program, a multiple of ``block_n``) defaults to enough programs to fill the device;
+    ``maxnreg`` caps the registers per thread, which bound how many programs a multiprocessor holds.
+    The defaults were the fastest on an H200 at a 16k cache (docs/benchmarks.md): uncapped, the
+    kernel takes 230 registers, so a multiprocessor holds two programs and the grid runs in two waves;
+    at 128 registers and two stages it holds four, one wave."""
     check_mlr_decode_arguments(q, keys, key_starts, v, ranks)
     q = q.to(v.dtype)  # under autocast the new query can be bfloat16 while the cache is float32
     tensors = [("v", v), *((f"keys[{i}]", k) for i, k in enumerate(keys))]
@@ -171,28 +166,38 @@ def mlr_decode_triton(
     if chunk <= 0 or chunk % block_n:
         raise ValueError(f"chunk: expected a positive multiple of block_n={block_n}, got {chunk}")
     n_splits = triton.cdiv(end, chunk)
-    fine = list(zip(keys[1:], key_starts[1:], ranks[1:]))
-    offsets = tuple(sum(ranks[:i]) for i in range(1, len(ranks)))
-    # The table changes only when a level's block ends or a buffer grows.
-    ptrs = device_table(tuple(k.data_ptr() for k, _, _ in fine) or (0,), torch.int64, device)
-    strides = device_table(tuple(s for k, _, _ in fine for s in k.stride()[:3]) or (0, 0, 0), torch.int64, device)
+    k0 = keys[0]
+    if end > 1 and k0.stride(2) != ranks[0]:  # the kernel steps level-1 rows by R0
+        k0 = k0.contiguous()
+    size = k0.element_size()
+    # A view whose address is not a whole number of elements from level 1's is copied.
+    fine = [(k if (k.data_ptr() - k0.data_ptr()) % size == 0 else k.contiguous(), s, r)
+            for k, s, r in zip(keys[1:], key_starts[1:], ranks[1:])]
+    # Offsets in elements from level 1's buffer, so that the kernel addresses every level from one
+    # pointer; ALIGN, the largest power of two (at most 16 bytes' worth) dividing all of them and
+    # the strides, tells the compiler how wide its loads may be.
+    offs = tuple((k.data_ptr() - k0.data_ptr()) // size for k, _, _ in fine)
+    strides = tuple(s for k, _, _ in fine for s in k.stride()[:3])
+    align = math.gcd(16 // size, *offs, *strides)
+    # The tables change only when a level's block ends or a buffer grows.
+    offs_t = device_table(offs or (0,), torch.int64, device)
+    strides_t = device_table(strides or (0, 0, 0), torch.int64, device)
     starts = device_table(tuple(s for _, s, _ in fine) or (0,), torch.int32, device)
-    qoff = device_table(offsets or (0,), torch.int32, device)
+    qoff = device_table(tuple(sum(ranks[:i]) for i in range(1, len(ranks))) or (0,), torch.int32, device)
     rank = device_table(tuple(r for _, _, r in fine) or (0,), torch.int32, device)
     part_acc = torch.empty(B, H, n_splits, Dv, dtype=torch.float32, device=device)
     part_m = torch.empty(B, H, n_splits, dtype=torch.float32, device=device)
     part_l = torch.empty_like(part_m)
-    k0 = keys[0]
     G = H // Hk
     _mlr_decode_split_kernel[(B * Hk, n_splits)](
-        q, k0, v, ptrs, strides, starts, qoff, rank, part_acc, part_m, part_l,
+        q, k0, v, offs_t, strides_t, starts, qoff, rank, part_acc, part_m, part_l,
         end, chunk, float(scale) / math.log(2.0), n_splits,
-        q.stride(0), q.stride(1), k0.stride(0), k0.stride(1), k0.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        q.stride(0), q.stride(1), k0.stride(0), k0.stride(1), v.stride(0), v.stride(1), v.stride(2),
         HK=Hk, G=G, R0=ranks[0], DV=Dv, N_FINE=len(fine), DEPTH_NORMALIZE=depth_normalize,
         BLOCK_G=pow2(G, 16), R0P=pow2(ranks[0], 16), RFP=pow2(max(ranks[1:], default=1), 16),
-        DVP=pow2(Dv, 16), BLOCK_N=block_n, NFP=pow2(len(fine)),
+        DVP=pow2(Dv, 16), BLOCK_N=block_n, ALIGN=align,
         PREC="ieee" if v.dtype == torch.float32 else "tf32", UPCAST=INTERPRETED and v.dtype == torch.bfloat16,
-        num_warps=num_warps,
+        num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg,
     )
     out = torch.empty(B, H, 1, Dv, dtype=v.dtype, device=device)
     _mlr_decode_merge_kernel[(B * H,)](part_acc, part_m, part_l, out, n_splits, SP=pow2(n_splits),
