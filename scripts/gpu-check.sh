@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # The GPU check of the kernels, for a machine with one CUDA GPU: the Triton tests on the GPU, the
 # tile-setting and decoding timings, and the issue-3 benchmarks in bfloat16.
-#   scripts/gpu-check.sh [OUT_DIR] [tests|tune|decode|bench|all]
+#   scripts/gpu-check.sh [OUT_DIR] [tests|tune|decode|ncu|bench|all]
 # (default OUT_DIR runs/gpu-check, or $OUT on the lent device machine; default all). On an H100 the
 # tests take about 5 minutes (most of it compiling), tune about 4 and bench about 3, so a machine
 # that stops a command after 10 minutes needs two calls. decode is the short one for a small
-# budget: the decoding kernel's timings and the per-kernel profile of a whole decoding step.
+# budget (about 5 minutes): the decoding kernel's timings and tests, the per-kernel profile of a
+# whole decoding step, and the layers' decoding benchmark. ncu (about 2 minutes, not part of all)
+# writes Nsight Compute's profile of the decoding and prefill kernels beside flash attention's.
 # Needs python3 with torch (CUDA), triton, numpy, pyyaml, safetensors, pytest, matplotlib; the
 # package is used from src/ without installing it.
 set -uo pipefail
@@ -29,11 +31,25 @@ fi
 if [[ $step == tune || $step == all ]]; then
     python3 scripts/tune_mlr_triton.py --out "$out/tune.json" 2>&1 | tee "$out/tune.log" || status=1
 fi
+if [[ $step == decode ]]; then
+    python3 scripts/tune_mlr_triton.py --decode-only --out "$out/decode.json" 2>&1 | tee "$out/decode.log" || status=1
+    python3 -m pytest -q -p no:cacheprovider tests/test_mlr_decode.py \
+        tests/test_attention.py::test_decoding_on_cuda_avoids_cudnn_attention 2>&1 | tail -n 5 || status=1
+fi
 if [[ $step == tune || $step == decode || $step == all ]]; then
     python3 scripts/profile_decode_step.py --device cuda --out "$out/decode-profile.txt" || status=1
 fi
 if [[ $step == decode ]]; then
-    python3 scripts/tune_mlr_triton.py --decode-only --out "$out/decode.json" 2>&1 | tee "$out/decode.log" || status=1
+    sattn bench attention --device cuda --dtype bfloat16 --seq-lens 16384 --decode-cache 16368 --batch 16 \
+        --kinds "mha,mlr:8|8|8|8|8|8|8|8,mlr:16|16|16|16" --repeats 5 --no-memory --out "$out/decode-b16" || status=1
+fi
+if [[ $step == ncu ]]; then  # Nsight Compute's profile of the decoding and prefill kernels against flash
+    for case in decode prefill; do
+        ncu --profile-from-start off --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis \
+            --section LaunchStats --section Occupancy --section WarpStateStats --section SchedulerStats \
+            python3 scripts/ncu_kernels.py $case > "$out/ncu-$case.txt" 2>&1 || status=1
+        tail -n 3 "$out/ncu-$case.txt"
+    done
 fi
 if [[ $step == bench || $step == all ]]; then
     sattn bench mlr --device cuda --dtype bfloat16 --seq-lens 4096,8192,16384 --paths sdpa_flash,sdpa,mlr \

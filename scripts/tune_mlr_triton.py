@@ -6,7 +6,9 @@ Prints, for each T and rank split (B=1, H=8, Dv=64, bfloat16, causal): SDPA's de
 backends, the general Triton kernel, and the prefix-rank kernels under several tile / warp / stage
 settings, each as forward and forward+backward medians (``triton.testing.do_bench``). Every
 setting is first checked against the exact reference on a small input. It also times one decoding
-step's attention (the kernel alone, no projections) against SDPA at a 16k cache.
+step's attention (the kernel alone, no projections) at a 16k cache: SDPA's cuDNN, flash and
+memory-efficient kernels, and the MLR decoding kernel under several grid / tile / stage / register
+settings, each checked against the float32 reference.
 """
 
 from __future__ import annotations
@@ -136,21 +138,44 @@ def main() -> None:
     vals = torch.randn(B, H, T + 1, 64, device="cuda", dtype=torch.bfloat16)
     kfull = torch.randn(B, H, T + 1, 64, device="cuda", dtype=torch.bfloat16)
     ref = mlr_decode_reference(q1.float(), [k.float() for k in keys], starts, vals.float(), ranks, 0.125)
-    err = (mlr_decode_triton(q1, keys, starts, vals, ranks, 0.125).float() - ref).abs().max()
-    mha = _ms(lambda: F.scaled_dot_product_attention(q1, kfull, vals))
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    print(f"decode B={B} H={H} cache={T}: sdpa {mha * 1e3:.1f} us; mlr kernel max error {float(err):.1e}")
-    for per_sm in (4, 8, 16):
-        for block_n in (64, 128, 256):
-            for warps in (4, 8):
-                splits = max(1, per_sm * sms // (B * H))
-                chunk = triton.cdiv(triton.cdiv(T + 1, splits), block_n) * block_n
-                mlr = _ms(lambda: mlr_decode_triton(q1, keys, starts, vals, ranks, 0.125, chunk=chunk,
-                                                    block_n=block_n, num_warps=warps))
-                rows.append(dict(case="decode", cache=T, batch=B, per_sm=per_sm, block_n=block_n, warps=warps,
-                                 sdpa_ms=mha, mlr_ms=mlr))
-                print(f"  programs/SM {per_sm:2d} block_n {block_n:3d} warps {warps}: mlr kernel "
-                      f"{mlr * 1e3:.1f} us ({mha / mlr:.2f}x)", flush=True)
+    print(f"decode B={B} H={H} cache={T}")
+    # MHA's step by SDPA backend. With a fixed key length cuDNN reuses its plan; a decoder's length
+    # grows every step, so the layers decode with flash or memory-efficient attention instead.
+    mha = {}
+    for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION),
+                          ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
+        def sdpa_step(backend=backend):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q1, kfull, vals)
+        try:
+            mha[name] = _ms(sdpa_step)
+        except RuntimeError as e:  # a backend this GPU or build lacks
+            print(f"  sdpa {name}: failed: {str(e)[:120]}")
+            continue
+        rows.append(dict(case=f"decode sdpa {name}", cache=T, batch=B, ms=mha[name]))
+        print(f"  sdpa {name}: {mha[name] * 1e3:.1f} us", flush=True)
+    base = mha.get("flash") or min(mha.values())
+    mlr_bytes = sum(k.numel() * k.element_size() for k in keys) + vals.numel() * vals.element_size()
+    settings = [(per_sm, block_n, 4, stages, maxnreg) for per_sm in (2, 4) for block_n in (128, 256)
+                for stages in (2, 3) for maxnreg in (None, 168, 128)]
+    settings += [(8, 128, 4, 2, None), (4, 64, 8, 3, None)]
+    for per_sm, block_n, warps, stages, maxnreg in settings:
+        splits = max(1, per_sm * sms // (B * H))
+        chunk = triton.cdiv(triton.cdiv(T + 1, splits), block_n) * block_n
+
+        def step():
+            return mlr_decode_triton(q1, keys, starts, vals, ranks, 0.125, chunk=chunk, block_n=block_n,
+                                     num_warps=warps, num_stages=stages, maxnreg=maxnreg)
+
+        err = float((step().float() - ref).abs().max())
+        mlr = _ms(step)
+        rows.append(dict(case="decode", cache=T, batch=B, per_sm=per_sm, block_n=block_n, warps=warps,
+                         stages=stages, maxnreg=maxnreg, mlr_ms=mlr, max_error=err,
+                         **{f"sdpa_{n}_ms": t for n, t in mha.items()}))
+        print(f"  programs/SM {per_sm:2d} block_n {block_n:3d} warps {warps} stages {stages} maxnreg {maxnreg}: "
+              f"mlr kernel {mlr * 1e3:.1f} us ({base / mlr:.2f}x flash, {mlr_bytes / mlr / 1e9:.2f} TB/s, "
+              f"error {err:.1e})", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

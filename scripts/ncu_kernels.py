@@ -1,0 +1,76 @@
+"""One call of each kernel under comparison, for Nsight Compute's per-kernel profile.
+
+    ncu --profile-from-start off --clock-control none --section SpeedOfLight ... \
+        python3 scripts/ncu_kernels.py decode|prefill
+
+The kernels run twice first (Triton compiles, SDPA picks its kernel), then once between
+``cudaProfilerStart`` and ``cudaProfilerStop``, so ncu sees only that call:
+
+- ``decode``: one step's attention at a 16k cache (batch 16, 8 heads, bfloat16), MLR
+  ``8|8|8|8|8|8|8|8`` through the Triton decoding kernel and SDPA's flash kernel over 64-dim keys;
+- ``prefill``: the causal forward at T = 8192 (batch 1, 8 heads), the prefix-rank Triton kernel and
+  SDPA's flash kernel, the shapes of ``sattn bench mlr``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from structured_attention.functional.mlr import check_mlr_arguments, mlr_block_sizes
+from structured_attention.kernels import mlr_decode_triton
+from structured_attention.kernels.mlr_triton_prefix import PrefixTiles, mlr_attention_prefix
+
+RANKS = (8,) * 8
+
+
+def _decode_cases() -> dict:
+    B, H, T = 16, 8, 16368
+    sizes = mlr_block_sizes(RANKS, 16384)
+    q = torch.randn(B, H, 1, 64, device="cuda", dtype=torch.bfloat16)
+    keys, starts = [], []
+    for level, (r, s) in enumerate(zip(RANKS, sizes)):
+        start = 0 if level == 0 else (T // s) * s
+        keys.append(torch.randn(B, H, T + 1 - start, r, device="cuda", dtype=torch.bfloat16))
+        starts.append(start)
+    v = torch.randn(B, H, T + 1, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(B, H, T + 1, 64, device="cuda", dtype=torch.bfloat16)
+    return {"mlr": lambda: mlr_decode_triton(q, keys, starts, v, RANKS, 0.125),
+            "flash": lambda: F.scaled_dot_product_attention(q, k, v)}
+
+
+def _prefill_cases() -> dict:
+    T = 8192
+    q, k = (torch.randn(1, 8, T, sum(RANKS), device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    v = torch.randn(1, 8, T, 64, device="cuda", dtype=torch.bfloat16)
+    ranks, sizes, _ = check_mlr_arguments(q, k, v, RANKS, None, True, None, False)
+    scale = 1 / math.sqrt(sum(RANKS))
+    return {"mlr": lambda: mlr_attention_prefix(q, k, v, ranks, sizes, True, scale, False, PrefixTiles()),
+            "flash": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("case", choices=("decode", "prefill"))
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    cases = _decode_cases() if args.case == "decode" else _prefill_cases()
+    with torch.no_grad(), sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        for _ in range(2):
+            for fn in cases.values():
+                fn()
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStart()
+        for fn in cases.values():
+            fn()
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStop()
+    print(f"profiled one call each of: {', '.join(cases)}")
+
+
+if __name__ == "__main__":
+    main()
