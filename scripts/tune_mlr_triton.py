@@ -157,9 +157,11 @@ def main() -> None:
         print(f"  sdpa {name}: {mha[name] * 1e3:.1f} us", flush=True)
     base = mha.get("flash") or min(mha.values())
     mlr_bytes = sum(k.numel() * k.element_size() for k in keys) + vals.numel() * vals.element_size()
-    settings = [(per_sm, block_n, 4, stages, maxnreg) for per_sm in (2, 4) for block_n in (128, 256)
-                for stages in (2, 3) for maxnreg in (None, 168, 128)]
-    settings += [(8, 128, 4, 2, None), (4, 64, 8, 3, None)]
+    # (programs per multiprocessor, keys per tile, warps, stages, register cap): around the default
+    # (4, 128, 4, 2, 128), the register caps that let more programs share a multiprocessor, and the
+    # best of the earlier sweeps (docs/results/bench/gpu-h200/decode-maxnreg.log).
+    settings = [(per_sm, 128, 4, 2, maxnreg) for per_sm in (4, 6, 8) for maxnreg in (None, 128, 96)]
+    settings += [(4, 128, 4, 3, 128), (8, 64, 4, 2, 96), (2, 256, 4, 2, 168)]
     for per_sm, block_n, warps, stages, maxnreg in settings:
         splits = max(1, per_sm * sms // (B * H))
         chunk = triton.cdiv(triton.cdiv(T + 1, splits), block_n) * block_n
@@ -176,6 +178,10 @@ def main() -> None:
         print(f"  programs/SM {per_sm:2d} block_n {block_n:3d} warps {warps} stages {stages} maxnreg {maxnreg}: "
               f"mlr kernel {mlr * 1e3:.1f} us ({base / mlr:.2f}x flash, {mlr_bytes / mlr / 1e9:.2f} TB/s, "
               f"error {err:.1e})", flush=True)
+    # The floor without finer levels: level 1 and the values alone, in the default setting.
+    floor = _ms(lambda: mlr_decode_triton(q1[..., :8], keys[:1], starts[:1], vals, ranks[:1], 0.125))
+    rows.append(dict(case="decode level 1 only", cache=T, batch=B, mlr_ms=floor))
+    print(f"  level 1 and values only (default setting): {floor * 1e3:.1f} us", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
