@@ -21,34 +21,25 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from structured_attention.functional.mlr import check_mlr_arguments, mlr_block_sizes
+from structured_attention.functional.mlr import check_mlr_arguments
 from structured_attention.kernels import mlr_decode_triton
 from structured_attention.kernels.mlr_triton_prefix import PrefixTiles, mlr_attention_prefix
-
-RANKS = (8,) * 8
+from tune_mlr_triton import DECODE_RANKS, decode_case  # scripts/ is on the path when run as a script
 
 
 def _decode_cases() -> dict:
-    B, H, T = 16, 8, 16368
-    sizes = mlr_block_sizes(RANKS, 16384)
-    q = torch.randn(B, H, 1, 64, device="cuda", dtype=torch.bfloat16)
-    keys, starts = [], []
-    for level, (r, s) in enumerate(zip(RANKS, sizes)):
-        start = 0 if level == 0 else (T // s) * s
-        keys.append(torch.randn(B, H, T + 1 - start, r, device="cuda", dtype=torch.bfloat16))
-        starts.append(start)
-    v = torch.randn(B, H, T + 1, 64, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(B, H, T + 1, 64, device="cuda", dtype=torch.bfloat16)
-    return {"mlr": lambda: mlr_decode_triton(q, keys, starts, v, RANKS, 0.125),
+    q, keys, starts, v, k = decode_case()
+    return {"mlr": lambda: mlr_decode_triton(q, keys, starts, v, DECODE_RANKS, 0.125),
             "flash": lambda: F.scaled_dot_product_attention(q, k, v)}
 
 
 def _prefill_cases() -> dict:
     T = 8192
-    q, k = (torch.randn(1, 8, T, sum(RANKS), device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    ranks = DECODE_RANKS  # the same 8 levels of rank 8
+    q, k = (torch.randn(1, 8, T, sum(ranks), device="cuda", dtype=torch.bfloat16) for _ in range(2))
     v = torch.randn(1, 8, T, 64, device="cuda", dtype=torch.bfloat16)
-    ranks, sizes, _ = check_mlr_arguments(q, k, v, RANKS, None, True, None, False)
-    scale = 1 / math.sqrt(sum(RANKS))
+    ranks, sizes, _ = check_mlr_arguments(q, k, v, ranks, None, True, None, False)
+    scale = 1 / math.sqrt(sum(ranks))
     return {"mlr": lambda: mlr_attention_prefix(q, k, v, ranks, sizes, True, scale, False, PrefixTiles()),
             "flash": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)}
 

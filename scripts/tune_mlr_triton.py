@@ -39,6 +39,23 @@ SETTINGS = {
 }
 
 
+DECODE_CACHE, DECODE_RANKS = 16368, (8,) * 8
+
+
+def decode_case(batch: int = 16, heads: int = 8) -> tuple[torch.Tensor, list[torch.Tensor], list[int], torch.Tensor,
+                                                          torch.Tensor]:
+    """The benchmark's decoding step in bfloat16: a new query, the compressed MLR cache a layer built
+    for a 16k context holds after ``DECODE_CACHE`` tokens (level ``l`` keeps its current block),
+    the values, and full 64-dim keys for MHA."""
+    T, sizes = DECODE_CACHE, mlr_block_sizes(DECODE_RANKS, 16384)
+    q = torch.randn(batch, heads, 1, 64, device="cuda", dtype=torch.bfloat16)
+    starts = [0] + [(T // s) * s for s in sizes[1:]]
+    keys = [torch.randn(batch, heads, T + 1 - start, r, device="cuda", dtype=torch.bfloat16)
+            for r, start in zip(DECODE_RANKS, starts)]
+    v, k = (torch.randn(batch, heads, T + 1, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    return q, keys, starts, v, k
+
+
 def _ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
@@ -126,17 +143,8 @@ def main() -> None:
                       f"fwd+bwd {b:7.3f} ms ({base[1] / b:4.2f}x)", flush=True)
 
     # One decoding step's attention at a 16k cache, batch 16, 8 heads: the kernel against SDPA.
-    B, H, T = 16, 8, 16368
-    ranks = (8,) * 8
-    sizes = mlr_block_sizes(ranks, 16384)  # a layer built for a 16k context
-    q1 = torch.randn(B, H, 1, 64, device="cuda", dtype=torch.bfloat16)
-    keys, starts = [], []
-    for level, (r, s) in enumerate(zip(ranks, sizes)):
-        start = 0 if level == 0 else (T // s) * s
-        keys.append(torch.randn(B, H, T + 1 - start, r, device="cuda", dtype=torch.bfloat16))
-        starts.append(start)
-    vals = torch.randn(B, H, T + 1, 64, device="cuda", dtype=torch.bfloat16)
-    kfull = torch.randn(B, H, T + 1, 64, device="cuda", dtype=torch.bfloat16)
+    q1, keys, starts, vals, kfull = decode_case()
+    B, H, T, ranks = *vals.shape[:2], DECODE_CACHE, DECODE_RANKS
     ref = mlr_decode_reference(q1.float(), [k.float() for k in keys], starts, vals.float(), ranks, 0.125)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"decode B={B} H={H} cache={T}")
