@@ -7,7 +7,8 @@ The kernels run twice first (Triton compiles, SDPA picks its kernel), then once 
 ``cudaProfilerStart`` and ``cudaProfilerStop``, so ncu sees only that call:
 
 - ``decode``: one step's attention at a 16k cache (batch 16, 8 heads, bfloat16), MLR
-  ``8|8|8|8|8|8|8|8`` through the Triton decoding kernel and SDPA's flash kernel over 64-dim keys;
+  ``8|8|8|8|8|8|8|8`` through the Triton decoding kernel (per-level and gathered) and SDPA's flash
+  kernel over 64-dim keys;
 - ``prefill``: the causal forward at T = 8192 (batch 1, 8 heads), the prefix-rank Triton kernel and
   SDPA's flash kernel, the shapes of ``sattn bench mlr``.
 """
@@ -30,6 +31,7 @@ from tune_mlr_triton import DECODE_RANKS, decode_case  # scripts/ is on the path
 def _decode_cases() -> dict:
     q, keys, starts, v, k = decode_case()
     return {"mlr": lambda: mlr_decode_triton(q, keys, starts, v, DECODE_RANKS, 0.125),
+            "mlr gathered": lambda: mlr_decode_triton(q, keys, starts, v, DECODE_RANKS, 0.125, gather_levels=True),
             "flash": lambda: F.scaled_dot_product_attention(q, k, v)}
 
 

@@ -99,16 +99,17 @@ from structured_attention.kernels import mlr_decode_triton  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+@pytest.mark.parametrize("gather", [False, True], ids=["per-level", "gathered"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("depth_normalize", [False, True], ids=["", "dn"])
 @pytest.mark.parametrize("B,H,Hk,T,ranks,block_sizes,Dv", CASES)
-def test_triton_kernel_matches_reference(B, H, Hk, T, ranks, block_sizes, Dv, depth_normalize, dtype):
+def test_triton_kernel_matches_reference(B, H, Hk, T, ranks, block_sizes, Dv, depth_normalize, dtype, gather):
     q_new, keys, starts, v, _, _ = _step(B, H, Hk, T, ranks, block_sizes, Dv, dtype, capacity=5)
     q_new, v = q_new.to(dtype), v.to(dtype)
     ref = mlr_decode_reference(q_new.double(), [k.double() for k in keys], starts, v.double(), ranks, 0.37, depth_normalize)
     # chunks of 32 keys in tiles of 16: several splits to merge and a ragged last tile
     out = mlr_decode_triton(q_new.to(DEVICE), [k.to(DEVICE) for k in keys], starts, v.to(DEVICE), ranks, 0.37,
-                            depth_normalize, chunk=32, block_n=16)
+                            depth_normalize, chunk=32, block_n=16, gather_levels=gather)
     assert out.dtype == dtype and out.shape == ref.shape
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.double().cpu(), ref, atol=tol, rtol=tol)
@@ -129,8 +130,9 @@ def test_triton_kernel_default_chunking_and_bad_input():
                                atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("gather", [False, True], ids=["per-level", "gathered"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_triton_kernel_reads_levels_at_any_offset_and_stride(dtype):
+def test_triton_kernel_reads_levels_at_any_offset_and_stride(dtype, gather):
     # The kernel addresses the finer levels by their offset from level 1's buffer and tells the
     # compiler the largest alignment all offsets and strides share: here levels sit at odd offsets
     # of one flat buffer, one with padded rows, and level 1 has padded rows too (so it is copied).
@@ -147,7 +149,7 @@ def test_triton_kernel_reads_levels_at_any_offset_and_stride(dtype):
     q, vv = q_new.to(DEVICE, dtype), v.to(DEVICE, dtype)
     ref = mlr_decode_reference(q.double().cpu(), [k.double().cpu() for k in packed], starts, vv.double().cpu(),
                                (8, 4, 4, 2), 0.37)
-    out = mlr_decode_triton(q, packed, starts, vv, (8, 4, 4, 2), 0.37, chunk=32, block_n=16)
+    out = mlr_decode_triton(q, packed, starts, vv, (8, 4, 4, 2), 0.37, chunk=32, block_n=16, gather_levels=gather)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.double().cpu(), ref, atol=tol, rtol=tol)
 

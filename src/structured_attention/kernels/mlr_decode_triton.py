@@ -12,8 +12,9 @@ and the values only, keys in ``[start_l, start_{l+1})`` also the first ``l - 1``
 region is its own loop with the level count a compile-time constant, and the products run on the
 matrix units (the query heads of a group padded to 16 rows). The finer levels live in separate
 buffers of different shapes, so the kernel gets a table of their offsets from level 1's buffer
-and their strides.
-Everything accumulates in float32. A new token needs no causal mask: every key held is at or
+and their strides. A second split kernel (``gather_levels=True``) instead gathers every finer
+level's columns of a tile into one tile, masked by each level's start, with the addresses built
+once per program. Everything accumulates in float32. A new token needs no causal mask: every key held is at or
 before it.
 """
 
@@ -31,6 +32,28 @@ from structured_attention.functional.mlr_decode import check_mlr_decode_argument
 from structured_attention.kernels.triton_common import INTERPRETED, device_table, dot, dot_acc, pow2
 
 __all__ = ["mlr_decode_triton"]
+
+
+@triton.jit
+def _softmax_step(s, n, n_ok, v_rows, stride_vt, dv, m_i, l_i, acc, DV: tl.constexpr, PREC: tl.constexpr,
+                  UPCAST: tl.constexpr):
+    """Fold one tile's scaled scores ``s`` (base 2) and its values into the online softmax."""
+    s = tl.where(n_ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    vt = tl.load(v_rows + n[:, None] * stride_vt + dv[None, :], mask=n_ok[:, None] & (dv[None, :] < DV), other=0.0)
+    acc = dot_acc(p.to(vt.dtype), vt, acc * alpha[:, None], PREC, UPCAST)
+    return m_new, l_i * alpha + tl.sum(p, axis=1), acc
+
+
+@triton.jit
+def _store_partials(ACC, M, L, pid_bk, split, N_SPLITS, g, g_ok, dv, m_i, l_i, acc, G: tl.constexpr,
+                    DV: tl.constexpr):
+    row = (pid_bk * G + g) * N_SPLITS + split  # partials laid out (B, H, N_SPLITS), maxima in base 2
+    tl.store(M + row, m_i, mask=g_ok)
+    tl.store(L + row, l_i, mask=g_ok)
+    tl.store(ACC + row[:, None] * DV + dv[None, :], acc, mask=g_ok[:, None] & (dv[None, :] < DV))
 
 
 @triton.jit
@@ -55,6 +78,7 @@ def _mlr_decode_split_kernel(
     dv = tl.arange(0, DVP)
     df = tl.arange(0, RFP)
     k0_rows = K0 + b * stride_k0b + hk * stride_k0h  # level-1 rows are contiguous: row stride R0
+    v_rows = V + b * stride_vb + hk * stride_vh
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -92,19 +116,80 @@ def _mlr_decode_split_kernel(
                 s = s * (qk_scale / (j + 1))
             else:
                 s = s * qk_scale
-            s = tl.where(n_ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            p = tl.exp2(s - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            vt = tl.load(V + b * stride_vb + hk * stride_vh + n[:, None] * stride_vt + dv[None, :],
-                         mask=n_ok[:, None] & (dv[None, :] < DV), other=0.0)
-            acc = dot_acc(p.to(vt.dtype), vt, acc * alpha[:, None], PREC, UPCAST)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            m_i = m_new
-    row = (pid_bk * G + g) * N_SPLITS + split  # partials laid out (B, H, N_SPLITS), maxima in base 2
-    tl.store(M + row, m_i, mask=g_ok)
-    tl.store(L + row, l_i, mask=g_ok)
-    tl.store(ACC + row[:, None] * DV + dv[None, :], acc, mask=g_ok[:, None] & (dv[None, :] < DV))
+            m_i, l_i, acc = _softmax_step(s, n, n_ok, v_rows, stride_vt, dv, m_i, l_i, acc, DV, PREC, UPCAST)
+    _store_partials(ACC, M, L, pid_bk, split, N_SPLITS, g, g_ok, dv, m_i, l_i, acc, G, DV)
+
+
+@triton.jit
+def _mlr_decode_gather_kernel(
+    Q, K0, V, FINE_OFFS, FINE_STRIDES, FINE_STARTS, COL_LEVEL, COL_WITHIN, ACC, M, L,
+    end, chunk, qk_scale, N_SPLITS,
+    stride_qb, stride_qh, stride_k0b, stride_k0h, stride_vb, stride_vh, stride_vt,
+    HK: tl.constexpr, G: tl.constexpr,
+    R0: tl.constexpr, RF: tl.constexpr, DV: tl.constexpr, N_FINE: tl.constexpr, DEPTH_NORMALIZE: tl.constexpr,
+    BLOCK_G: tl.constexpr, R0P: tl.constexpr, RFP: tl.constexpr, DVP: tl.constexpr, BLOCK_N: tl.constexpr,
+    NFP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """The split kernel's work with every finer level's columns gathered into one tile: column ``c``
+    of the ``RF`` finer query dims belongs to level ``COL_LEVEL[c]``, and key ``n`` has it when
+    ``n >= start`` of that level. The per-column addresses are built once per program, so the loop
+    holds no per-level work: past the first finer start, each tile is one gathered load and one
+    product more than before it."""
+    pid_bk = tl.program_id(0)
+    split = tl.program_id(1)
+    b = pid_bk // HK
+    hk = pid_bk % HK
+    g = tl.arange(0, BLOCK_G)
+    g_ok = g < G
+    q_rows = Q + b * stride_qb + (hk * G + g) * stride_qh
+    d0 = tl.arange(0, R0P)
+    q0 = tl.load(q_rows[:, None] + d0[None, :], mask=g_ok[:, None] & (d0[None, :] < R0), other=0.0)
+    c = tl.arange(0, RFP)
+    c_ok = c < RF
+    qf = tl.load(q_rows[:, None] + R0 + c[None, :], mask=g_ok[:, None] & c_ok[None, :], other=0.0)
+    lvl = tl.load(COL_LEVEL + c, mask=c_ok, other=0)
+    col_start = tl.load(FINE_STARTS + lvl, mask=c_ok, other=0)
+    col_step = tl.load(FINE_STRIDES + 3 * lvl + 2, mask=c_ok, other=0)
+    col_base = (tl.load(FINE_OFFS + lvl, mask=c_ok, other=0) + b * tl.load(FINE_STRIDES + 3 * lvl, mask=c_ok, other=0)
+                + hk * tl.load(FINE_STRIDES + 3 * lvl + 1, mask=c_ok, other=0)
+                + tl.load(COL_WITHIN + c, mask=c_ok, other=0) - col_start * col_step)
+    dv = tl.arange(0, DVP)
+    k0_rows = K0 + b * stride_k0b + hk * stride_k0h
+    v_rows = V + b * stride_vb + hk * stride_vh
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, DVP], tl.float32)
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, end)
+    # Keys before the first finer start read level 1 alone; the rest also gather the finer columns.
+    first_fine = hi
+    if N_FINE > 0:
+        first_fine = tl.minimum(hi, tl.maximum(lo, tl.load(FINE_STARTS)))
+    for n0 in range(lo, first_fine, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = n < first_fine
+        k0 = tl.load(k0_rows + n[:, None] * R0 + d0[None, :], mask=n_ok[:, None] & (d0[None, :] < R0), other=0.0)
+        s = dot(q0, tl.trans(k0), PREC, UPCAST) * qk_scale
+        m_i, l_i, acc = _softmax_step(s, n, n_ok, v_rows, stride_vt, dv, m_i, l_i, acc, DV, PREC, UPCAST)
+    if N_FINE > 0:
+        lv = tl.arange(0, NFP)
+        level_start = tl.load(FINE_STARTS + lv, mask=lv < N_FINE, other=2**31 - 1)
+        for n0 in range(first_fine, hi, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            n_ok = n < hi
+            k0 = tl.load(k0_rows + n[:, None] * R0 + d0[None, :], mask=n_ok[:, None] & (d0[None, :] < R0),
+                         other=0.0)
+            held = n_ok[:, None] & c_ok[None, :] & (n[:, None] >= col_start[None, :])
+            kf = tl.load(K0 + col_base[None, :] + n[:, None].to(tl.int64) * col_step[None, :], mask=held, other=0.0)
+            s = dot_acc(qf, tl.trans(kf), dot(q0, tl.trans(k0), PREC, UPCAST), PREC, UPCAST)
+            if DEPTH_NORMALIZE:
+                depth = 1 + tl.sum((n[:, None] >= level_start[None, :]).to(tl.int32), axis=1)
+                s = s * (qk_scale / depth.to(tl.float32))[None, :]
+            else:
+                s = s * qk_scale
+            m_i, l_i, acc = _softmax_step(s, n, n_ok, v_rows, stride_vt, dv, m_i, l_i, acc, DV, PREC, UPCAST)
+    _store_partials(ACC, M, L, pid_bk, split, N_SPLITS, g, g_ok, dv, m_i, l_i, acc, G, DV)
 
 
 @triton.jit
@@ -141,6 +226,7 @@ def mlr_decode_triton(
     num_warps: int = 4,
     num_stages: int = 2,
     maxnreg: int | None = 128,
+    gather_levels: bool = False,
 ) -> torch.Tensor:
     """One new query against the compressed MLR cache in two kernel launches; same arguments and
     result as :func:`~structured_attention.functional.mlr_decode.mlr_decode_reference`. ``chunk``
@@ -148,7 +234,9 @@ def mlr_decode_triton(
     ``maxnreg`` caps the registers per thread, which bound how many programs a multiprocessor holds.
     The defaults were the fastest on an H200 at a 16k cache (docs/benchmarks.md): uncapped, the
     kernel takes 230 registers, so a multiprocessor holds two programs and the grid runs in two waves;
-    at 128 registers and two stages it holds four, one wave."""
+    at 128 registers and two stages it holds four, one wave. ``gather_levels`` takes the kernel that
+    gathers every finer level's columns into one tile (one load and one product per tile, no
+    per-level loop); it is not yet measured on a GPU, so the per-level kernel stays the default."""
     check_mlr_decode_arguments(q, keys, key_starts, v, ranks)
     q = q.to(v.dtype)  # under autocast the new query can be bfloat16 while the cache is float32
     tensors = [("v", v), *((f"keys[{i}]", k) for i, k in enumerate(keys))]
@@ -189,16 +277,27 @@ def mlr_decode_triton(
     part_m = torch.empty(B, H, n_splits, dtype=torch.float32, device=device)
     part_l = torch.empty_like(part_m)
     G = H // Hk
-    _mlr_decode_split_kernel[(B * Hk, n_splits)](
-        q, k0, v, offs_t, strides_t, starts, qoff, rank, part_acc, part_m, part_l,
-        end, chunk, float(scale) / math.log(2.0), n_splits,
-        q.stride(0), q.stride(1), k0.stride(0), k0.stride(1), v.stride(0), v.stride(1), v.stride(2),
-        HK=Hk, G=G, R0=ranks[0], DV=Dv, N_FINE=len(fine), DEPTH_NORMALIZE=depth_normalize,
-        BLOCK_G=pow2(G, 16), R0P=pow2(ranks[0], 16), RFP=pow2(max(ranks[1:], default=1), 16),
-        DVP=pow2(Dv, 16), BLOCK_N=block_n, ALIGN=align,
-        PREC="ieee" if v.dtype == torch.float32 else "tf32", UPCAST=INTERPRETED and v.dtype == torch.bfloat16,
-        num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg,
-    )
+    common = dict(HK=Hk, G=G, R0=ranks[0], DV=Dv, N_FINE=len(fine), DEPTH_NORMALIZE=depth_normalize,
+                  BLOCK_G=pow2(G, 16), R0P=pow2(ranks[0], 16), DVP=pow2(Dv, 16), BLOCK_N=block_n,
+                  PREC="ieee" if v.dtype == torch.float32 else "tf32",
+                  UPCAST=INTERPRETED and v.dtype == torch.bfloat16,
+                  num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg)
+    scalars = (end, chunk, float(scale) / math.log(2.0), n_splits,
+               q.stride(0), q.stride(1), k0.stride(0), k0.stride(1), v.stride(0), v.stride(1), v.stride(2))
+    if gather_levels:
+        fine_ranks = ranks[1:]
+        col_level = device_table(tuple(i for i, r in enumerate(fine_ranks) for _ in range(r)) or (0,), torch.int32,
+                                 device)
+        col_within = device_table(tuple(w for r in fine_ranks for w in range(r)) or (0,), torch.int32, device)
+        _mlr_decode_gather_kernel[(B * Hk, n_splits)](
+            q, k0, v, offs_t, strides_t, starts, col_level, col_within, part_acc, part_m, part_l, *scalars,
+            RF=sum(fine_ranks), RFP=pow2(sum(fine_ranks), 16), NFP=pow2(len(fine)), **common,
+        )
+    else:
+        _mlr_decode_split_kernel[(B * Hk, n_splits)](
+            q, k0, v, offs_t, strides_t, starts, qoff, rank, part_acc, part_m, part_l, *scalars,
+            RFP=pow2(max(ranks[1:], default=1), 16), ALIGN=align, **common,
+        )
     out = torch.empty(B, H, 1, Dv, dtype=v.dtype, device=device)
     _mlr_decode_merge_kernel[(B * H,)](part_acc, part_m, part_l, out, n_splits, SP=pow2(n_splits),
                                        DV=Dv, DVP=pow2(Dv))
