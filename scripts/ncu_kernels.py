@@ -9,8 +9,8 @@ The kernels run twice first (Triton compiles, SDPA picks its kernel), then once 
 - ``decode``: one step's attention at a 16k cache (batch 16, 8 heads, bfloat16), MLR
   ``8|8|8|8|8|8|8|8`` through the Triton decoding kernel (per-level and gathered) and SDPA's flash
   kernel over 64-dim keys;
-- ``prefill``: the causal forward at T = 8192 (batch 1, 8 heads), the prefix-rank Triton kernel and
-  SDPA's flash kernel, the shapes of ``sattn bench mlr``.
+- ``prefill``: the causal forward at T = 8192 (batch 1, 8 heads), the prefix-rank Triton kernel
+  (per tile and in runs of one depth) and SDPA's flash kernel, the shapes of ``sattn bench mlr``.
 """
 
 from __future__ import annotations
@@ -42,7 +42,9 @@ def _prefill_cases() -> dict:
     v = torch.randn(1, 8, T, 64, device="cuda", dtype=torch.bfloat16)
     ranks, sizes, _ = check_mlr_arguments(q, k, v, ranks, None, True, None, False)
     scale = 1 / math.sqrt(sum(ranks))
+    runs = PrefixTiles(runs=True)
     return {"mlr": lambda: mlr_attention_prefix(q, k, v, ranks, sizes, True, scale, False, PrefixTiles()),
+            "mlr runs": lambda: mlr_attention_prefix(q, k, v, ranks, sizes, True, scale, False, runs),
             "flash": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)}
 
 

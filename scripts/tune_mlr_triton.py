@@ -36,6 +36,8 @@ SETTINGS = {
     "128x64/w8/s2": PrefixTiles(128, 64, 128, 64, 128, 64, num_warps=8, num_stages=2),
     "128x64/w4/s2": PrefixTiles(128, 64, 128, 64, 128, 64, num_warps=4, num_stages=2),
     "bwd32/w4/s2": PrefixTiles(64, 64, 64, 32, 64, 32, num_warps=4, num_stages=2),
+    "64/w4/s2/runs": PrefixTiles(num_warps=4, num_stages=2, runs=True),
+    "64/w4/s3/runs": PrefixTiles(num_warps=4, num_stages=3, runs=True),
 }
 
 

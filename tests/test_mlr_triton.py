@@ -7,6 +7,7 @@ exact reference :func:`structured_attention.functional.mlr_attention_reference` 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -131,10 +132,24 @@ def test_prefix_tiles_match_reference(B, H, Hk, T, ranks, block_sizes, causal, d
     _check(B, H, Hk, T, ranks, block_sizes, causal, depth_normalize, **extra)
 
 
+@pytest.mark.parametrize("B,H,Hk,T,ranks,block_sizes,causal,depth_normalize,extra", PREFIX_CASES)
+def test_prefix_tiles_in_runs_of_one_depth_match_reference(B, H, Hk, T, ranks, block_sizes, causal, depth_normalize,
+                                                           extra, monkeypatch):
+    import structured_attention.kernels.mlr_triton as general
+
+    def tiles_in_runs(fine_sizes, largest):
+        tiles = square_tiles(fine_sizes, largest)
+        return tiles and dataclasses.replace(tiles, runs=True)
+
+    monkeypatch.setattr(general, "square_tiles", tiles_in_runs)
+    _check(B, H, Hk, T, ranks, block_sizes, causal, depth_normalize, **extra)
+
+
+@pytest.mark.parametrize("runs", [False, True], ids=["per-tile", "runs"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidir"])
-def test_prefix_tiles_rectangular(causal):
+def test_prefix_tiles_rectangular(causal, runs):
     # Own tiles of 32 stepping over 16: the diagonal spans two steps.
-    tiles = PrefixTiles(fwd_m=32, fwd_n=16, dkdv_n=32, dkdv_m=16, dq_m=32, dq_n=16)
+    tiles = PrefixTiles(fwd_m=32, fwd_n=16, dkdv_n=32, dkdv_m=16, dq_m=32, dq_n=16, runs=runs)
     sizes = (128, 64, 32)
     assert tiles.fits(sizes[1:])
     q, k, v, do = _inputs(1, 2, 2, 96, 24, 16, torch.float32)

@@ -35,6 +35,14 @@ __all__ = ["mlr_decode_triton"]
 
 
 @triton.jit
+def _split_start(split, chunk, end, BLOCK_G: tl.constexpr, DVP: tl.constexpr):
+    """The keys ``[lo, hi)`` of this split and an empty online softmax for its query rows."""
+    lo = split * chunk
+    return (lo, tl.minimum(lo + chunk, end), tl.full([BLOCK_G], float("-inf"), tl.float32),
+            tl.zeros([BLOCK_G], tl.float32), tl.zeros([BLOCK_G, DVP], tl.float32))
+
+
+@triton.jit
 def _softmax_step(s, n, n_ok, v_rows, stride_vt, dv, m_i, l_i, acc, DV: tl.constexpr, PREC: tl.constexpr,
                   UPCAST: tl.constexpr):
     """Fold one tile's scaled scores ``s`` (base 2) and its values into the online softmax."""
@@ -80,11 +88,7 @@ def _mlr_decode_split_kernel(
     k0_rows = K0 + b * stride_k0b + hk * stride_k0h  # level-1 rows are contiguous: row stride R0
     v_rows = V + b * stride_vb + hk * stride_vh
 
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, DVP], tl.float32)
-    lo = split * chunk
-    hi = tl.minimum(lo + chunk, end)
+    lo, hi, m_i, l_i, acc = _split_start(split, chunk, end, BLOCK_G, DVP)
     # The held ranges are nested (start_2 <= start_3 <= ...), so the keys fall into regions of one
     # depth: region j, [start of fine level j - 1, start of fine level j), reads level 1 and the
     # first j fine levels, with no per-key test. The per-level tables are read as scalars (uniform
@@ -157,11 +161,7 @@ def _mlr_decode_gather_kernel(
     k0_rows = K0 + b * stride_k0b + hk * stride_k0h
     v_rows = V + b * stride_vb + hk * stride_vh
 
-    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, DVP], tl.float32)
-    lo = split * chunk
-    hi = tl.minimum(lo + chunk, end)
+    lo, hi, m_i, l_i, acc = _split_start(split, chunk, end, BLOCK_G, DVP)
     # Keys before the first finer start read level 1 alone; the rest also gather the finer columns.
     first_fine = hi
     if N_FINE > 0:

@@ -49,6 +49,25 @@ def _depth_rank(x0, y0, fsize, frank, R1):
 
 
 @triton.jit
+def _run(x0, y0, hi, fsize, frank, R1):
+    """Depth and prefix rank of the tile pairs ``(x0, y)`` for ``y`` from ``y0`` on, and the end of
+    that run of one depth: the first edge of a block holding ``x0`` past ``y0``, or ``hi``."""
+    depth, rank = _depth_rank(x0, y0, fsize, frank, R1)
+    start = (x0 // fsize) * fsize
+    edge = tl.where(start > y0, start, start + fsize)
+    edge = tl.where((frank > 0) & (edge > y0), edge, hi)
+    return depth, rank, tl.minimum(tl.min(edge, axis=0), hi)
+
+
+@triton.jit
+def _depth_scale(scale, depth, DEPTH_NORM: tl.constexpr):
+    """The score scale of a tile pair: divided by its depth under ``depth_normalize``."""
+    if DEPTH_NORM:
+        scale = scale / depth
+    return scale
+
+
+@triton.jit
 def _chunk(base, offs, ok, stride_t, C: tl.constexpr, CH: tl.constexpr, rank):
     """Columns ``[C * CH, (C + 1) * CH)`` of rows ``offs``, zero from column ``rank`` on."""
     cols = C * CH + tl.arange(0, CH)
@@ -57,19 +76,48 @@ def _chunk(base, offs, ok, stride_t, C: tl.constexpr, CH: tl.constexpr, rank):
 
 
 @triton.jit
-def _own_chunks(base, offs, ok, stride_t, R, CH: tl.constexpr, NCH: tl.constexpr):
-    """All ``NCH`` chunks of the program's own rows (the unused ones repeat the first)."""
-    c0 = _chunk(base, offs, ok, stride_t, 0, CH, R)
+def _chunks(base, offs, ok, stride_t, rank, CH: tl.constexpr, NC: tl.constexpr):
+    """The first ``NC`` chunks of rows ``offs``, zero from column ``rank`` on (the unused ones repeat
+    the first)."""
+    c0 = _chunk(base, offs, ok, stride_t, 0, CH, rank)
     c1 = c0
     c2 = c0
     c3 = c0
-    if NCH > 1:
-        c1 = _chunk(base, offs, ok, stride_t, 1, CH, R)
-    if NCH > 2:
-        c2 = _chunk(base, offs, ok, stride_t, 2, CH, R)
-    if NCH > 3:
-        c3 = _chunk(base, offs, ok, stride_t, 3, CH, R)
+    if NC > 1:
+        c1 = _chunk(base, offs, ok, stride_t, 1, CH, rank)
+    if NC > 2:
+        c2 = _chunk(base, offs, ok, stride_t, 2, CH, rank)
+    if NC > 3:
+        c3 = _chunk(base, offs, ok, stride_t, 3, CH, rank)
     return c0, c1, c2, c3
+
+
+@triton.jit
+def _chunk_scores(a0, a1, a2, a3, b0, b1, b2, b3, NC: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """``sum_c a_c @ b_c^T`` over the first ``NC`` column chunks."""
+    s = dot(a0, tl.trans(b0), PREC, UPCAST)
+    if NC > 1:
+        s = dot_acc(a1, tl.trans(b1), s, PREC, UPCAST)
+    if NC > 2:
+        s = dot_acc(a2, tl.trans(b2), s, PREC, UPCAST)
+    if NC > 3:
+        s = dot_acc(a3, tl.trans(b3), s, PREC, UPCAST)
+    return s
+
+
+@triton.jit
+def _walked_scores(o0, o1, o2, o3, base, offs, ok, stride_t, rank, NC: tl.constexpr, CH: tl.constexpr,
+                   OWN_ROWS: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """Load the first ``NC`` chunks of the walked tile's rows ``offs`` (zero from column ``rank`` on)
+    and score them against the own tile's chunks ``o*``: own rows by walked rows when ``OWN_ROWS``,
+    else walked rows by own rows. Returns the scores and the loaded chunks (unused ones repeat the
+    first)."""
+    c0, c1, c2, c3 = _chunks(base, offs, ok, stride_t, rank, CH, NC)
+    if OWN_ROWS:
+        s = _chunk_scores(o0, o1, o2, o3, c0, c1, c2, c3, NC, PREC, UPCAST)
+    else:
+        s = _chunk_scores(c0, c1, c2, c3, o0, o1, o2, o3, NC, PREC, UPCAST)
+    return s, c0, c1, c2, c3
 
 
 @triton.jit
@@ -103,40 +151,50 @@ def _tier_end(x0, S, T):
 
 
 @triton.jit
+def _fwd_tile(acc, m_i, l_i, q0, q1, q2, q3, k_base, v_base, offs_m, n0, depth, rank, stride_kt, stride_vt, T, DV,
+              qk_scale, NC: tl.constexpr, DIAG: tl.constexpr, CAUSAL: tl.constexpr, DEPTH_NORM: tl.constexpr,
+              BLOCK_N: tl.constexpr, CH: tl.constexpr, DVP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    dv = tl.arange(0, DVP)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < T
+    s, _, _, _, _ = _walked_scores(q0, q1, q2, q3, k_base, offs_n, n_ok, stride_kt, rank, NC, CH, True, PREC, UPCAST)
+    s = s * _depth_scale(qk_scale, depth, DEPTH_NORM)
+    if DIAG:
+        if CAUSAL:
+            s = tl.where(offs_m[:, None] >= offs_n[None, :], s, float("-inf"))
+    if not CAUSAL:
+        s = tl.where(n_ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    vt = tl.load(v_base + offs_n[:, None] * stride_vt + dv[None, :],
+                 mask=n_ok[:, None] & (dv < DV)[None, :], other=0.0)
+    acc = dot_acc(p.to(vt.dtype), vt, acc * alpha[:, None], PREC, UPCAST)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _fwd_tiles(acc, m_i, l_i, q0, q1, q2, q3, k_base, v_base, m0, offs_m, lo, hi,
                fsize, frank, stride_kt, stride_vt, T, R1, DV, qk_scale,
                NC: tl.constexpr, DIAG: tl.constexpr, CAUSAL: tl.constexpr, DEPTH_NORM: tl.constexpr,
-               BLOCK_N: tl.constexpr, CH: tl.constexpr, DVP: tl.constexpr,
+               BLOCK_N: tl.constexpr, CH: tl.constexpr, DVP: tl.constexpr, RUNS: tl.constexpr,
                PREC: tl.constexpr, UPCAST: tl.constexpr):
-    dv = tl.arange(0, DVP)
-    for n0 in range(lo, hi, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < T
-        depth, rank = _depth_rank(m0, n0, fsize, frank, R1)
-        s = dot(q0, tl.trans(_chunk(k_base, offs_n, n_ok, stride_kt, 0, CH, rank)), PREC, UPCAST)
-        if NC > 1:
-            s = dot_acc(q1, tl.trans(_chunk(k_base, offs_n, n_ok, stride_kt, 1, CH, rank)), s, PREC, UPCAST)
-        if NC > 2:
-            s = dot_acc(q2, tl.trans(_chunk(k_base, offs_n, n_ok, stride_kt, 2, CH, rank)), s, PREC, UPCAST)
-        if NC > 3:
-            s = dot_acc(q3, tl.trans(_chunk(k_base, offs_n, n_ok, stride_kt, 3, CH, rank)), s, PREC, UPCAST)
-        if DEPTH_NORM:
-            s = s * (qk_scale / depth)
-        else:
-            s = s * qk_scale
-        if DIAG:
-            if CAUSAL:
-                s = tl.where(offs_m[:, None] >= offs_n[None, :], s, float("-inf"))
-        if not CAUSAL:
-            s = tl.where(n_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        vt = tl.load(v_base + offs_n[:, None] * stride_vt + dv[None, :],
-                     mask=n_ok[:, None] & (dv < DV)[None, :], other=0.0)
-        acc = dot_acc(p.to(vt.dtype), vt, acc * alpha[:, None], PREC, UPCAST)
-        m_i = m_new
+    if RUNS:  # depth and rank once per run of one depth, so the tile loop does no bookkeeping
+        run = tl.minimum(lo, hi)
+        while run < hi:
+            depth, rank, run_end = _run(m0, run, hi, fsize, frank, R1)
+            for n0 in range(run, run_end, BLOCK_N):
+                acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q0, q1, q2, q3, k_base, v_base, offs_m, n0, depth, rank,
+                                          stride_kt, stride_vt, T, DV, qk_scale, NC, DIAG, CAUSAL, DEPTH_NORM,
+                                          BLOCK_N, CH, DVP, PREC, UPCAST)
+            run = run_end
+    else:
+        for n0 in range(lo, hi, BLOCK_N):
+            depth, rank = _depth_rank(m0, n0, fsize, frank, R1)
+            acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q0, q1, q2, q3, k_base, v_base, offs_m, n0, depth, rank,
+                                      stride_kt, stride_vt, T, DV, qk_scale, NC, DIAG, CAUSAL, DEPTH_NORM,
+                                      BLOCK_N, CH, DVP, PREC, UPCAST)
     return acc, m_i, l_i
 
 
@@ -150,7 +208,7 @@ def _prefix_fwd_kernel(
     H, G, T, R, R1, DV, qk_scale,
     CAUSAL: tl.constexpr, DEPTH_NORM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CH: tl.constexpr, NCH: tl.constexpr,
-    LP: tl.constexpr, DVP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    LP: tl.constexpr, DVP: tl.constexpr, RUNS: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest rows of tiles start first
     pid_bh = tl.program_id(1)
@@ -168,7 +226,7 @@ def _prefix_fwd_kernel(
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_vb + hk * stride_vh
 
-    q0, q1, q2, q3 = _own_chunks(q_base, offs_m, m_ok, stride_qt, R, CH, NCH)
+    q0, q1, q2, q3 = _chunks(q_base, offs_m, m_ok, stride_qt, R, CH, NCH)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -179,16 +237,16 @@ def _prefix_fwd_kernel(
         hi = _tier_start(m0, tl.load(TIERS + t))
         acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q0, q1, q2, q3, k_base, v_base, m0, offs_m, lo, hi,
                                    fsize, frank, stride_kt, stride_vt, T, R1, DV, qk_scale,
-                                   t, False, CAUSAL, DEPTH_NORM, BLOCK_N, CH, DVP, PREC, UPCAST)
+                                   t, False, CAUSAL, DEPTH_NORM, BLOCK_N, CH, DVP, RUNS, PREC, UPCAST)
         lo = hi
     acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q0, q1, q2, q3, k_base, v_base, m0, offs_m, lo, m0,
                                fsize, frank, stride_kt, stride_vt, T, R1, DV, qk_scale,
-                               NCH, False, CAUSAL, DEPTH_NORM, BLOCK_N, CH, DVP, PREC, UPCAST)
+                               NCH, False, CAUSAL, DEPTH_NORM, BLOCK_N, CH, DVP, RUNS, PREC, UPCAST)
     # The diagonal: full rank, the only tiles that need the causal mask.
     acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q0, q1, q2, q3, k_base, v_base, m0, offs_m,
                                m0, tl.minimum(m0 + BLOCK_M, T),
                                fsize, frank, stride_kt, stride_vt, T, R1, DV, qk_scale,
-                               NCH, True, CAUSAL, DEPTH_NORM, BLOCK_N, CH, DVP, PREC, UPCAST)
+                               NCH, True, CAUSAL, DEPTH_NORM, BLOCK_N, CH, DVP, RUNS, PREC, UPCAST)
     if not CAUSAL:
         # Right of the diagonal, most chunks first: tier t ends where the block of TIERS[t - 1] ends.
         lo = m0 + BLOCK_M
@@ -196,11 +254,11 @@ def _prefix_fwd_kernel(
             hi = _tier_end(m0, tl.load(TIERS + NCH - 1 - i), T)
             acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q0, q1, q2, q3, k_base, v_base, m0, offs_m, lo, hi,
                                        fsize, frank, stride_kt, stride_vt, T, R1, DV, qk_scale,
-                                       NCH - i, False, CAUSAL, DEPTH_NORM, BLOCK_N, CH, DVP, PREC, UPCAST)
+                                       NCH - i, False, CAUSAL, DEPTH_NORM, BLOCK_N, CH, DVP, RUNS, PREC, UPCAST)
             lo = hi
         acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q0, q1, q2, q3, k_base, v_base, m0, offs_m, lo, T,
                                    fsize, frank, stride_kt, stride_vt, T, R1, DV, qk_scale,
-                                   1, False, CAUSAL, DEPTH_NORM, BLOCK_N, CH, DVP, PREC, UPCAST)
+                                   1, False, CAUSAL, DEPTH_NORM, BLOCK_N, CH, DVP, RUNS, PREC, UPCAST)
 
     acc = acc / l_i[:, None]
     o_ptr = O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_ot + dv[None, :]
@@ -214,53 +272,61 @@ def _prefix_fwd_kernel(
 
 
 @triton.jit
+def _dkdv_tile(dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, lse_base, delta_base,
+               offs_n, m0, depth, rank, stride_qt, stride_dot, T, DV, sm_scale, qk_scale,
+               NC: tl.constexpr, DIAG: tl.constexpr, CAUSAL: tl.constexpr, DEPTH_NORM: tl.constexpr,
+               BLOCK_M: tl.constexpr, CH: tl.constexpr, DVP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    dv = tl.arange(0, DVP)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < T
+    s, q0, q1, q2, q3 = _walked_scores(k0, k1, k2, k3, q_base, offs_m, m_ok, stride_qt, rank, NC, CH, False,
+                                       PREC, UPCAST)
+    # Rows past T load zeros (q, dO, lse, delta), so they add nothing below.
+    lse = tl.load(lse_base + offs_m, mask=m_ok, other=0.0)
+    delta = tl.load(delta_base + offs_m, mask=m_ok, other=0.0)
+    p = tl.exp2(s * _depth_scale(qk_scale, depth, DEPTH_NORM) - lse[:, None])
+    if DIAG:
+        if CAUSAL:
+            p = tl.where(offs_m[:, None] >= offs_n[None, :], p, 0.0)
+    do = tl.load(do_base + offs_m[:, None] * stride_dot + dv[None, :],
+                 mask=m_ok[:, None] & (dv < DV)[None, :], other=0.0)
+    dv_acc = dot_acc(tl.trans(p.to(do.dtype)), do, dv_acc, PREC, UPCAST)
+    dp = dot(do, tl.trans(vt), PREC, UPCAST)
+    ds = p * (dp - delta[:, None]) * _depth_scale(sm_scale, depth, DEPTH_NORM)
+    ds_t = tl.trans(ds.to(q0.dtype))
+    dk0 = dot_acc(ds_t, q0, dk0, PREC, UPCAST)
+    if NC > 1:
+        dk1 = dot_acc(ds_t, q1, dk1, PREC, UPCAST)
+    if NC > 2:
+        dk2 = dot_acc(ds_t, q2, dk2, PREC, UPCAST)
+    if NC > 3:
+        dk3 = dot_acc(ds_t, q3, dk3, PREC, UPCAST)
+    return dk0, dk1, dk2, dk3, dv_acc
+
+
+@triton.jit
 def _dkdv_tiles(dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, lse_base, delta_base,
                 n0, offs_n, lo, hi, fsize, frank, stride_qt, stride_dot, T, R1, DV, sm_scale, qk_scale,
                 NC: tl.constexpr, DIAG: tl.constexpr, CAUSAL: tl.constexpr, DEPTH_NORM: tl.constexpr,
-                BLOCK_M: tl.constexpr, CH: tl.constexpr, DVP: tl.constexpr,
+                BLOCK_M: tl.constexpr, CH: tl.constexpr, DVP: tl.constexpr, RUNS: tl.constexpr,
                 PREC: tl.constexpr, UPCAST: tl.constexpr):
-    dv = tl.arange(0, DVP)
-    for m0 in range(lo, hi, BLOCK_M):
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        m_ok = offs_m < T
-        depth, rank = _depth_rank(m0, n0, fsize, frank, R1)
-        q0 = _chunk(q_base, offs_m, m_ok, stride_qt, 0, CH, rank)
-        s = dot(q0, tl.trans(k0), PREC, UPCAST)
-        if NC > 1:
-            q1 = _chunk(q_base, offs_m, m_ok, stride_qt, 1, CH, rank)
-            s = dot_acc(q1, tl.trans(k1), s, PREC, UPCAST)
-        if NC > 2:
-            q2 = _chunk(q_base, offs_m, m_ok, stride_qt, 2, CH, rank)
-            s = dot_acc(q2, tl.trans(k2), s, PREC, UPCAST)
-        if NC > 3:
-            q3 = _chunk(q_base, offs_m, m_ok, stride_qt, 3, CH, rank)
-            s = dot_acc(q3, tl.trans(k3), s, PREC, UPCAST)
-        # Rows past T load zeros (q, dO, lse, delta), so they add nothing below.
-        lse = tl.load(lse_base + offs_m, mask=m_ok, other=0.0)
-        delta = tl.load(delta_base + offs_m, mask=m_ok, other=0.0)
-        if DEPTH_NORM:
-            p = tl.exp2(s * (qk_scale / depth) - lse[:, None])
-        else:
-            p = tl.exp2(s * qk_scale - lse[:, None])
-        if DIAG:
-            if CAUSAL:
-                p = tl.where(offs_m[:, None] >= offs_n[None, :], p, 0.0)
-        do = tl.load(do_base + offs_m[:, None] * stride_dot + dv[None, :],
-                     mask=m_ok[:, None] & (dv < DV)[None, :], other=0.0)
-        dv_acc = dot_acc(tl.trans(p.to(do.dtype)), do, dv_acc, PREC, UPCAST)
-        dp = dot(do, tl.trans(vt), PREC, UPCAST)
-        if DEPTH_NORM:
-            ds = p * (dp - delta[:, None]) * (sm_scale / depth)
-        else:
-            ds = p * (dp - delta[:, None]) * sm_scale
-        ds_t = tl.trans(ds.to(q0.dtype))
-        dk0 = dot_acc(ds_t, q0, dk0, PREC, UPCAST)
-        if NC > 1:
-            dk1 = dot_acc(ds_t, q1, dk1, PREC, UPCAST)
-        if NC > 2:
-            dk2 = dot_acc(ds_t, q2, dk2, PREC, UPCAST)
-        if NC > 3:
-            dk3 = dot_acc(ds_t, q3, dk3, PREC, UPCAST)
+    if RUNS:
+        run = tl.minimum(lo, hi)
+        while run < hi:
+            depth, rank, run_end = _run(n0, run, hi, fsize, frank, R1)
+            for m0 in range(run, run_end, BLOCK_M):
+                dk0, dk1, dk2, dk3, dv_acc = _dkdv_tile(
+                    dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, lse_base, delta_base,
+                    offs_n, m0, depth, rank, stride_qt, stride_dot, T, DV, sm_scale, qk_scale,
+                    NC, DIAG, CAUSAL, DEPTH_NORM, BLOCK_M, CH, DVP, PREC, UPCAST)
+            run = run_end
+    else:
+        for m0 in range(lo, hi, BLOCK_M):
+            depth, rank = _depth_rank(m0, n0, fsize, frank, R1)
+            dk0, dk1, dk2, dk3, dv_acc = _dkdv_tile(
+                dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, lse_base, delta_base,
+                offs_n, m0, depth, rank, stride_qt, stride_dot, T, DV, sm_scale, qk_scale,
+                NC, DIAG, CAUSAL, DEPTH_NORM, BLOCK_M, CH, DVP, PREC, UPCAST)
     return dk0, dk1, dk2, dk3, dv_acc
 
 
@@ -274,7 +340,7 @@ def _prefix_dkdv_kernel(
     H, HK, G, T, R, R1, DV, sm_scale, qk_scale,
     CAUSAL: tl.constexpr, DEPTH_NORM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CH: tl.constexpr, NCH: tl.constexpr,
-    LP: tl.constexpr, DVP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    LP: tl.constexpr, DVP: tl.constexpr, RUNS: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
     # DK has k's strides and DV_ has v's strides (all contiguous, same shapes).
     pid_n = tl.program_id(0)
@@ -291,7 +357,7 @@ def _prefix_dkdv_kernel(
     k_base = K + b * stride_kb + hk * stride_kh
     v_off = b * stride_vb + hk * stride_vh
 
-    k0, k1, k2, k3 = _own_chunks(k_base, offs_n, n_ok, stride_kt, R, CH, NCH)
+    k0, k1, k2, k3 = _chunks(k_base, offs_n, n_ok, stride_kt, R, CH, NCH)
     vt = tl.load(V + v_off + offs_n[:, None] * stride_vt + dv[None, :],
                  mask=n_ok[:, None] & (dv < DV)[None, :], other=0.0)
     dk0 = tl.zeros([BLOCK_N, CH], tl.float32)
@@ -314,29 +380,29 @@ def _prefix_dkdv_kernel(
                 dk0, dk1, dk2, dk3, dv_acc = _dkdv_tiles(
                     dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, lse_base, delta_base,
                     n0, offs_n, lo, hi, fsize, frank, stride_qt, stride_dot, T, R1, DV, sm_scale, qk_scale,
-                    t, False, CAUSAL, DEPTH_NORM, BLOCK_M, CH, DVP, PREC, UPCAST)
+                    t, False, CAUSAL, DEPTH_NORM, BLOCK_M, CH, DVP, RUNS, PREC, UPCAST)
                 lo = hi
             dk0, dk1, dk2, dk3, dv_acc = _dkdv_tiles(
                 dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, lse_base, delta_base,
                 n0, offs_n, lo, n0, fsize, frank, stride_qt, stride_dot, T, R1, DV, sm_scale, qk_scale,
-                NCH, False, CAUSAL, DEPTH_NORM, BLOCK_M, CH, DVP, PREC, UPCAST)
+                NCH, False, CAUSAL, DEPTH_NORM, BLOCK_M, CH, DVP, RUNS, PREC, UPCAST)
         # The diagonal, then the query tiles below it, most chunks first.
         dk0, dk1, dk2, dk3, dv_acc = _dkdv_tiles(
             dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, lse_base, delta_base,
             n0, offs_n, n0, tl.minimum(n0 + BLOCK_N, T), fsize, frank, stride_qt, stride_dot, T, R1, DV,
-            sm_scale, qk_scale, NCH, True, CAUSAL, DEPTH_NORM, BLOCK_M, CH, DVP, PREC, UPCAST)
+            sm_scale, qk_scale, NCH, True, CAUSAL, DEPTH_NORM, BLOCK_M, CH, DVP, RUNS, PREC, UPCAST)
         lo = n0 + BLOCK_N
         for i in tl.static_range(0, NCH - 1):
             hi = _tier_end(n0, tl.load(TIERS + NCH - 1 - i), T)
             dk0, dk1, dk2, dk3, dv_acc = _dkdv_tiles(
                 dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, lse_base, delta_base,
                 n0, offs_n, lo, hi, fsize, frank, stride_qt, stride_dot, T, R1, DV, sm_scale, qk_scale,
-                NCH - i, False, CAUSAL, DEPTH_NORM, BLOCK_M, CH, DVP, PREC, UPCAST)
+                NCH - i, False, CAUSAL, DEPTH_NORM, BLOCK_M, CH, DVP, RUNS, PREC, UPCAST)
             lo = hi
         dk0, dk1, dk2, dk3, dv_acc = _dkdv_tiles(
             dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, lse_base, delta_base,
             n0, offs_n, lo, T, fsize, frank, stride_qt, stride_dot, T, R1, DV, sm_scale, qk_scale,
-            1, False, CAUSAL, DEPTH_NORM, BLOCK_M, CH, DVP, PREC, UPCAST)
+            1, False, CAUSAL, DEPTH_NORM, BLOCK_M, CH, DVP, RUNS, PREC, UPCAST)
 
     _store_chunks(DK + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_kt, n_ok, R,
                   dk0, dk1, dk2, dk3, CH, NCH)
@@ -345,51 +411,57 @@ def _prefix_dkdv_kernel(
 
 
 @triton.jit
+def _dq_tile(dq0, dq1, dq2, dq3, q0, q1, q2, q3, do, lse, delta, k_base, v_base, offs_m, n0, depth, rank,
+             stride_kt, stride_vt, T, DV, sm_scale, qk_scale,
+             NC: tl.constexpr, DIAG: tl.constexpr, CAUSAL: tl.constexpr, DEPTH_NORM: tl.constexpr,
+             BLOCK_N: tl.constexpr, CH: tl.constexpr, DVP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    dv = tl.arange(0, DVP)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < T
+    s, k0, k1, k2, k3 = _walked_scores(q0, q1, q2, q3, k_base, offs_n, n_ok, stride_kt, rank, NC, CH, True,
+                                       PREC, UPCAST)
+    p = tl.exp2(s * _depth_scale(qk_scale, depth, DEPTH_NORM) - lse[:, None])
+    if DIAG:
+        if CAUSAL:
+            p = tl.where(offs_m[:, None] >= offs_n[None, :], p, 0.0)
+    if not CAUSAL:
+        p = tl.where(n_ok[None, :], p, 0.0)
+    vt = tl.load(v_base + offs_n[:, None] * stride_vt + dv[None, :],
+                 mask=n_ok[:, None] & (dv < DV)[None, :], other=0.0)
+    dp = dot(do, tl.trans(vt), PREC, UPCAST)
+    ds = p * (dp - delta[:, None]) * _depth_scale(sm_scale, depth, DEPTH_NORM)
+    ds = ds.to(k0.dtype)
+    dq0 = dot_acc(ds, k0, dq0, PREC, UPCAST)
+    if NC > 1:
+        dq1 = dot_acc(ds, k1, dq1, PREC, UPCAST)
+    if NC > 2:
+        dq2 = dot_acc(ds, k2, dq2, PREC, UPCAST)
+    if NC > 3:
+        dq3 = dot_acc(ds, k3, dq3, PREC, UPCAST)
+    return dq0, dq1, dq2, dq3
+
+
+@triton.jit
 def _dq_tiles(dq0, dq1, dq2, dq3, q0, q1, q2, q3, do, lse, delta, k_base, v_base, m0, offs_m, lo, hi,
               fsize, frank, stride_kt, stride_vt, T, R1, DV, sm_scale, qk_scale,
               NC: tl.constexpr, DIAG: tl.constexpr, CAUSAL: tl.constexpr, DEPTH_NORM: tl.constexpr,
-              BLOCK_N: tl.constexpr, CH: tl.constexpr, DVP: tl.constexpr,
+              BLOCK_N: tl.constexpr, CH: tl.constexpr, DVP: tl.constexpr, RUNS: tl.constexpr,
               PREC: tl.constexpr, UPCAST: tl.constexpr):
-    dv = tl.arange(0, DVP)
-    for n0 in range(lo, hi, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < T
-        depth, rank = _depth_rank(m0, n0, fsize, frank, R1)
-        k0 = _chunk(k_base, offs_n, n_ok, stride_kt, 0, CH, rank)
-        s = dot(q0, tl.trans(k0), PREC, UPCAST)
-        if NC > 1:
-            k1 = _chunk(k_base, offs_n, n_ok, stride_kt, 1, CH, rank)
-            s = dot_acc(q1, tl.trans(k1), s, PREC, UPCAST)
-        if NC > 2:
-            k2 = _chunk(k_base, offs_n, n_ok, stride_kt, 2, CH, rank)
-            s = dot_acc(q2, tl.trans(k2), s, PREC, UPCAST)
-        if NC > 3:
-            k3 = _chunk(k_base, offs_n, n_ok, stride_kt, 3, CH, rank)
-            s = dot_acc(q3, tl.trans(k3), s, PREC, UPCAST)
-        if DEPTH_NORM:
-            p = tl.exp2(s * (qk_scale / depth) - lse[:, None])
-        else:
-            p = tl.exp2(s * qk_scale - lse[:, None])
-        if DIAG:
-            if CAUSAL:
-                p = tl.where(offs_m[:, None] >= offs_n[None, :], p, 0.0)
-        if not CAUSAL:
-            p = tl.where(n_ok[None, :], p, 0.0)
-        vt = tl.load(v_base + offs_n[:, None] * stride_vt + dv[None, :],
-                     mask=n_ok[:, None] & (dv < DV)[None, :], other=0.0)
-        dp = dot(do, tl.trans(vt), PREC, UPCAST)
-        if DEPTH_NORM:
-            ds = p * (dp - delta[:, None]) * (sm_scale / depth)
-        else:
-            ds = p * (dp - delta[:, None]) * sm_scale
-        ds = ds.to(k0.dtype)
-        dq0 = dot_acc(ds, k0, dq0, PREC, UPCAST)
-        if NC > 1:
-            dq1 = dot_acc(ds, k1, dq1, PREC, UPCAST)
-        if NC > 2:
-            dq2 = dot_acc(ds, k2, dq2, PREC, UPCAST)
-        if NC > 3:
-            dq3 = dot_acc(ds, k3, dq3, PREC, UPCAST)
+    if RUNS:
+        run = tl.minimum(lo, hi)
+        while run < hi:
+            depth, rank, run_end = _run(m0, run, hi, fsize, frank, R1)
+            for n0 in range(run, run_end, BLOCK_N):
+                dq0, dq1, dq2, dq3 = _dq_tile(dq0, dq1, dq2, dq3, q0, q1, q2, q3, do, lse, delta, k_base, v_base,
+                                              offs_m, n0, depth, rank, stride_kt, stride_vt, T, DV, sm_scale,
+                                              qk_scale, NC, DIAG, CAUSAL, DEPTH_NORM, BLOCK_N, CH, DVP, PREC, UPCAST)
+            run = run_end
+    else:
+        for n0 in range(lo, hi, BLOCK_N):
+            depth, rank = _depth_rank(m0, n0, fsize, frank, R1)
+            dq0, dq1, dq2, dq3 = _dq_tile(dq0, dq1, dq2, dq3, q0, q1, q2, q3, do, lse, delta, k_base, v_base,
+                                          offs_m, n0, depth, rank, stride_kt, stride_vt, T, DV, sm_scale,
+                                          qk_scale, NC, DIAG, CAUSAL, DEPTH_NORM, BLOCK_N, CH, DVP, PREC, UPCAST)
     return dq0, dq1, dq2, dq3
 
 
@@ -403,7 +475,7 @@ def _prefix_dq_kernel(
     H, G, T, R, R1, DV, sm_scale, qk_scale,
     CAUSAL: tl.constexpr, DEPTH_NORM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CH: tl.constexpr, NCH: tl.constexpr,
-    LP: tl.constexpr, DVP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    LP: tl.constexpr, DVP: tl.constexpr, RUNS: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
     # DQ has q's strides.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest rows of tiles start first
@@ -422,7 +494,7 @@ def _prefix_dq_kernel(
     k_base = K + b * stride_kb + hk * stride_kh
     v_base = V + b * stride_vb + hk * stride_vh
 
-    q0, q1, q2, q3 = _own_chunks(q_base, offs_m, m_ok, stride_qt, R, CH, NCH)
+    q0, q1, q2, q3 = _chunks(q_base, offs_m, m_ok, stride_qt, R, CH, NCH)
     do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dot + dv[None, :],
                  mask=m_ok[:, None] & (dv < DV)[None, :], other=0.0)
     lse = tl.load(LSE + pid_bh * T + offs_m, mask=m_ok, other=0.0)
@@ -437,17 +509,17 @@ def _prefix_dq_kernel(
         hi = _tier_start(m0, tl.load(TIERS + t))
         dq0, dq1, dq2, dq3 = _dq_tiles(dq0, dq1, dq2, dq3, q0, q1, q2, q3, do, lse, delta, k_base, v_base,
                                        m0, offs_m, lo, hi, fsize, frank, stride_kt, stride_vt, T, R1, DV,
-                                       sm_scale, qk_scale, t, False, CAUSAL, DEPTH_NORM, BLOCK_N, CH, DVP,
+                                       sm_scale, qk_scale, t, False, CAUSAL, DEPTH_NORM, BLOCK_N, CH, DVP, RUNS,
                                        PREC, UPCAST)
         lo = hi
     dq0, dq1, dq2, dq3 = _dq_tiles(dq0, dq1, dq2, dq3, q0, q1, q2, q3, do, lse, delta, k_base, v_base,
                                    m0, offs_m, lo, m0, fsize, frank, stride_kt, stride_vt, T, R1, DV,
-                                   sm_scale, qk_scale, NCH, False, CAUSAL, DEPTH_NORM, BLOCK_N, CH, DVP,
+                                   sm_scale, qk_scale, NCH, False, CAUSAL, DEPTH_NORM, BLOCK_N, CH, DVP, RUNS,
                                    PREC, UPCAST)
     dq0, dq1, dq2, dq3 = _dq_tiles(dq0, dq1, dq2, dq3, q0, q1, q2, q3, do, lse, delta, k_base, v_base,
                                    m0, offs_m, m0, tl.minimum(m0 + BLOCK_M, T), fsize, frank, stride_kt,
                                    stride_vt, T, R1, DV, sm_scale, qk_scale, NCH, True, CAUSAL, DEPTH_NORM,
-                                   BLOCK_N, CH, DVP, PREC, UPCAST)
+                                   BLOCK_N, CH, DVP, RUNS, PREC, UPCAST)
     if not CAUSAL:
         lo = m0 + BLOCK_M
         for i in tl.static_range(0, NCH - 1):
@@ -455,11 +527,11 @@ def _prefix_dq_kernel(
             dq0, dq1, dq2, dq3 = _dq_tiles(dq0, dq1, dq2, dq3, q0, q1, q2, q3, do, lse, delta, k_base,
                                            v_base, m0, offs_m, lo, hi, fsize, frank, stride_kt, stride_vt,
                                            T, R1, DV, sm_scale, qk_scale, NCH - i, False, CAUSAL,
-                                           DEPTH_NORM, BLOCK_N, CH, DVP, PREC, UPCAST)
+                                           DEPTH_NORM, BLOCK_N, CH, DVP, RUNS, PREC, UPCAST)
             lo = hi
         dq0, dq1, dq2, dq3 = _dq_tiles(dq0, dq1, dq2, dq3, q0, q1, q2, q3, do, lse, delta, k_base, v_base,
                                        m0, offs_m, lo, T, fsize, frank, stride_kt, stride_vt, T, R1, DV,
-                                       sm_scale, qk_scale, 1, False, CAUSAL, DEPTH_NORM, BLOCK_N, CH, DVP,
+                                       sm_scale, qk_scale, 1, False, CAUSAL, DEPTH_NORM, BLOCK_N, CH, DVP, RUNS,
                                        PREC, UPCAST)
 
     _store_chunks(DQ + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qt, m_ok, R,
@@ -488,6 +560,9 @@ class PrefixTiles:
     dq_n: int = 64  # dQ: key step
     num_warps: int = 4
     num_stages: int = 2
+    # Walk each tier in runs of one depth, finding depth and rank once per run rather than once per
+    # tile (not yet timed on a GPU, so off by default).
+    runs: bool = False
 
     def fits(self, fine_sizes: Sequence[int]) -> bool:
         pairs = ((self.fwd_m, self.fwd_n), (self.dkdv_n, self.dkdv_m), (self.dq_m, self.dq_n))
@@ -534,7 +609,8 @@ class PrefixPlan:
 
     def constexprs(self, causal: bool, depth_normalize: bool, block_m: int, block_n: int) -> dict:
         return dict(CAUSAL=causal, DEPTH_NORM=depth_normalize, BLOCK_M=block_m, BLOCK_N=block_n,
-                    CH=self.CH, NCH=self.NCH, LP=self.LP, DVP=self.DVP, PREC=self.prec, UPCAST=self.upcast,
+                    CH=self.CH, NCH=self.NCH, LP=self.LP, DVP=self.DVP, RUNS=self.tiles.runs,
+                    PREC=self.prec, UPCAST=self.upcast,
                     num_warps=self.tiles.num_warps, num_stages=self.tiles.num_stages)
 
 
