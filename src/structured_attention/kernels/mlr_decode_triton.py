@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from structured_attention.functional.mlr_decode import check_mlr_decode_arguments
-from structured_attention.kernels.triton_common import INTERPRETED, device_table, dot, dot_acc, pow2
+from structured_attention.kernels.triton_common import INTERPRETED, cdiv, device_table, dot, dot_acc, pow2
 
 __all__ = ["mlr_decode_triton"]
 
@@ -249,11 +249,11 @@ def mlr_decode_triton(
     Hk, end, Dv = v.shape[1], v.shape[2], v.shape[3]
     device = q.device
     if chunk is None:  # about four programs per multiprocessor, each over whole tiles
-        per = triton.cdiv(end, max(1, 4 * _multiprocessors(device) // (B * Hk)))
-        chunk = triton.cdiv(per, block_n) * block_n
+        per = cdiv(end, max(1, 4 * _multiprocessors(device) // (B * Hk)))
+        chunk = cdiv(per, block_n) * block_n
     if chunk <= 0 or chunk % block_n:
         raise ValueError(f"chunk: expected a positive multiple of block_n={block_n}, got {chunk}")
-    n_splits = triton.cdiv(end, chunk)
+    n_splits = cdiv(end, chunk)
     k0 = keys[0]
     if end > 1 and k0.stride(2) != ranks[0]:  # the kernel steps level-1 rows by R0
         k0 = k0.contiguous()

@@ -43,7 +43,7 @@ import triton.language as tl
 
 from structured_attention.functional.mlr import check_mlr_arguments
 from structured_attention.kernels.mlr_triton_prefix import mlr_attention_prefix, square_tiles
-from structured_attention.kernels.triton_common import INTERPRETED, device_table, dot, pow2
+from structured_attention.kernels.triton_common import INTERPRETED, cdiv, device_table, dot, pow2
 
 __all__ = ["mlr_attention_triton"]
 
@@ -366,7 +366,7 @@ class _Plan:
         self.R1 = ranks[0]
         self.R1P = pow2(ranks[0], 16)
         self.RLP = pow2(max(fine), 16) if fine else 16
-        self.LP = triton.next_power_of_2(max(len(fine), 1))
+        self.LP = pow2(len(fine))
         self.DV = v.shape[-1]
         self.DVP = pow2(self.DV, 16)
         self.S2 = sizes[1] if self.has_fine else 1
@@ -397,7 +397,7 @@ def _forward(q, k, v, plan: _Plan, causal: bool, scale: float, depth_normalize: 
     Hk = k.shape[1]
     o = torch.empty(B, H, T, plan.DV, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
-    grid = (triton.cdiv(T, plan.block_m), B * H)
+    grid = (cdiv(T, plan.block_m), B * H)
     _mlr_fwd_kernel[grid](
         q, k, v, o, lse, plan.foff, plan.frank, plan.fsize,
         q.stride(0), q.stride(1), q.stride(2),
@@ -426,13 +426,13 @@ def _backward(q, k, v, o, lse, do, plan: _Plan, causal: bool, scale: float, dept
         do.stride(0), do.stride(1), do.stride(2),
     )
     cx = plan.constexprs(causal, depth_normalize)
-    _mlr_bwd_dkdv_kernel[(triton.cdiv(T, plan.block_n), B * Hk)](
+    _mlr_bwd_dkdv_kernel[(cdiv(T, plan.block_n), B * Hk)](
         q, k, v, do, lse, delta, dk, dv, plan.foff, plan.frank, plan.fsize,
         *common_strides,
         H, Hk, G, T, plan.R1, plan.DV, plan.S2, float(scale),
         **cx,
     )
-    _mlr_bwd_dq_kernel[(triton.cdiv(T, plan.block_m), B * H)](
+    _mlr_bwd_dq_kernel[(cdiv(T, plan.block_m), B * H)](
         q, k, v, do, lse, delta, dq, plan.foff, plan.frank, plan.fsize,
         *common_strides,
         H, G, T, plan.R1, plan.DV, plan.S2, float(scale),

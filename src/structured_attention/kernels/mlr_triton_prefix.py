@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from structured_attention.kernels.triton_common import INTERPRETED, device_table, dot, dot_acc, pow2
+from structured_attention.kernels.triton_common import INTERPRETED, cdiv, device_table, dot, dot_acc, pow2
 
 __all__ = ["PrefixTiles", "square_tiles", "mlr_attention_prefix"]
 
@@ -596,7 +596,7 @@ class PrefixPlan:
         tiers = [sizes[next(d for d, p in enumerate(prefix) if p > (t - 1) * self.CH)]
                  for t in range(1, self.NCH + 1)]
         fine = list(ranks[1:])
-        self.LP = triton.next_power_of_2(max(len(fine), 1))
+        self.LP = pow2(len(fine))
         pad = self.LP - len(fine)
         self.fsize = device_table(tuple(sizes[1:]) + (1,) * pad, torch.int32, q.device)
         self.frank = device_table(tuple(fine) + (0,) * pad, torch.int32, q.device)
@@ -619,7 +619,7 @@ def _forward(q, k, v, plan: PrefixPlan, causal: bool, scale: float, depth_normal
     tiles = plan.tiles
     o = torch.empty(B, H, T, plan.DV, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
-    _prefix_fwd_kernel[(triton.cdiv(T, tiles.fwd_m), B * H)](
+    _prefix_fwd_kernel[(cdiv(T, tiles.fwd_m), B * H)](
         q, k, v, o, lse, plan.fsize, plan.frank, plan.tiers,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
@@ -644,12 +644,12 @@ def _backward(q, k, v, o, lse, do, plan: PrefixPlan, causal: bool, scale: float,
         v.stride(0), v.stride(1), v.stride(2),
         do.stride(0), do.stride(1), do.stride(2),
     )
-    _prefix_dkdv_kernel[(triton.cdiv(T, tiles.dkdv_n), B * Hk)](
+    _prefix_dkdv_kernel[(cdiv(T, tiles.dkdv_n), B * Hk)](
         q, k, v, do, lse, delta, dk, dv, plan.fsize, plan.frank, plan.tiers, *strides,
         H, Hk, H // Hk, T, plan.R, plan.R1, plan.DV, scale, scale * _LOG2E,
         **plan.constexprs(causal, depth_normalize, tiles.dkdv_m, tiles.dkdv_n),
     )
-    _prefix_dq_kernel[(triton.cdiv(T, tiles.dq_m), B * H)](
+    _prefix_dq_kernel[(cdiv(T, tiles.dq_m), B * H)](
         q, k, v, do, lse, delta, dq, plan.fsize, plan.frank, plan.tiers, *strides,
         H, H // Hk, T, plan.R, plan.R1, plan.DV, scale, scale * _LOG2E,
         **plan.constexprs(causal, depth_normalize, tiles.dq_m, tiles.dq_n),

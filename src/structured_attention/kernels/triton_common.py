@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["INTERPRETED", "device_table", "dot", "dot_acc", "pow2"]
+__all__ = ["INTERPRETED", "cdiv", "device_table", "dot", "dot_acc", "pow2"]
 
 
 @triton.jit
@@ -39,9 +39,16 @@ def dot_acc(a, b, acc, PREC: tl.constexpr, UPCAST: tl.constexpr):
 INTERPRETED = "interpret" in type(dot).__name__.lower()
 
 
+# Host-side arithmetic in plain Python: Triton's own cdiv and next_power_of_2 are constexpr
+# functions whose call wrapper costs microseconds, paid on every decoding step.
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for positive ``b``."""
+    return -(-a // b)
+
+
 def pow2(n: int, floor: int = 1) -> int:
     """The smallest power of two >= ``n`` and >= ``floor`` (``tl.dot`` wants dims of 16 or more)."""
-    return max(floor, triton.next_power_of_2(max(int(n), 1)))
+    return max(floor, 1 << (max(int(n), 1) - 1).bit_length())
 
 
 @functools.lru_cache(maxsize=512)
