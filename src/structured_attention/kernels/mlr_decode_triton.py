@@ -35,6 +35,23 @@ __all__ = ["mlr_decode_triton"]
 
 
 @triton.jit
+def _program_rows(Q, K0, V, stride_qb, stride_qh, stride_k0b, stride_k0h, stride_vb, stride_vh,
+                  HK: tl.constexpr, G: tl.constexpr, R0: tl.constexpr, BLOCK_G: tl.constexpr, R0P: tl.constexpr):
+    """This program's (batch, kv head, split), its group's query rows (``BLOCK_G`` row starts, the
+    level-1 dims loaded), and the bases of its level-1 keys (contiguous rows of ``R0``) and values."""
+    pid_bk = tl.program_id(0)
+    b = pid_bk // HK
+    hk = pid_bk % HK
+    g = tl.arange(0, BLOCK_G)
+    g_ok = g < G
+    q_rows = Q + b * stride_qb + (hk * G + g) * stride_qh
+    d0 = tl.arange(0, R0P)
+    q0 = tl.load(q_rows[:, None] + d0[None, :], mask=g_ok[:, None] & (d0[None, :] < R0), other=0.0)
+    return (pid_bk, tl.program_id(1), b, hk, g, g_ok, q_rows, d0, q0, K0 + b * stride_k0b + hk * stride_k0h,
+            V + b * stride_vb + hk * stride_vh)
+
+
+@triton.jit
 def _split_start(split, chunk, end, BLOCK_G: tl.constexpr, DVP: tl.constexpr):
     """The keys ``[lo, hi)`` of this split and an empty online softmax for its query rows."""
     lo = split * chunk
@@ -74,19 +91,10 @@ def _mlr_decode_split_kernel(
     BLOCK_G: tl.constexpr, R0P: tl.constexpr, RFP: tl.constexpr, DVP: tl.constexpr, BLOCK_N: tl.constexpr,
     ALIGN: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    pid_bk = tl.program_id(0)
-    split = tl.program_id(1)
-    b = pid_bk // HK
-    hk = pid_bk % HK
-    g = tl.arange(0, BLOCK_G)
-    g_ok = g < G
-    q_rows = Q + b * stride_qb + (hk * G + g) * stride_qh  # (BLOCK_G,) row starts
-    d0 = tl.arange(0, R0P)
-    q0 = tl.load(q_rows[:, None] + d0[None, :], mask=g_ok[:, None] & (d0[None, :] < R0), other=0.0)
+    pid_bk, split, b, hk, g, g_ok, q_rows, d0, q0, k0_rows, v_rows = _program_rows(
+        Q, K0, V, stride_qb, stride_qh, stride_k0b, stride_k0h, stride_vb, stride_vh, HK, G, R0, BLOCK_G, R0P)
     dv = tl.arange(0, DVP)
     df = tl.arange(0, RFP)
-    k0_rows = K0 + b * stride_k0b + hk * stride_k0h  # level-1 rows are contiguous: row stride R0
-    v_rows = V + b * stride_vb + hk * stride_vh
 
     lo, hi, m_i, l_i, acc = _split_start(split, chunk, end, BLOCK_G, DVP)
     # The held ranges are nested (start_2 <= start_3 <= ...), so the keys fall into regions of one
@@ -139,15 +147,8 @@ def _mlr_decode_gather_kernel(
     ``n >= start`` of that level. The per-column addresses are built once per program, so the loop
     holds no per-level work: past the first finer start, each tile is one gathered load and one
     product more than before it."""
-    pid_bk = tl.program_id(0)
-    split = tl.program_id(1)
-    b = pid_bk // HK
-    hk = pid_bk % HK
-    g = tl.arange(0, BLOCK_G)
-    g_ok = g < G
-    q_rows = Q + b * stride_qb + (hk * G + g) * stride_qh
-    d0 = tl.arange(0, R0P)
-    q0 = tl.load(q_rows[:, None] + d0[None, :], mask=g_ok[:, None] & (d0[None, :] < R0), other=0.0)
+    pid_bk, split, b, hk, g, g_ok, q_rows, d0, q0, k0_rows, v_rows = _program_rows(
+        Q, K0, V, stride_qb, stride_qh, stride_k0b, stride_k0h, stride_vb, stride_vh, HK, G, R0, BLOCK_G, R0P)
     c = tl.arange(0, RFP)
     c_ok = c < RF
     qf = tl.load(q_rows[:, None] + R0 + c[None, :], mask=g_ok[:, None] & c_ok[None, :], other=0.0)
@@ -158,8 +159,6 @@ def _mlr_decode_gather_kernel(
                 + hk * tl.load(FINE_STRIDES + 3 * lvl + 1, mask=c_ok, other=0)
                 + tl.load(COL_WITHIN + c, mask=c_ok, other=0) - col_start * col_step)
     dv = tl.arange(0, DVP)
-    k0_rows = K0 + b * stride_k0b + hk * stride_k0h
-    v_rows = V + b * stride_vb + hk * stride_vh
 
     lo, hi, m_i, l_i, acc = _split_start(split, chunk, end, BLOCK_G, DVP)
     # Keys before the first finer start read level 1 alone; the rest also gather the finer columns.
@@ -210,6 +209,22 @@ def _mlr_decode_merge_kernel(ACC, M, L, OUT, N_SPLITS, SP: tl.constexpr, DV: tl.
 @functools.lru_cache(maxsize=8)
 def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+@functools.lru_cache(maxsize=64)
+def _level_tables(r0: int, fine_ranks: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per finer level: its first query dim and its rank (the per-level kernel's tables)."""
+    offsets = tuple(r0 + sum(fine_ranks[:i]) for i in range(len(fine_ranks)))
+    return (device_table(offsets or (0,), torch.int32, device),
+            device_table(fine_ranks or (0,), torch.int32, device))
+
+
+@functools.lru_cache(maxsize=64)
+def _column_tables(fine_ranks: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per finer query dim: its level and its column within that level (the gathering kernel's tables)."""
+    level = tuple(i for i, r in enumerate(fine_ranks) for _ in range(r))
+    within = tuple(w for r in fine_ranks for w in range(r))
+    return device_table(level or (0,), torch.int32, device), device_table(within or (0,), torch.int32, device)
 
 
 def mlr_decode_triton(
@@ -266,13 +281,10 @@ def mlr_decode_triton(
     # the strides, tells the compiler how wide its loads may be.
     offs = tuple((k.data_ptr() - k0.data_ptr()) // size for k, _, _ in fine)
     strides = tuple(s for k, _, _ in fine for s in k.stride()[:3])
-    align = math.gcd(16 // size, *offs, *strides)
     # The tables change only when a level's block ends or a buffer grows.
     offs_t = device_table(offs or (0,), torch.int64, device)
     strides_t = device_table(strides or (0, 0, 0), torch.int64, device)
     starts = device_table(tuple(s for _, s, _ in fine) or (0,), torch.int32, device)
-    qoff = device_table(tuple(sum(ranks[:i]) for i in range(1, len(ranks))) or (0,), torch.int32, device)
-    rank = device_table(tuple(r for _, _, r in fine) or (0,), torch.int32, device)
     part_acc = torch.empty(B, H, n_splits, Dv, dtype=torch.float32, device=device)
     part_m = torch.empty(B, H, n_splits, dtype=torch.float32, device=device)
     part_l = torch.empty_like(part_m)
@@ -284,19 +296,18 @@ def mlr_decode_triton(
                   num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg)
     scalars = (end, chunk, float(scale) / math.log(2.0), n_splits,
                q.stride(0), q.stride(1), k0.stride(0), k0.stride(1), v.stride(0), v.stride(1), v.stride(2))
+    fine_ranks = tuple(ranks[1:])
     if gather_levels:
-        fine_ranks = ranks[1:]
-        col_level = device_table(tuple(i for i, r in enumerate(fine_ranks) for _ in range(r)) or (0,), torch.int32,
-                                 device)
-        col_within = device_table(tuple(w for r in fine_ranks for w in range(r)) or (0,), torch.int32, device)
+        col_level, col_within = _column_tables(fine_ranks, device)
         _mlr_decode_gather_kernel[(B * Hk, n_splits)](
             q, k0, v, offs_t, strides_t, starts, col_level, col_within, part_acc, part_m, part_l, *scalars,
             RF=sum(fine_ranks), RFP=pow2(sum(fine_ranks), 16), NFP=pow2(len(fine)), **common,
         )
     else:
+        qoff, rank = _level_tables(ranks[0], fine_ranks, device)
         _mlr_decode_split_kernel[(B * Hk, n_splits)](
             q, k0, v, offs_t, strides_t, starts, qoff, rank, part_acc, part_m, part_l, *scalars,
-            RFP=pow2(max(ranks[1:], default=1), 16), ALIGN=align, **common,
+            RFP=pow2(max(fine_ranks, default=1), 16), ALIGN=math.gcd(16 // size, *offs, *strides), **common,
         )
     out = torch.empty(B, H, 1, Dv, dtype=v.dtype, device=device)
     _mlr_decode_merge_kernel[(B * H,)](part_acc, part_m, part_l, out, n_splits, SP=pow2(n_splits),
