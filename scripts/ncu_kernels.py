@@ -7,10 +7,10 @@ The kernels run twice first (Triton compiles, SDPA picks its kernel), then once 
 ``cudaProfilerStart`` and ``cudaProfilerStop``, so ncu sees only that call:
 
 - ``decode``: one step's attention at a 16k cache (batch 16, 8 heads, bfloat16), MLR
-  ``8|8|8|8|8|8|8|8`` through the Triton decoding kernel (per-level and gathered) and SDPA's flash
+  ``8|8|8|8|8|8|8|8`` through the Triton decoding kernel and SDPA's flash
   kernel over 64-dim keys;
 - ``prefill``: the causal forward at T = 8192 (batch 1, 8 heads), the prefix-rank Triton kernel
-  (per tile and in runs of one depth) and SDPA's flash kernel, the shapes of ``sattn bench mlr``.
+  and SDPA's flash kernel, the shapes of ``sattn bench mlr``.
 """
 
 from __future__ import annotations
@@ -22,16 +22,15 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from structured_attention.functional.mlr import check_mlr_arguments
-from structured_attention.kernels import mlr_decode_triton
-from structured_attention.kernels.mlr_triton_prefix import PrefixTiles, mlr_attention_prefix
+from structured_attention.ops.mlr.contract import check_mlr_arguments
+from structured_attention.ops.mlr.triton_decode import mlr_decode_triton
+from structured_attention.ops.mlr.triton_prefix import PrefixTiles, mlr_attention_prefix
 from tune_mlr_triton import DECODE_RANKS, decode_case  # scripts/ is on the path when run as a script
 
 
 def _decode_cases() -> dict:
     q, keys, starts, v, k = decode_case()
     return {"mlr": lambda: mlr_decode_triton(q, keys, starts, v, DECODE_RANKS, 0.125),
-            "mlr gathered": lambda: mlr_decode_triton(q, keys, starts, v, DECODE_RANKS, 0.125, gather_levels=True),
             "flash": lambda: F.scaled_dot_product_attention(q, k, v)}
 
 
@@ -42,9 +41,7 @@ def _prefill_cases() -> dict:
     v = torch.randn(1, 8, T, 64, device="cuda", dtype=torch.bfloat16)
     ranks, sizes, _ = check_mlr_arguments(q, k, v, ranks, None, True, None, False)
     scale = 1 / math.sqrt(sum(ranks))
-    runs = PrefixTiles(runs=True)
     return {"mlr": lambda: mlr_attention_prefix(q, k, v, ranks, sizes, True, scale, False, PrefixTiles()),
-            "mlr runs": lambda: mlr_attention_prefix(q, k, v, ranks, sizes, True, scale, False, runs),
             "flash": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)}
 
 

@@ -23,10 +23,10 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from structured_attention.functional import mlr_attention_reference, mlr_decode_reference
-from structured_attention.functional.mlr import check_mlr_arguments, mlr_block_sizes
-from structured_attention.kernels import mlr_decode_triton
-from structured_attention.kernels.mlr_triton import mlr_attention_triton
-from structured_attention.kernels.mlr_triton_prefix import PrefixTiles, mlr_attention_prefix
+from structured_attention.ops.mlr.contract import check_mlr_arguments, mlr_block_sizes
+from structured_attention.ops.mlr.triton_decode import mlr_decode_triton
+from structured_attention.ops.mlr.triton_general import mlr_attention_triton
+from structured_attention.ops.mlr.triton_prefix import PrefixTiles, mlr_attention_prefix
 
 SETTINGS = {
     "64/w4/s2": PrefixTiles(num_warps=4, num_stages=2),
@@ -36,8 +36,6 @@ SETTINGS = {
     "128x64/w8/s2": PrefixTiles(128, 64, 128, 64, 128, 64, num_warps=8, num_stages=2),
     "128x64/w4/s2": PrefixTiles(128, 64, 128, 64, 128, 64, num_warps=4, num_stages=2),
     "bwd32/w4/s2": PrefixTiles(64, 64, 64, 32, 64, 32, num_warps=4, num_stages=2),
-    "64/w4/s2/runs": PrefixTiles(num_warps=4, num_stages=2, runs=True),
-    "64/w4/s3/runs": PrefixTiles(num_warps=4, num_stages=3, runs=True),
 }
 
 
@@ -167,29 +165,25 @@ def main() -> None:
         print(f"  sdpa {name}: {mha[name] * 1e3:.1f} us", flush=True)
     base = mha.get("flash") or min(mha.values())
     mlr_bytes = sum(k.numel() * k.element_size() for k in keys) + vals.numel() * vals.element_size()
-    # (programs per multiprocessor, keys per tile, warps, stages, register cap, gathered finer levels):
-    # around the default (4, 128, 4, 2, 128, per-level), the register caps that let more programs
-    # share a multiprocessor, the best of the earlier sweeps (docs/results/bench/gpu-h200/
-    # decode-maxnreg.log), and the kernel that gathers the finer levels into one tile.
-    settings = [(per_sm, 128, 4, 2, maxnreg, False) for per_sm in (4, 6, 8) for maxnreg in (None, 128, 96)]
-    settings += [(4, 128, 4, 3, 128, False), (8, 64, 4, 2, 96, False), (2, 256, 4, 2, 168, False)]
-    settings += [(per_sm, block_n, 4, stages, maxnreg, True) for per_sm in (4, 8) for block_n in (64, 128)
-                 for stages, maxnreg in ((2, 128), (3, None))]
-    for per_sm, block_n, warps, stages, maxnreg, gather in settings:
+    # (programs per multiprocessor, keys per tile, warps, stages, register cap): around the default
+    # (4, 128, 4, 2, 128), the register caps that let more programs share a multiprocessor, and the
+    # best of the earlier sweeps (docs/results/bench/gpu-h200/decode-maxnreg.log).
+    settings = [(per_sm, 128, 4, 2, maxnreg) for per_sm in (4, 6, 8) for maxnreg in (None, 128, 96)]
+    settings += [(4, 128, 4, 3, 128), (8, 64, 4, 2, 96), (2, 256, 4, 2, 168)]
+    for per_sm, block_n, warps, stages, maxnreg in settings:
         splits = max(1, per_sm * sms // (B * H))
         chunk = triton.cdiv(triton.cdiv(T + 1, splits), block_n) * block_n
 
         def step():
             return mlr_decode_triton(q1, keys, starts, vals, ranks, 0.125, chunk=chunk, block_n=block_n,
-                                     num_warps=warps, num_stages=stages, maxnreg=maxnreg, gather_levels=gather)
+                                     num_warps=warps, num_stages=stages, maxnreg=maxnreg)
 
         err = float((step().float() - ref).abs().max())
         mlr = _ms(step)
         rows.append(dict(case="decode", cache=T, batch=B, per_sm=per_sm, block_n=block_n, warps=warps,
-                         stages=stages, maxnreg=maxnreg, gather_levels=gather, mlr_ms=mlr, max_error=err,
+                         stages=stages, maxnreg=maxnreg, mlr_ms=mlr, max_error=err,
                          **{f"sdpa_{n}_ms": t for n, t in mha.items()}))
-        kernel = "gathered" if gather else "per-level"
-        print(f"  {kernel:9s} programs/SM {per_sm:2d} block_n {block_n:3d} warps {warps} stages {stages} "
+        print(f"  programs/SM {per_sm:2d} block_n {block_n:3d} warps {warps} stages {stages} "
               f"maxnreg {maxnreg}: "
               f"mlr kernel {mlr * 1e3:.1f} us ({base / mlr:.2f}x flash, {mlr_bytes / mlr / 1e9:.2f} TB/s, "
               f"error {err:.1e})", flush=True)

@@ -16,14 +16,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from structured_attention.functional import (
-    mlr_attention_blocked,
     mlr_attention_reference,
     mlr_block_sizes,
     mlr_depth,
     mlr_pair_counts,
 )
 from structured_attention.functional import mlr_attention as dispatched_mlr_attention
-from structured_attention.functional.mlr import mlr_score_flops
+from structured_attention.ops.mlr.blocked import mlr_attention_blocked
+from structured_attention.ops.mlr.contract import mlr_score_flops
 
 # These tests pin down the exact reference; the fast paths are checked against it in their own files.
 mlr_attention = mlr_attention_reference
@@ -436,8 +436,8 @@ def test_valid_base_call_runs():
 def test_dispatch_on_cpu(monkeypatch, kernel):
     """CPU tensors go to the C++ kernel where it is available, else to the blocked PyTorch path."""
     calls = []
-    import structured_attention.functional.mlr_blocked as blocked
-    from structured_attention.kernels import mlr_cpu
+    import structured_attention.ops.mlr.blocked as blocked
+    from structured_attention.ops.mlr import cpu as mlr_cpu
 
     def spy(fn):
         def wrapped(*args, **kwargs):

@@ -1,4 +1,4 @@
-"""Tests for the tiled CPU fast path structured_attention.functional.mlr_blocked.
+"""Tests for the tiled CPU fast path structured_attention.ops.mlr.blocked.
 
 Everything is checked against the exact reference ``mlr_attention`` in float64 (outputs and all
 three gradients through autograd), plus a clock-free memory check via the profiler's allocation
@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import structured_attention.functional.mlr_blocked as mb
+import structured_attention.ops.mlr.blocked as mb
 from structured_attention.functional import mlr_attention_reference as mlr_attention
-from structured_attention.functional.mlr_blocked import mlr_attention_blocked
+from structured_attention.ops.mlr.blocked import mlr_attention_blocked
 
 TOL = 1e-9
 

@@ -1,4 +1,4 @@
-"""Tests for the fused C++ CPU kernel (structured_attention.kernels.mlr_cpu).
+"""Tests for the fused C++ CPU kernel (structured_attention.ops.mlr.cpu).
 
 Outputs and all three gradients are compared with the exact reference
 ``functional.mlr_attention_reference`` in float64 (the kernel's double instantiation runs the same
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from structured_attention.functional import mlr_attention_reference
-from structured_attention.kernels import mlr_cpu
-from structured_attention.kernels.mlr_cpu import mlr_attention_cpu
+from structured_attention.ops.mlr import cpu as mlr_cpu
+from structured_attention.ops.mlr.cpu import mlr_attention_cpu
 
 pytestmark = pytest.mark.skipif(not mlr_cpu.available(), reason="the C++ kernel cannot be built here (no compiler or ninja)")
 
@@ -124,12 +124,14 @@ def test_a_failed_build_or_self_check_warns_once_and_mlr_attention_falls_back(mo
     def broken(*args, **kwargs):
         raise RuntimeError("no compiler here")
 
-    monkeypatch.setattr(mlr_cpu, "_module", None)
-    monkeypatch.setattr(mlr_cpu, "_failed", False)
-    monkeypatch.setattr(cpp, "load", broken) if failure == "build" else monkeypatch.setattr(mlr_cpu, "_self_check", broken)
+    from structured_attention.ops.mlr import cpu_build
+
+    monkeypatch.setattr(cpu_build, "_module", None)
+    monkeypatch.setattr(cpu_build, "_failed", False)
+    monkeypatch.setattr(cpp, "load", broken) if failure == "build" else monkeypatch.setattr(cpu_build, "_self_check", broken)
     with pytest.warns(UserWarning, match="could not be built.*no compiler here"):
-        assert mlr_cpu.load() is None
-    assert not mlr_cpu.available()  # no second attempt, no second warning
+        assert cpu_build.load() is None
+    assert not cpu_build.available()  # no second attempt, no second warning
     with pytest.raises(RuntimeError, match="not available"):
         mlr_attention_cpu(*_inputs(1, 1, 1, 8, 4, 4, torch.float32, 5), (2, 2))
     from structured_attention.functional import mlr_attention

@@ -10,7 +10,7 @@ import torch
 
 from structured_attention.attention import build_attention
 from structured_attention.functional import mlr_attention_reference, mlr_block_sizes
-from structured_attention.functional.mlr_decode import mlr_decode_reference
+from structured_attention.ops.mlr import mlr_decode_reference
 
 
 def _step(B, H, Hk, T, ranks, block_sizes, Dv, dtype, seed=0, capacity=0):
@@ -54,9 +54,9 @@ def test_reference_is_the_last_row_of_exact_attention(B, H, Hk, T, ranks, block_
 
 def test_bad_arguments_name_the_parameter():
     q_new, keys, starts, v, _, _ = _step(1, 2, 2, 20, (4, 4), (32, 8), 4, torch.float64)
-    with pytest.raises(ValueError, match="^q: expected last dim"):
+    with pytest.raises(ValueError, match=r"^q: expected shape .*sum\(ranks\)=8"):
         mlr_decode_reference(q_new[..., :7], keys, starts, v, (4, 4), 1.0)
-    with pytest.raises(ValueError, match="^keys, key_starts: expected one per level"):
+    with pytest.raises(ValueError, match="^keys: expected one tensor per level"):
         mlr_decode_reference(q_new, keys[:1], starts, v, (4, 4), 1.0)
     with pytest.raises(ValueError, match="^key_starts: expected 0 for level 1"):
         mlr_decode_reference(q_new, keys, [1, starts[1]], v, (4, 4), 1.0)
@@ -70,7 +70,7 @@ def test_bad_arguments_name_the_parameter():
 @pytest.mark.parametrize("depth_normalize", [False, True], ids=["", "dn"])
 @pytest.mark.parametrize("B,H,Hk,T,ranks,block_sizes,Dv", CASES)
 def test_cpu_kernel_matches_reference(B, H, Hk, T, ranks, block_sizes, Dv, depth_normalize, dtype):
-    from structured_attention.kernels import mlr_cpu
+    from structured_attention.ops.mlr import cpu as mlr_cpu
 
     if not mlr_cpu.available():
         pytest.skip("the C++ kernel cannot be built here (no compiler or ninja)")
@@ -84,7 +84,7 @@ def test_cpu_kernel_matches_reference(B, H, Hk, T, ranks, block_sizes, Dv, depth
 
 
 def test_dispatch_takes_the_reference_when_gradients_are_needed():
-    from structured_attention.functional.mlr_decode import mlr_decode
+    from structured_attention.ops.mlr import mlr_decode
 
     q_new, keys, starts, v, _, _ = _step(1, 2, 2, 30, (4, 4), (32, 8), 4, torch.float64)
     q_new = q_new.clone().requires_grad_()
@@ -94,22 +94,21 @@ def test_dispatch_takes_the_reference_when_gradients_are_needed():
 
 
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install 'triton>=3.0')")
-from structured_attention.kernels import mlr_decode_triton  # noqa: E402
+from structured_attention.ops.mlr.triton_decode import mlr_decode_triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("gather", [False, True], ids=["per-level", "gathered"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("depth_normalize", [False, True], ids=["", "dn"])
 @pytest.mark.parametrize("B,H,Hk,T,ranks,block_sizes,Dv", CASES)
-def test_triton_kernel_matches_reference(B, H, Hk, T, ranks, block_sizes, Dv, depth_normalize, dtype, gather):
+def test_triton_kernel_matches_reference(B, H, Hk, T, ranks, block_sizes, Dv, depth_normalize, dtype):
     q_new, keys, starts, v, _, _ = _step(B, H, Hk, T, ranks, block_sizes, Dv, dtype, capacity=5)
     q_new, v = q_new.to(dtype), v.to(dtype)
     ref = mlr_decode_reference(q_new.double(), [k.double() for k in keys], starts, v.double(), ranks, 0.37, depth_normalize)
     # chunks of 32 keys in tiles of 16: several splits to merge and a ragged last tile
     out = mlr_decode_triton(q_new.to(DEVICE), [k.to(DEVICE) for k in keys], starts, v.to(DEVICE), ranks, 0.37,
-                            depth_normalize, chunk=32, block_n=16, gather_levels=gather)
+                            depth_normalize, chunk=32, block_n=16)
     assert out.dtype == dtype and out.shape == ref.shape
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.double().cpu(), ref, atol=tol, rtol=tol)
@@ -122,7 +121,7 @@ def test_triton_kernel_default_chunking_and_bad_input():
     torch.testing.assert_close(mlr_decode_triton(q_new, keys, starts, v, (8, 4, 4), 0.5), ref, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="^chunk: expected a positive multiple of block_n=128"):
         mlr_decode_triton(q_new, keys, starts, v, (8, 4, 4), 0.5, chunk=100)
-    with pytest.raises(ValueError, match=r"^v: expected float32, float16 or bfloat16"):
+    with pytest.raises(ValueError, match=r"^v.dtype: expected float32, float16 or bfloat16"):
         mlr_decode_triton(q_new, [k.double() for k in keys], starts, v.double(), (8, 4, 4), 0.5)
     # a bfloat16 query (autocast) against a float32 cache is computed in the cache's dtype
     torch.testing.assert_close(mlr_decode_triton(q_new.bfloat16(), keys, starts, v, (8, 4, 4), 0.5),
@@ -130,9 +129,8 @@ def test_triton_kernel_default_chunking_and_bad_input():
                                atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("gather", [False, True], ids=["per-level", "gathered"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_triton_kernel_reads_levels_at_any_offset_and_stride(dtype, gather):
+def test_triton_kernel_reads_levels_at_any_offset_and_stride(dtype):
     # The kernel addresses the finer levels by their offset from level 1's buffer and tells the
     # compiler the largest alignment all offsets and strides share: here levels sit at odd offsets
     # of one flat buffer, one with padded rows, and level 1 has padded rows too (so it is copied).
@@ -149,14 +147,14 @@ def test_triton_kernel_reads_levels_at_any_offset_and_stride(dtype, gather):
     q, vv = q_new.to(DEVICE, dtype), v.to(DEVICE, dtype)
     ref = mlr_decode_reference(q.double().cpu(), [k.double().cpu() for k in packed], starts, vv.double().cpu(),
                                (8, 4, 4, 2), 0.37)
-    out = mlr_decode_triton(q, packed, starts, vv, (8, 4, 4, 2), 0.37, chunk=32, block_n=16, gather_levels=gather)
+    out = mlr_decode_triton(q, packed, starts, vv, (8, 4, 4, 2), 0.37, chunk=32, block_n=16)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.double().cpu(), ref, atol=tol, rtol=tol)
 
 
 @pytest.mark.parametrize("spec", ["mlr:8|4|2|2", "mlr:8|4|2|2:depth_normalize=true"])
 def test_layer_decodes_through_the_kernel_like_its_full_forward(spec, monkeypatch):
-    import structured_attention.attention.mlr as mlr_module
+    import structured_attention.ops.mlr.dispatch as dispatch
 
     calls = []
 
@@ -164,7 +162,7 @@ def test_layer_decodes_through_the_kernel_like_its_full_forward(spec, monkeypatc
         calls.append(1)
         return mlr_decode_triton(*args, block_n=16)
 
-    monkeypatch.setattr(mlr_module, "mlr_decode", kernel)
+    monkeypatch.setattr(dispatch, "mlr_decode", kernel)
     torch.manual_seed(0)
     layer = build_attention(spec, d_model=32, n_heads=2, max_seq_len=64).to(DEVICE).eval()
     x = torch.randn(1, 40, 32, device=DEVICE)

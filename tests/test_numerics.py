@@ -12,12 +12,12 @@ import torch
 from structured_attention.attention import build_attention
 from structured_attention.functional import (
     mlr_attention,
-    mlr_attention_blocked,
     mlr_attention_reference,
     scaled_dot_product_attention,
     sliding_window_attention,
 )
-from structured_attention.kernels import mlr_cpu
+from structured_attention.ops.mlr import cpu as mlr_cpu
+from structured_attention.ops.mlr.blocked import mlr_attention_blocked
 from test_attention import SPECS
 
 RANKS = (4, 2, 2)

@@ -14,7 +14,8 @@ from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from structured_attention.experiments.lm import load_lm_config
-from structured_attention.functional import mlr_attention, mlr_attention_blocked, mlr_attention_reference
+from structured_attention.functional import mlr_attention, mlr_attention_reference
+from structured_attention.ops.mlr.blocked import mlr_attention_blocked
 from structured_attention.matrices import BTT, MLR, BlockDiag, Dense, Kronecker, LowRank, Monarch
 
 DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]

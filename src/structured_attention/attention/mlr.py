@@ -2,7 +2,7 @@
 
 Query and key dims split by level, ``q = [q_1 | ... | q_L]``; pair ``(i, j)`` is scored with the
 levels whose block (size ``s_l``, fixed by ``max_seq_len``) holds both positions, so near pairs
-get a higher-rank score than far ones (SPEC section 3). Decoding keeps level-1 keys for every
+get a higher-rank score than far ones (docs/design.md). Decoding keeps level-1 keys for every
 token but keys of level ``l > 1`` only for the current level-``l`` block.
 """
 
@@ -14,8 +14,7 @@ import torch
 from torch import nn
 
 from .._checks import require
-from ..functional import mlr_attention, mlr_block_sizes, mlr_score_flops
-from ..functional.mlr_decode import grouped_matmul, mlr_decode
+from ..ops.mlr import mlr_attention, mlr_block_sizes, mlr_prefill, mlr_score_flops
 from .base import Attention, register_attention
 from .cache import KVCache, TokenBuffer, append_all
 from .config import AttentionConfig, default_scale
@@ -94,30 +93,8 @@ class MLRAttention(Attention):
         buffers = self._level_buffers(cache)
         key_starts = [buffer.start for buffer in buffers]
         *keys, values = append_all(buffers + [cache["v"]], [*k_levels, v])
-        t = v.shape[2]
-        if t == 1:  # every key held for level l lies in the token's own level-l block: no masks
-            return mlr_decode(q, keys, key_starts, values, self.ranks, self.scale, self.config.depth_normalize)
-        device, acc = v.device, torch.promote_types(v.dtype, torch.float32)
-        end = start + t
-        q_pos = torch.arange(start, end, device=device)
-        scores = depth = None
-        levels = zip(q.split(self.ranks, dim=-1), keys, key_starts, self.block_sizes)
-        for level, (q_l, k_l, k_start, s) in enumerate(levels):
-            part = grouped_matmul(q_l * self.scale, k_l.transpose(-1, -2)).to(acc)
-            if level == 0:  # level 1 covers the whole context: every key, from position 0
-                scores = part
-                depth = torch.ones(t, end, dtype=acc, device=device) if self.config.depth_normalize else None
-                continue
-            same = (q_pos[:, None] // s) == (torch.arange(k_start, end, device=device)[None, :] // s)
-            scores[..., k_start:] += part * same
-            if depth is not None:
-                depth[:, k_start:] += same
-        assert scores is not None
-        if depth is not None:
-            scores = scores / depth
-        future = torch.arange(end, device=device)[None, :] > q_pos[:, None]
-        weights = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1).to(v.dtype)
-        return grouped_matmul(weights, values)
+        return mlr_prefill(q, keys, key_starts, values, self.ranks, self.scale, self.config.depth_normalize,
+                           self.block_sizes)
 
     def _cache_buffers(self, batch: int, dtype: torch.dtype, device: Any) -> dict[str, TokenBuffer]:
         kv = self.n_kv_heads

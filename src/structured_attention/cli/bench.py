@@ -32,7 +32,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..attention import build_attention
-from ..functional import mlr_attention, mlr_attention_blocked, mlr_attention_reference
+from ..ops.mlr import mlr_attention, mlr_attention_reference
+from ..ops.mlr.blocked import mlr_attention_blocked
 from ..models import GPT, GPTConfig
 from .common import pyplot
 
@@ -356,7 +357,7 @@ def profile(args: argparse.Namespace, path: Path) -> None:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.device(args.device).type == "cuda" else [])
     sort_by = "self_cuda_time_total" if torch.device(args.device).type == "cuda" else "self_cpu_time_total"
     sections = []
-    from ..functional import mlr_blocked
+    from ..ops.mlr import blocked as mlr_blocked
 
     for name in _case_names(args):
         _, forward_backward = _build_case(name, args, seq_len)

@@ -1,7 +1,7 @@
 // Fused MLR attention for CPU: forward and backward, flash-style, in O(T * tile) memory, and one
 // decoding step against the compressed cache (decode_kernel, at the end).
 //
-// Contract (checked and prepared by structured_attention/kernels/mlr_cpu.py):
+// Contract (checked and prepared by structured_attention/ops/mlr/cpu.py):
 //   q (N, T, R) queries already multiplied by the scale; k (N, T, R); v (N, T, Dv);
 //   sizes: block size per level (s_1 >= T, nested); offsets: R_d = r_1 + ... + r_d, d = 0..L.
 // Score of pair (i, j) at depth d(i, j) = #{l : i / s_l == j / s_l}:
@@ -372,7 +372,7 @@ void add_key_scores(const T* q, const T* k, int64_t st, int64_t r, int64_t n, T*
   }
 }
 
-// One decoding step (see functional/mlr_decode.py): query (b, h) scores key j with level l where
+// One decoding step (see reference.py): query (b, h) scores key j with level l where
 // j >= starts[l] (level l's keys held are those of the token's own block), then a softmax and the
 // values. keys[l] and v are (B, Hk, n, r) views with a contiguous last dim (cache buffers with
 // spare capacity); one task per (b, h) streams its level-1 keys, its finer keys and its values once.

@@ -1,12 +1,12 @@
-"""Flash-style Triton kernels for exact MLR attention (SPEC section 3, "MLR attention, exactly").
+"""Flash-style Triton kernels for exact MLR attention, the general case.
 
-:func:`mlr_attention_triton` has the contract of
-:func:`structured_attention.functional.mlr_attention` (same arguments, same result up to float
-rounding) and is differentiable in ``q``, ``k`` and ``v`` through a :class:`torch.autograd.Function`.
+:func:`mlr_attention_triton` has the contract of :func:`~.reference.mlr_attention_reference` (same
+arguments, same result up to float rounding) and is differentiable in ``q``, ``k`` and ``v``: the
+forward and backward are ``torch.library`` custom ops (``sattn::mlr_triton_*``).
 
 When every fine block size is a multiple of the tile size (on a GPU: of 32 or 64 rows), the call
 goes to the faster prefix-rank kernels of
-:mod:`structured_attention.kernels.mlr_triton_prefix`, where each tile pair has one depth. The
+:mod:`.triton_prefix`, where each tile pair has one depth. The
 kernels below handle every other case.
 
 Design
@@ -41,9 +41,10 @@ import torch
 import triton
 import triton.language as tl
 
-from structured_attention.functional.mlr import check_mlr_arguments
-from structured_attention.kernels.mlr_triton_prefix import mlr_attention_prefix, square_tiles
-from structured_attention.kernels.triton_common import INTERPRETED, cdiv, device_table, dot, pow2
+from ..._checks import require
+from .contract import attach_backward, check_mlr_arguments
+from .triton_common import INTERPRETED, cdiv, device_table, dot, pow2
+from .triton_prefix import mlr_attention_prefix, square_tiles
 
 __all__ = ["mlr_attention_triton"]
 
@@ -441,31 +442,39 @@ def _backward(q, k, v, o, lse, do, plan: _Plan, causal: bool, scale: float, dept
     return dq, dk, dv
 
 
-class _MLRAttentionTriton(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, plan, causal, scale, depth_normalize):
-        o, lse = _forward(q, k, v, plan, causal, scale, depth_normalize)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.plan = plan
-        ctx.causal = causal
-        ctx.scale = scale
-        ctx.depth_normalize = depth_normalize
-        return o
+@torch.library.custom_op("sattn::mlr_triton_forward", mutates_args=())
+def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ranks: list[int], sizes: list[int],
+                causal: bool, scale: float, depth_normalize: bool, block_m: int,
+                block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    plan = _Plan(q, v, tuple(ranks), tuple(sizes), block_m, block_n)
+    return _forward(q, k, v, plan, causal, scale, depth_normalize)
 
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = _backward(q, k, v, o, lse, do, ctx.plan, ctx.causal, ctx.scale, ctx.depth_normalize)
-        return dq, dk, dv, None, None, None, None
+
+@_forward_op.register_fake
+def _(q, k, v, ranks, sizes, causal, scale, depth_normalize, block_m, block_n):
+    B, H, T, _ = q.shape
+    return q.new_empty(B, H, T, v.shape[-1]), q.new_empty(B, H, T, dtype=torch.float32)
+
+
+@torch.library.custom_op("sattn::mlr_triton_backward", mutates_args=())
+def _backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                 lse: torch.Tensor, ranks: list[int], sizes: list[int], causal: bool, scale: float,
+                 depth_normalize: bool, block_m: int, block_n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    plan = _Plan(q, v, tuple(ranks), tuple(sizes), block_m, block_n)
+    return _backward(q, k, v, o, lse, do, plan, causal, scale, depth_normalize)
+
+
+@_backward_op.register_fake
+def _(do, q, k, v, o, lse, ranks, sizes, causal, scale, depth_normalize, block_m, block_n):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+attach_backward(_forward_op, _backward_op)
 
 
 # --------------------------------------------------------------------------------------------------
 # Public entry point
 # --------------------------------------------------------------------------------------------------
-
-
-def _err(name: str, expected: str, got: object) -> ValueError:
-    return ValueError(f"{name}: expected {expected}, got {got!r}")
 
 
 def mlr_attention_triton(
@@ -483,7 +492,7 @@ def mlr_attention_triton(
 ) -> torch.Tensor:
     """Exact MLR attention with fused Triton kernels (forward and backward).
 
-    Same contract as :func:`structured_attention.functional.mlr_attention`: ``q (B, H, T, R)``,
+    Same contract as :func:`~.reference.mlr_attention_reference`: ``q (B, H, T, R)``,
     ``k (B, Hk, T, R)``, ``v (B, Hk, T, Dv)`` with ``Hk | H`` (GQA: query head ``h`` reads kv head
     ``h // (H // Hk)``), ``ranks`` summing to ``R``, nested ``block_sizes`` with ``s_1 >= T`` (default
     ``T / 2^(l-1)``), ``scale`` default ``1 / sqrt(R)``, optional ``depth_normalize``.
@@ -500,18 +509,15 @@ def mlr_attention_triton(
         ValueError: naming the offending parameter.
     """
     ranks, sizes, scale = check_mlr_arguments(q, k, v, ranks, block_sizes, causal, scale, depth_normalize)
-    if q.dtype not in _SUPPORTED_DTYPES:
-        raise _err("q.dtype", "float32, float16 or bfloat16", q.dtype)
-    if q.device.type != "cuda" and not INTERPRETED:
-        raise _err("q.device", "a CUDA device (or CPU tensors with TRITON_INTERPRET=1 set before "
-                   "importing triton)", q.device)
+    require(q.dtype in _SUPPORTED_DTYPES, "q.dtype", "float32, float16 or bfloat16", q.dtype)
+    require(q.device.type == "cuda" or INTERPRETED, "q.device",
+            "a CUDA device (or CPU tensors with TRITON_INTERPRET=1 set before importing triton)", q.device)
     # Small tiles keep the interpreter fast; a GPU wants larger ones.
     default_tile = 64 if q.device.type == "cuda" else 16
     explicit = block_m is not None or block_n is not None
     block_m, block_n = block_m or default_tile, block_n or default_tile
     for name, bsz in (("block_m", block_m), ("block_n", block_n)):
-        if not (isinstance(bsz, int) and bsz >= 1 and bsz & (bsz - 1) == 0):
-            raise _err(name, "a power of two (>= 16 on GPU)", bsz)
+        require(isinstance(bsz, int) and bsz >= 1 and bsz & (bsz - 1) == 0, name, "a power of two (>= 16 on GPU)", bsz)
 
     # Tiles of one depth each (every fine block a multiple of the tile) take the prefix-rank kernels;
     # smaller than 32 rows, a tile underuses the matrix units, so the general kernels keep their tiles.
@@ -520,5 +526,5 @@ def mlr_attention_triton(
         return mlr_attention_prefix(q, k, v, ranks, sizes, causal, float(scale), depth_normalize, tiles)
 
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    plan = _Plan(q, v, ranks, sizes, block_m, block_n)
-    return _MLRAttentionTriton.apply(q, k, v, plan, causal, float(scale), depth_normalize)
+    out, _ = _forward_op(q, k, v, list(ranks), list(sizes), causal, float(scale), depth_normalize, block_m, block_n)
+    return out

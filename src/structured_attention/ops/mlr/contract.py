@@ -1,17 +1,27 @@
-"""MLR attention: a multi-level low-rank score matrix over positions (SPEC section 3).
+"""The contract of MLR attention, shared by the references, the dispatcher and every backend.
 
-Per head, queries and keys have ``R = r_1 + ... + r_L`` dims split by level, ``q = [q_1 | ... | q_L]``.
-Level ``l`` has block size ``s_l`` (``s_1 > ... > s_L``, ``s_{l+1} | s_l``, ``s_1 >= T``), and
-``blk_l(i) = i // s_l``. With depth ``d(i, j) = #{l : blk_l(i) == blk_l(j)}``::
+MLR attention splits each head's query and key dims by level, ``q = [q_1 | ... | q_L]`` with
+ranks ``r_1 + ... + r_L = R``. Level ``l`` has block size ``s_l`` (``s_1 > ... > s_L``, each dividing
+the previous one, ``s_1 >= T``), and pair ``(i, j)`` is scored by every level whose block holds both
+positions::
 
-    S(i, j) = scale * sum_{l <= d(i, j)} <q_l(i), k_l(j)>     (divided by d(i, j) if depth_normalize)
-    out     = softmax_j(S masked to j <= i when causal) @ V
+    d(i, j) = #{l : i // s_l == j // s_l}                 (the depth, >= 1 since s_1 >= T)
+    S(i, j) = scale * sum_{l <= d(i, j)} <q_l(i), k_l(j)>   (divided by d(i, j) if depth_normalize)
+    out     = softmax_j(S, masked to j <= i when causal) @ V
 
-Because the blocks are nested, ``l <= d(i, j)`` is the same as "i and j share a level-``l`` block",
-so ``S`` is the level-1 score ``q_1 k_1^T`` plus, for each finer level, ``q_l k_l^T`` restricted to
-that level's diagonal blocks. :func:`mlr_attention_reference` is built exactly that way and is the
-reference every fast path is checked against; :func:`mlr_attention` dispatches to the fastest
-correct path for its inputs.
+docs/design.md explains the mathematics, the tiling the kernels use and the dispatch table.
+
+The contract every entry point follows (one argument check, one dtype policy, one GQA policy, one
+error style):
+
+* arguments: :func:`check_mlr_arguments` (full attention) and :func:`check_mlr_cache_arguments`
+  (new queries against a cache); each raises a one-line ``ValueError`` naming the parameter;
+* dtypes: q, k and v share one floating dtype; scores, softmax and ``A V`` accumulate in
+  :func:`compute_dtype` (float32 for float16 / bfloat16, else the input's own), and the result has
+  the input's dtype;
+* grouped-query attention: ``k`` and ``v`` have ``Hk`` heads with ``Hk | H``; query head ``h``
+  reads kv head ``h // (H // Hk)``, as ``repeat_interleave`` gives (:func:`expand_kv`,
+  :func:`grouped_matmul`).
 """
 
 from __future__ import annotations
@@ -30,16 +40,19 @@ from structured_attention._checks import (
 )
 
 __all__ = [
-    "mlr_attention",
-    "mlr_attention_reference",
+    "HALF_DTYPES",
     "check_mlr_arguments",
+    "check_mlr_cache_arguments",
+    "compute_dtype",
+    "expand_kv",
+    "grouped_matmul",
     "mlr_block_sizes",
     "mlr_depth",
     "mlr_pair_counts",
     "mlr_score_flops",
 ]
 
-_HALF_DTYPES = (torch.float16, torch.bfloat16)
+HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -146,8 +159,27 @@ def mlr_score_flops(T: int, ranks: Sequence[int], block_sizes: Sequence[int], ca
 
 
 # --------------------------------------------------------------------------------------------------
-# The attention itself
+# Arguments, dtypes and grouped-query attention
 # --------------------------------------------------------------------------------------------------
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype scores, softmax and ``A V`` accumulate in: float32 for half inputs, else ``dtype``."""
+    return torch.float32 if dtype in HALF_DTYPES else dtype
+
+
+def expand_kv(x: torch.Tensor, group: int) -> torch.Tensor:
+    """Key or value heads ``(B, Hk, ...)`` repeated to the ``Hk * group`` query heads (O(T) memory;
+    autograd sums the group's gradients back)."""
+    return x if group == 1 else x.repeat_interleave(group, dim=1)
+
+
+def grouped_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a: (B, H, t, n) @ b: (B, Hk, n, m)`` with query head ``h`` reading ``b``'s head ``h // (H/Hk)``,
+    without copying ``b`` over the group."""
+    bsz, h, t, n = a.shape
+    hk = b.shape[1]
+    return (a.reshape(bsz, hk, h // hk, t, n) @ b.unsqueeze(2)).reshape(bsz, h, t, b.shape[-1])
 
 
 def check_mlr_arguments(
@@ -196,126 +228,75 @@ def check_mlr_arguments(
     return ranks, sizes, float(scale)
 
 
-def _add_on_diagonal_blocks(S: torch.Tensor, block: torch.Tensor, s: int, n_full: int) -> None:
-    """In place: ``S[..., b*s:(b+1)*s, b*s:(b+1)*s] += block[..., b, :, :]`` for ``b < n_full``.
-
-    ``S`` is ``(..., T, T)``; ``block`` is ``(..., n_full, s, s)`` (broadcastable on the leading dims).
-    The diagonal blocks are reached through a strided view, so nothing of size ``T x T`` is built.
-    """
-    n = n_full * s
-    lead = S.shape[:-2]
-    view = S[..., :n, :n].view(*lead, n_full, s, n_full, s)
-    diag = torch.diagonal(view, dim1=-4, dim2=-2)  # (..., s, s, n_full)
-    diag.add_(block.movedim(-3, -1))
 
 
-def mlr_attention_reference(
+def check_mlr_cache_arguments(
     q: torch.Tensor,
-    k: torch.Tensor,
+    keys: Sequence[torch.Tensor],
+    key_starts: Sequence[int],
     v: torch.Tensor,
     ranks: Sequence[int],
+    scale: float,
+    depth_normalize: bool,
     block_sizes: Sequence[int] | None = None,
-    causal: bool = True,
-    scale: float | None = None,
-    depth_normalize: bool = False,
-) -> torch.Tensor:
-    """Exact MLR attention (SPEC section 3, "MLR attention, exactly").
+) -> tuple[int, ...]:
+    """Validate ``t`` new queries at positions ``[end - t, end)`` against the compressed cache.
 
-    Args:
-        q: queries ``(B, H, T, R)``.
-        k: keys ``(B, Hk, T, R)``; ``Hk`` divides ``H`` and query head ``h`` reads key/value head
-            ``h // (H // Hk)`` (grouped-query attention, as ``repeat_interleave`` gives).
-        v: values ``(B, Hk, T, Dv)``.
-        ranks: per-level ranks ``(r_1, ..., r_L)``, positive, summing to ``R``; level ``l`` uses
-            head dims ``[r_1 + ... + r_{l-1}, r_1 + ... + r_l)`` of ``q`` and ``k``.
-        block_sizes: per-level block sizes; default ``T / 2^(l-1)`` (requires ``2^(L-1) | T``).
-            Given sizes must be strictly decreasing and nested with ``s_1 >= T``; ``T`` need not be
-            a multiple of the finest size (trailing blocks are then partial).
-        causal: mask the scores to ``j <= i``.
-        scale: score scale, default ``1 / sqrt(R)``. Per-level scales belong in ``q``.
-        depth_normalize: divide each score by its depth ``d(i, j)``.
-
-    Returns:
-        ``(B, H, T, Dv)`` in ``q``'s dtype. Scores, softmax and ``A V`` are computed in ``q``'s dtype,
-        or in float32 for float16 / bfloat16 inputs.
-
-    Raises:
-        ValueError: naming the offending parameter.
+    ``keys[l]`` holds level ``l``'s keys for positions ``[key_starts[l], end)`` and ``v`` every value
+    for ``[0, end)``. One query (decoding) needs no block sizes: every key held for level ``l`` lies
+    in its own level-``l`` block. Several queries (a prompt continued against a cache) need them to
+    tell which held keys share each query's blocks. Returns the ranks.
     """
-    ranks, sizes, scale = check_mlr_arguments(q, k, v, ranks, block_sizes, causal, scale, depth_normalize)
-    B, H, T, R = q.shape
-    Hk = k.shape[1]
-
-    compute_dtype = torch.float32 if q.dtype in _HALF_DTYPES else q.dtype
-    G = H // Hk
-    # GQA without copying k/v: group the query heads that share a kv head, (B, Hk, G, T, R).
-    qg = (q.to(compute_dtype) * scale).reshape(B, Hk, G, T, R)
-    kc = k.to(compute_dtype)
-    vc = v.to(compute_dtype)
-    q_levels = qg.split(ranks, dim=-1)
-    k_levels = kc.split(ranks, dim=-1)
-
-    # Level 1 covers the whole context (s_1 >= T): one dense score, (B, Hk, G, T, T).
-    # einsum folds g into the matmul rows, so k is never expanded over the group.
-    S = torch.einsum("bhgir,bhjr->bhgij", q_levels[0], k_levels[0])
-    depth = torch.ones(T, T, dtype=compute_dtype, device=q.device) if depth_normalize else None
-
-    for ql, kl, s in zip(q_levels[1:], k_levels[1:], sizes[1:]):
-        n_full, rem = divmod(T, s)
-        if n_full:
-            n = n_full * s
-            qb = ql[..., :n, :].unflatten(-2, (n_full, s))  # (B, Hk, G, nb, s, r)
-            kb = kl[..., :n, :].unflatten(-2, (n_full, s))  # (B, Hk, nb, s, r)
-            _add_on_diagonal_blocks(S, torch.einsum("bhgnir,bhnjr->bhgnij", qb, kb), s, n_full)
-            if depth is not None:
-                _add_on_diagonal_blocks(depth, depth.new_ones(n_full, s, s), s, n_full)
-        if rem:  # trailing partial block: rows and columns [n_full * s, T)
-            start = n_full * s
-            S[..., start:, start:] += torch.einsum(
-                "bhgir,bhjr->bhgij", ql[..., start:, :], kl[..., start:, :])
-            if depth is not None:
-                depth[start:, start:] += 1
-
-    if depth is not None:
-        S = S / depth
-    if causal:
-        mask = torch.ones(T, T, dtype=torch.bool, device=q.device).triu_(1)
-        S = S.masked_fill(mask, float("-inf"))
-    A = torch.softmax(S, dim=-1)
-    out = torch.einsum("bhgij,bhjd->bhgid", A, vc)  # (B, Hk, G, T, Dv)
-    return out.reshape(B, H, T, v.shape[-1]).to(q.dtype)
+    q = check_tensor(q, "q", 4)
+    v = check_tensor(v, "v", 4)
+    ranks = check_int_list(ranks, "ranks")
+    require(isinstance(keys, Sequence) and len(keys) == len(ranks), "keys",
+            f"one tensor per level ({len(ranks)})", type(keys).__name__ if not isinstance(keys, Sequence) else len(keys))
+    require(isinstance(key_starts, Sequence) and len(key_starts) == len(ranks), "key_starts",
+            f"one position per level ({len(ranks)})", key_starts)
+    keys = [check_tensor(k, f"keys[{i}]", 4) for i, k in enumerate(keys)]
+    # q may differ in dtype (under autocast the new queries are half while the cache is float32):
+    # every path casts it to the cache's dtype.
+    check_same_dtype_device([("v", v), *((f"keys[{i}]", k) for i, k in enumerate(keys))])
+    require(q.device == v.device, "q.device", f"{v.device} (the device of v)", q.device)
+    require(v.is_floating_point() and q.is_floating_point(), "v.dtype", "a floating-point dtype", v.dtype)
+    B, Hk, end, _ = v.shape
+    t = q.shape[2]
+    require(q.shape[0] == B and 1 <= t <= end and q.shape[-1] == sum(ranks), "q",
+            f"shape (B={B}, H, t <= {end}, sum(ranks)={sum(ranks)})", tuple(q.shape))
+    require(q.shape[1] % Hk == 0, "q", f"a head count (dim 1) that is a multiple of the {Hk} kv heads", tuple(q.shape))
+    require(t == 1 or block_sizes is not None, "block_sizes",
+            f"the per-level block sizes when several queries (t={t}) meet the cache", block_sizes)
+    require(all(isinstance(s, int) and not isinstance(s, bool) for s in key_starts) and key_starts[0] == 0
+            and all(0 <= s <= end - t for s in key_starts), "key_starts",
+            f"0 for level 1 and positions at most {end - t} (the first new query)", list(key_starts))
+    for level, (k, r, start) in enumerate(zip(keys, ranks, key_starts)):
+        require(tuple(k.shape) == (B, Hk, end - start, r), f"keys[{level}]",
+                f"shape {(B, Hk, end - start, r)}", tuple(k.shape))
+    require(isinstance(scale, (int, float)) and not isinstance(scale, bool) and math.isfinite(scale) and scale > 0,
+            "scale", "a finite positive number", scale)
+    _check_bool(depth_normalize, "depth_normalize")
+    return ranks
 
 
-_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+def attach_backward(forward_op: torch.library.CustomOpDef, backward_op: torch.library.CustomOpDef) -> None:
+    """Register ``backward_op`` as the gradient of ``forward_op`` (both ``torch.library`` custom ops).
 
+    The convention every backend follows: ``forward_op(q, k, v, *config)`` returns ``out`` or
+    ``(out, *aux)`` (aux such as the row log-sum-exp is not differentiable), and
+    ``backward_op(gout, q, k, v, out, *aux, *config)`` returns ``(dq, dk, dv)``.
+    """
 
-def mlr_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    ranks: Sequence[int],
-    block_sizes: Sequence[int] | None = None,
-    causal: bool = True,
-    scale: float | None = None,
-    depth_normalize: bool = False,
-) -> torch.Tensor:
-    """MLR attention with the contract of :func:`mlr_attention_reference`, on the fastest correct path:
-    the Triton kernel for CUDA tensors when Triton is installed; on the CPU the fused C++ kernel
-    (:func:`~structured_attention.kernels.mlr_cpu.mlr_attention_cpu`, built on first use) or, where
-    it cannot be built, the blocked PyTorch path
-    (:func:`~structured_attention.functional.mlr_blocked.mlr_attention_blocked`); the exact
-    reference otherwise."""
-    if isinstance(q, torch.Tensor) and q.is_cuda and q.dtype in _TRITON_DTYPES:
-        from structured_attention.kernels import HAS_TRITON, mlr_attention_triton  # imports Triton lazily
+    def setup_context(ctx, inputs, output):  # noqa: ANN001, ANN202
+        q, k, v, *config = inputs
+        outputs = output if isinstance(output, tuple) else (output,)
+        ctx.save_for_backward(q, k, v, *outputs)
+        ctx.config = config
+        if len(outputs) > 1:
+            ctx.mark_non_differentiable(*outputs[1:])
 
-        if HAS_TRITON:
-            return mlr_attention_triton(q, k, v, ranks, block_sizes, causal, scale, depth_normalize)
-    if isinstance(q, torch.Tensor) and q.device.type == "cpu":
-        from structured_attention.kernels import mlr_cpu  # it imports this module
+    def backward(ctx, gout, *_aux_grads):  # noqa: ANN001, ANN202
+        grads = backward_op(gout, *ctx.saved_tensors, *ctx.config)
+        return (*grads, *([None] * len(ctx.config)))
 
-        if mlr_cpu.available():
-            return mlr_cpu.mlr_attention_cpu(q, k, v, ranks, block_sizes, causal, scale, depth_normalize)
-        from structured_attention.functional.mlr_blocked import mlr_attention_blocked
-
-        return mlr_attention_blocked(q, k, v, ranks, block_sizes, causal, scale, depth_normalize)
-    return mlr_attention_reference(q, k, v, ranks, block_sizes, causal, scale, depth_normalize)
+    forward_op.register_autograd(backward, setup_context=setup_context)

@@ -1,7 +1,7 @@
 """A fused Triton kernel for one MLR decoding step against the compressed cache.
 
-:func:`mlr_decode_triton` has the contract of
-:func:`structured_attention.functional.mlr_decode.mlr_decode_reference`.
+:func:`mlr_decode_triton` has the contract of :func:`~.reference.mlr_decode_reference`; the two
+launches run inside one ``torch.library`` custom op (``sattn::mlr_triton_decode``).
 
 Design (flash-decoding): the keys ``[0, end)`` are cut into ``n_splits`` chunks; one program per
 (batch, kv head, chunk) scores the ``G = H / Hk`` query heads of its group against the chunk, tile
@@ -12,9 +12,7 @@ and the values only, keys in ``[start_l, start_{l+1})`` also the first ``l - 1``
 region is its own loop with the level count a compile-time constant, and the products run on the
 matrix units (the query heads of a group padded to 16 rows). The finer levels live in separate
 buffers of different shapes, so the kernel gets a table of their offsets from level 1's buffer
-and their strides. A second split kernel (``gather_levels=True``) instead gathers every finer
-level's columns of a tile into one tile, masked by each level's start, with the addresses built
-once per program. Everything accumulates in float32. A new token needs no causal mask: every key held is at or
+and their strides. Everything accumulates in float32. A new token needs no causal mask: every key held is at or
 before it.
 """
 
@@ -28,8 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-from structured_attention.functional.mlr_decode import check_mlr_decode_arguments
-from structured_attention.kernels.triton_common import INTERPRETED, cdiv, device_table, dot, dot_acc, pow2
+from ..._checks import require
+from .contract import check_mlr_cache_arguments
+from .triton_common import INTERPRETED, cdiv, device_table, dot, dot_acc, pow2
 
 __all__ = ["mlr_decode_triton"]
 
@@ -133,65 +132,6 @@ def _mlr_decode_split_kernel(
 
 
 @triton.jit
-def _mlr_decode_gather_kernel(
-    Q, K0, V, FINE_OFFS, FINE_STRIDES, FINE_STARTS, COL_LEVEL, COL_WITHIN, ACC, M, L,
-    end, chunk, qk_scale, N_SPLITS,
-    stride_qb, stride_qh, stride_k0b, stride_k0h, stride_vb, stride_vh, stride_vt,
-    HK: tl.constexpr, G: tl.constexpr,
-    R0: tl.constexpr, RF: tl.constexpr, DV: tl.constexpr, N_FINE: tl.constexpr, DEPTH_NORMALIZE: tl.constexpr,
-    BLOCK_G: tl.constexpr, R0P: tl.constexpr, RFP: tl.constexpr, DVP: tl.constexpr, BLOCK_N: tl.constexpr,
-    NFP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-):
-    """The split kernel's work with every finer level's columns gathered into one tile: column ``c``
-    of the ``RF`` finer query dims belongs to level ``COL_LEVEL[c]``, and key ``n`` has it when
-    ``n >= start`` of that level. The per-column addresses are built once per program, so the loop
-    holds no per-level work: past the first finer start, each tile is one gathered load and one
-    product more than before it."""
-    pid_bk, split, b, hk, g, g_ok, q_rows, d0, q0, k0_rows, v_rows = _program_rows(
-        Q, K0, V, stride_qb, stride_qh, stride_k0b, stride_k0h, stride_vb, stride_vh, HK, G, R0, BLOCK_G, R0P)
-    c = tl.arange(0, RFP)
-    c_ok = c < RF
-    qf = tl.load(q_rows[:, None] + R0 + c[None, :], mask=g_ok[:, None] & c_ok[None, :], other=0.0)
-    lvl = tl.load(COL_LEVEL + c, mask=c_ok, other=0)
-    col_start = tl.load(FINE_STARTS + lvl, mask=c_ok, other=0)
-    col_step = tl.load(FINE_STRIDES + 3 * lvl + 2, mask=c_ok, other=0)
-    col_base = (tl.load(FINE_OFFS + lvl, mask=c_ok, other=0) + b * tl.load(FINE_STRIDES + 3 * lvl, mask=c_ok, other=0)
-                + hk * tl.load(FINE_STRIDES + 3 * lvl + 1, mask=c_ok, other=0)
-                + tl.load(COL_WITHIN + c, mask=c_ok, other=0) - col_start * col_step)
-    dv = tl.arange(0, DVP)
-
-    lo, hi, m_i, l_i, acc = _split_start(split, chunk, end, BLOCK_G, DVP)
-    # Keys before the first finer start read level 1 alone; the rest also gather the finer columns.
-    first_fine = hi
-    if N_FINE > 0:
-        first_fine = tl.minimum(hi, tl.maximum(lo, tl.load(FINE_STARTS)))
-    for n0 in range(lo, first_fine, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = n < first_fine
-        k0 = tl.load(k0_rows + n[:, None] * R0 + d0[None, :], mask=n_ok[:, None] & (d0[None, :] < R0), other=0.0)
-        s = dot(q0, tl.trans(k0), PREC, UPCAST) * qk_scale
-        m_i, l_i, acc = _softmax_step(s, n, n_ok, v_rows, stride_vt, dv, m_i, l_i, acc, DV, PREC, UPCAST)
-    if N_FINE > 0:
-        lv = tl.arange(0, NFP)
-        level_start = tl.load(FINE_STARTS + lv, mask=lv < N_FINE, other=2**31 - 1)
-        for n0 in range(first_fine, hi, BLOCK_N):
-            n = n0 + tl.arange(0, BLOCK_N)
-            n_ok = n < hi
-            k0 = tl.load(k0_rows + n[:, None] * R0 + d0[None, :], mask=n_ok[:, None] & (d0[None, :] < R0),
-                         other=0.0)
-            held = n_ok[:, None] & c_ok[None, :] & (n[:, None] >= col_start[None, :])
-            kf = tl.load(K0 + col_base[None, :] + n[:, None].to(tl.int64) * col_step[None, :], mask=held, other=0.0)
-            s = dot_acc(qf, tl.trans(kf), dot(q0, tl.trans(k0), PREC, UPCAST), PREC, UPCAST)
-            if DEPTH_NORMALIZE:
-                depth = 1 + tl.sum((n[:, None] >= level_start[None, :]).to(tl.int32), axis=1)
-                s = s * (qk_scale / depth.to(tl.float32))[None, :]
-            else:
-                s = s * qk_scale
-            m_i, l_i, acc = _softmax_step(s, n, n_ok, v_rows, stride_vt, dv, m_i, l_i, acc, DV, PREC, UPCAST)
-    _store_partials(ACC, M, L, pid_bk, split, N_SPLITS, g, g_ok, dv, m_i, l_i, acc, G, DV)
-
-
-@triton.jit
 def _mlr_decode_merge_kernel(ACC, M, L, OUT, N_SPLITS, SP: tl.constexpr, DV: tl.constexpr, DVP: tl.constexpr):
     bh = tl.program_id(0)
     sp = tl.arange(0, SP)
@@ -219,14 +159,6 @@ def _level_tables(r0: int, fine_ranks: tuple[int, ...], device: torch.device) ->
             device_table(fine_ranks or (0,), torch.int32, device))
 
 
-@functools.lru_cache(maxsize=64)
-def _column_tables(fine_ranks: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per finer query dim: its level and its column within that level (the gathering kernel's tables)."""
-    level = tuple(i for i, r in enumerate(fine_ranks) for _ in range(r))
-    within = tuple(w for r in fine_ranks for w in range(r))
-    return device_table(level or (0,), torch.int32, device), device_table(within or (0,), torch.int32, device)
-
-
 def mlr_decode_triton(
     q: torch.Tensor,
     keys: Sequence[torch.Tensor],
@@ -241,33 +173,35 @@ def mlr_decode_triton(
     num_warps: int = 4,
     num_stages: int = 2,
     maxnreg: int | None = 128,
-    gather_levels: bool = False,
 ) -> torch.Tensor:
     """One new query against the compressed MLR cache in two kernel launches; same arguments and
-    result as :func:`~structured_attention.functional.mlr_decode.mlr_decode_reference`. ``chunk``
-    (keys per program, a multiple of ``block_n``) defaults to enough programs to fill the device;
-    ``maxnreg`` caps the registers per thread, which bound how many programs a multiprocessor holds.
-    The defaults were the fastest on an H200 at a 16k cache (docs/benchmarks.md): uncapped, the
-    kernel takes 230 registers, so a multiprocessor holds two programs and the grid runs in two waves;
-    at 128 registers and two stages it holds four, one wave. ``gather_levels`` takes the kernel that
-    gathers every finer level's columns into one tile (one load and one product per tile, no
-    per-level loop); it is not yet measured on a GPU, so the per-level kernel stays the default."""
-    check_mlr_decode_arguments(q, keys, key_starts, v, ranks)
-    q = q.to(v.dtype)  # under autocast the new query can be bfloat16 while the cache is float32
-    tensors = [("v", v), *((f"keys[{i}]", k) for i, k in enumerate(keys))]
-    for name, x in tensors:
-        if x.dtype not in (torch.float32, torch.float16, torch.bfloat16) or x.dtype != v.dtype:
-            raise ValueError(f"{name}: expected float32, float16 or bfloat16 like v ({v.dtype}), got {x.dtype}")
-        if x.stride(-1) != 1:
-            raise ValueError(f"{name}: expected a contiguous last dim, got strides {tuple(x.stride())}")
+    result as :func:`~.reference.mlr_decode_reference`. ``chunk`` (keys per program, a multiple of
+    ``block_n``) defaults to enough programs to fill the device; ``maxnreg`` caps the registers per
+    thread, which bound how many programs a multiprocessor holds. The defaults were the fastest on
+    an H200 at a 16k cache (docs/benchmarks.md): uncapped, the kernel takes 230 registers, so a
+    multiprocessor holds two programs and the grid runs in two waves; at 128 registers and two
+    stages it holds four, one wave."""
+    ranks = check_mlr_cache_arguments(q, keys, key_starts, v, ranks, scale, depth_normalize)
+    require(q.shape[2] == 1, "q", "one new query, shape (B, H, 1, sum(ranks))", tuple(q.shape))
+    require(v.dtype in (torch.float32, torch.float16, torch.bfloat16), "v.dtype", "float32, float16 or bfloat16", v.dtype)
+    for name, x in [("v", v), *((f"keys[{i}]", k) for i, k in enumerate(keys))]:
+        require(x.stride(-1) == 1, name, "a contiguous last dim", f"strides {tuple(x.stride())}")
+    require(chunk is None or (isinstance(chunk, int) and chunk > 0 and chunk % block_n == 0), "chunk",
+            f"a positive multiple of block_n={block_n} or None", chunk)
+    return _decode_op(q.to(v.dtype).contiguous(), list(keys), list(key_starts), v, list(ranks), float(scale), depth_normalize,
+                      chunk, block_n, num_warps, num_stages, maxnreg)
+
+
+@torch.library.custom_op("sattn::mlr_triton_decode", mutates_args=())
+def _decode_op(q: torch.Tensor, keys: list[torch.Tensor], key_starts: list[int], v: torch.Tensor, ranks: list[int],
+               scale: float, depth_normalize: bool, chunk: int | None, block_n: int, num_warps: int, num_stages: int,
+               maxnreg: int | None) -> torch.Tensor:
     B, H = q.shape[:2]
     Hk, end, Dv = v.shape[1], v.shape[2], v.shape[3]
     device = q.device
     if chunk is None:  # about four programs per multiprocessor, each over whole tiles
         per = cdiv(end, max(1, 4 * _multiprocessors(device) // (B * Hk)))
         chunk = cdiv(per, block_n) * block_n
-    if chunk <= 0 or chunk % block_n:
-        raise ValueError(f"chunk: expected a positive multiple of block_n={block_n}, got {chunk}")
     n_splits = cdiv(end, chunk)
     k0 = keys[0]
     if end > 1 and k0.stride(2) != ranks[0]:  # the kernel steps level-1 rows by R0
@@ -297,19 +231,17 @@ def mlr_decode_triton(
     scalars = (end, chunk, float(scale) / math.log(2.0), n_splits,
                q.stride(0), q.stride(1), k0.stride(0), k0.stride(1), v.stride(0), v.stride(1), v.stride(2))
     fine_ranks = tuple(ranks[1:])
-    if gather_levels:
-        col_level, col_within = _column_tables(fine_ranks, device)
-        _mlr_decode_gather_kernel[(B * Hk, n_splits)](
-            q, k0, v, offs_t, strides_t, starts, col_level, col_within, part_acc, part_m, part_l, *scalars,
-            RF=sum(fine_ranks), RFP=pow2(sum(fine_ranks), 16), NFP=pow2(len(fine)), **common,
-        )
-    else:
-        qoff, rank = _level_tables(ranks[0], fine_ranks, device)
-        _mlr_decode_split_kernel[(B * Hk, n_splits)](
-            q, k0, v, offs_t, strides_t, starts, qoff, rank, part_acc, part_m, part_l, *scalars,
-            RFP=pow2(max(fine_ranks, default=1), 16), ALIGN=math.gcd(16 // size, *offs, *strides), **common,
-        )
+    qoff, rank = _level_tables(ranks[0], fine_ranks, device)
+    _mlr_decode_split_kernel[(B * Hk, n_splits)](
+        q, k0, v, offs_t, strides_t, starts, qoff, rank, part_acc, part_m, part_l, *scalars,
+        RFP=pow2(max(fine_ranks, default=1), 16), ALIGN=math.gcd(16 // size, *offs, *strides), **common,
+    )
     out = torch.empty(B, H, 1, Dv, dtype=v.dtype, device=device)
     _mlr_decode_merge_kernel[(B * H,)](part_acc, part_m, part_l, out, n_splits, SP=pow2(n_splits),
                                        DV=Dv, DVP=pow2(Dv))
     return out
+
+
+@_decode_op.register_fake
+def _(q, keys, key_starts, v, ranks, scale, depth_normalize, chunk, block_n, num_warps, num_stages, maxnreg):
+    return v.new_empty(q.shape[0], q.shape[1], 1, v.shape[-1])

@@ -1,14 +1,13 @@
 """Tiled (memory-bounded) MLR attention for CPU, forward and backward.
 
-Same contract as :func:`structured_attention.functional.mlr.mlr_attention` (SPEC section 3, "MLR
-attention, exactly"), but the ``(T, T)`` score matrix is never built. Queries are processed in
+Same contract as :func:`~structured_attention.ops.mlr.reference.mlr_attention_reference`, but the ``(T, T)`` score matrix is never built. Queries are processed in
 tiles of ``tile`` rows (default: the largest block size ``<= 64``); a tile holds its *complete*
 score rows (``tile x T`` per head, so memory is ``O(T * tile)``), assembled from rectangles:
 
 * *uniform rectangles*: contiguous key ranges whose depth ``d`` is the same for every row (the
   earlier -- and, when bidirectional, later -- siblings of the enclosing blocks). Their score is one
-  matmul over the *prefix* ``q[:, :R_d] @ k[seg, :R_d]^T`` (``R_d = r_1 + ... + r_d``; SPEC "Key fact
-  for fast kernels"), written by BLAS straight into a column slice of the row buffer;
+  matmul over the *prefix* ``q[:, :R_d] @ k[seg, :R_d]^T`` (``R_d = r_1 + ... + r_d``; the
+  prefix-rank fact of docs/design.md), written by BLAS straight into a column slice of the row buffer;
 * a small *self region* per sub-tile (the keys of the sub-tile's own block of >= 32 rows, or of the
   tile's block), scored as the common prefix plus masked finer levels and the causal mask.
 
@@ -35,8 +34,8 @@ from functools import lru_cache
 
 import torch
 
-from structured_attention._checks import require
-from structured_attention.functional.mlr import _HALF_DTYPES, check_mlr_arguments
+from ..._checks import require
+from .contract import attach_backward, check_mlr_arguments, compute_dtype, expand_kv
 
 __all__ = ["mlr_attention_blocked", "DEFAULT_TILE"]
 
@@ -305,19 +304,35 @@ def _backward(gout, q, k, v, out, plans, offsets, scale, dn, tile):
     return dqT.transpose(1, 2), dkT.transpose(1, 2), dv
 
 
-class _MLRBlocked(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, plans, offsets, scale, dn, tile):
-        out = _forward(q, k, v, plans, offsets, scale, dn, tile)
-        ctx.save_for_backward(q, k, v, out)
-        ctx.cfg = (plans, offsets, scale, dn, tile)
-        return out
+# The forward and backward are custom ops, so torch.compile keeps each call whole (the thread pool and
+# the tiling plan are invisible to it) and autograd reaches the backward through register_autograd.
+@torch.library.custom_op("sattn::mlr_blocked_forward", mutates_args=())
+def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sizes: list[int], offsets: list[int],
+                causal: bool, scale: float, depth_normalize: bool, tile: int) -> torch.Tensor:
+    plans = _plan(q.shape[1], tuple(sizes), tile, causal, depth_normalize)
+    return _forward(q, k, v, plans, tuple(offsets), scale, depth_normalize, tile)
 
-    @staticmethod
-    def backward(ctx, gout):
-        q, k, v, out = ctx.saved_tensors
-        dq, dk, dv = _backward(gout.contiguous(), q, k, v, out, *ctx.cfg)
-        return dq, dk, dv, None, None, None, None, None
+
+@_forward_op.register_fake
+def _(q, k, v, sizes, offsets, causal, scale, depth_normalize, tile):
+    return q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+
+
+@torch.library.custom_op("sattn::mlr_blocked_backward", mutates_args=())
+def _backward_op(gout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 sizes: list[int], offsets: list[int], causal: bool, scale: float, depth_normalize: bool,
+                 tile: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    plans = _plan(q.shape[1], tuple(sizes), tile, causal, depth_normalize)
+    dq, dk, dv = _backward(gout.contiguous(), q, k, v, out, plans, tuple(offsets), scale, depth_normalize, tile)
+    return dq.contiguous(), dk.contiguous(), dv
+
+
+@_backward_op.register_fake
+def _(gout, q, k, v, out, sizes, offsets, causal, scale, depth_normalize, tile):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+attach_backward(_forward_op, _backward_op)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -343,7 +358,7 @@ def mlr_attention_blocked(
     tile: int | None = None,
 ) -> torch.Tensor:
     """MLR attention with ``O(T * tile)`` memory, forward and backward; same contract as
-    :func:`structured_attention.functional.mlr_attention` (see its docstring).
+    :func:`~structured_attention.ops.mlr.reference.mlr_attention_reference` (see its docstring).
 
     Args:
         tile: query rows per tile; ``None`` picks the largest block size ``<= 64`` (or 64).
@@ -357,18 +372,12 @@ def mlr_attention_blocked(
     require(isinstance(tile, int) and not isinstance(tile, bool) and tile > 0, "tile",
             "a positive int or None", tile)
 
-    compute_dtype = torch.float32 if q.dtype in _HALF_DTYPES else q.dtype
+    dtype = compute_dtype(q.dtype)
     G = H // Hk
     Dv = v.shape[-1]
-    qc = q.to(compute_dtype).reshape(B * H, T, R).contiguous()
-    kc = k.to(compute_dtype)
-    vc = v.to(compute_dtype)
-    if G > 1:  # GQA: expand k/v over the group (O(T) memory; autograd sums the group back)
-        kc = kc.repeat_interleave(G, dim=1)
-        vc = vc.repeat_interleave(G, dim=1)
-    kc = kc.reshape(B * H, T, R).contiguous()
-    vc = vc.reshape(B * H, T, Dv).contiguous()
-    offsets = (0, *itertools.accumulate(ranks))  # R_d = offsets[d]
-    plans = _plan(T, tuple(sizes), tile, causal, depth_normalize)
-    out = _MLRBlocked.apply(qc, kc, vc, plans, offsets, scale, depth_normalize, tile)
+    qc = q.to(dtype).reshape(B * H, T, R).contiguous()
+    kc = expand_kv(k.to(dtype), G).reshape(B * H, T, R).contiguous()
+    vc = expand_kv(v.to(dtype), G).reshape(B * H, T, Dv).contiguous()
+    offsets = [0, *itertools.accumulate(ranks)]  # R_d = offsets[d]
+    out = _forward_op(qc, kc, vc, list(sizes), offsets, causal, scale, depth_normalize, tile)
     return out.reshape(B, H, T, Dv).to(q.dtype)

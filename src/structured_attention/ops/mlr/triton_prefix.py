@@ -2,7 +2,7 @@
 
 When every fine block size is a multiple of the tile sizes, each (query tile, key tile) pair lies
 inside one block of every level, so all its scores share one depth ``d``: the tile's score is one
-matmul over the prefix ``R_d = r_1 + ... + r_d`` of the head dims (SPEC section 3), with no per-level
+matmul over the prefix ``R_d = r_1 + ... + r_d`` of the head dims (docs/design.md), with no per-level
 masks. The head dims are cut into ``NCH <= 4`` chunks of ``CH`` columns, and a tile multiplies only
 the chunks its prefix reaches (the last one masked to ``R_d``).
 
@@ -16,11 +16,12 @@ causal mask.
 The forward stores the row log-sum-exp in base 2 for the backward; the backward is the
 flash-attention backward (one kernel for ``dK, dV`` that loops over the query heads of a GQA group,
 one for ``dQ``), recomputing the scores tier by tier. Numerics match
-:mod:`structured_attention.kernels.mlr_triton`, which handles any block sizes.
+:mod:`.triton_general`, which handles any block sizes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,7 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from structured_attention.kernels.triton_common import INTERPRETED, cdiv, device_table, dot, dot_acc, pow2
+from .contract import attach_backward
+from .triton_common import INTERPRETED, cdiv, device_table, dot, dot_acc, pow2
 
 __all__ = ["PrefixTiles", "square_tiles", "mlr_attention_prefix"]
 
@@ -46,17 +48,6 @@ def _depth_rank(x0, y0, fsize, frank, R1):
     depth = 1 + tl.sum(same.to(tl.int32), axis=0)
     rank = R1 + tl.sum(tl.where(same, frank, 0), axis=0)
     return depth, rank
-
-
-@triton.jit
-def _run(x0, y0, hi, fsize, frank, R1):
-    """Depth and prefix rank of the tile pairs ``(x0, y)`` for ``y`` from ``y0`` on, and the end of
-    that run of one depth: the first edge of a block holding ``x0`` past ``y0``, or ``hi``."""
-    depth, rank = _depth_rank(x0, y0, fsize, frank, R1)
-    start = (x0 // fsize) * fsize
-    edge = tl.where(start > y0, start, start + fsize)
-    edge = tl.where((frank > 0) & (edge > y0), edge, hi)
-    return depth, rank, tl.minimum(tl.min(edge, axis=0), hi)
 
 
 @triton.jit
@@ -178,23 +169,13 @@ def _fwd_tile(acc, m_i, l_i, q0, q1, q2, q3, k_base, v_base, offs_m, n0, depth, 
 def _fwd_tiles(acc, m_i, l_i, q0, q1, q2, q3, k_base, v_base, m0, offs_m, lo, hi,
                fsize, frank, stride_kt, stride_vt, T, R1, DV, qk_scale,
                NC: tl.constexpr, DIAG: tl.constexpr, CAUSAL: tl.constexpr, DEPTH_NORM: tl.constexpr,
-               BLOCK_N: tl.constexpr, CH: tl.constexpr, DVP: tl.constexpr, RUNS: tl.constexpr,
+               BLOCK_N: tl.constexpr, CH: tl.constexpr, DVP: tl.constexpr,
                PREC: tl.constexpr, UPCAST: tl.constexpr):
-    if RUNS:  # depth and rank once per run of one depth, so the tile loop does no bookkeeping
-        run = tl.minimum(lo, hi)
-        while run < hi:
-            depth, rank, run_end = _run(m0, run, hi, fsize, frank, R1)
-            for n0 in range(run, run_end, BLOCK_N):
-                acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q0, q1, q2, q3, k_base, v_base, offs_m, n0, depth, rank,
-                                          stride_kt, stride_vt, T, DV, qk_scale, NC, DIAG, CAUSAL, DEPTH_NORM,
-                                          BLOCK_N, CH, DVP, PREC, UPCAST)
-            run = run_end
-    else:
-        for n0 in range(lo, hi, BLOCK_N):
-            depth, rank = _depth_rank(m0, n0, fsize, frank, R1)
-            acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q0, q1, q2, q3, k_base, v_base, offs_m, n0, depth, rank,
-                                      stride_kt, stride_vt, T, DV, qk_scale, NC, DIAG, CAUSAL, DEPTH_NORM,
-                                      BLOCK_N, CH, DVP, PREC, UPCAST)
+    for n0 in range(lo, hi, BLOCK_N):
+        depth, rank = _depth_rank(m0, n0, fsize, frank, R1)
+        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q0, q1, q2, q3, k_base, v_base, offs_m, n0, depth, rank,
+                                  stride_kt, stride_vt, T, DV, qk_scale, NC, DIAG, CAUSAL, DEPTH_NORM,
+                                  BLOCK_N, CH, DVP, PREC, UPCAST)
     return acc, m_i, l_i
 
 
@@ -208,7 +189,7 @@ def _prefix_fwd_kernel(
     H, G, T, R, R1, DV, qk_scale,
     CAUSAL: tl.constexpr, DEPTH_NORM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CH: tl.constexpr, NCH: tl.constexpr,
-    LP: tl.constexpr, DVP: tl.constexpr, RUNS: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    LP: tl.constexpr, DVP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest rows of tiles start first
     pid_bh = tl.program_id(1)
@@ -237,16 +218,16 @@ def _prefix_fwd_kernel(
         hi = _tier_start(m0, tl.load(TIERS + t))
         acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q0, q1, q2, q3, k_base, v_base, m0, offs_m, lo, hi,
                                    fsize, frank, stride_kt, stride_vt, T, R1, DV, qk_scale,
-                                   t, False, CAUSAL, DEPTH_NORM, BLOCK_N, CH, DVP, RUNS, PREC, UPCAST)
+                                   t, False, CAUSAL, DEPTH_NORM, BLOCK_N, CH, DVP, PREC, UPCAST)
         lo = hi
     acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q0, q1, q2, q3, k_base, v_base, m0, offs_m, lo, m0,
                                fsize, frank, stride_kt, stride_vt, T, R1, DV, qk_scale,
-                               NCH, False, CAUSAL, DEPTH_NORM, BLOCK_N, CH, DVP, RUNS, PREC, UPCAST)
+                               NCH, False, CAUSAL, DEPTH_NORM, BLOCK_N, CH, DVP, PREC, UPCAST)
     # The diagonal: full rank, the only tiles that need the causal mask.
     acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q0, q1, q2, q3, k_base, v_base, m0, offs_m,
                                m0, tl.minimum(m0 + BLOCK_M, T),
                                fsize, frank, stride_kt, stride_vt, T, R1, DV, qk_scale,
-                               NCH, True, CAUSAL, DEPTH_NORM, BLOCK_N, CH, DVP, RUNS, PREC, UPCAST)
+                               NCH, True, CAUSAL, DEPTH_NORM, BLOCK_N, CH, DVP, PREC, UPCAST)
     if not CAUSAL:
         # Right of the diagonal, most chunks first: tier t ends where the block of TIERS[t - 1] ends.
         lo = m0 + BLOCK_M
@@ -254,11 +235,11 @@ def _prefix_fwd_kernel(
             hi = _tier_end(m0, tl.load(TIERS + NCH - 1 - i), T)
             acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q0, q1, q2, q3, k_base, v_base, m0, offs_m, lo, hi,
                                        fsize, frank, stride_kt, stride_vt, T, R1, DV, qk_scale,
-                                       NCH - i, False, CAUSAL, DEPTH_NORM, BLOCK_N, CH, DVP, RUNS, PREC, UPCAST)
+                                       NCH - i, False, CAUSAL, DEPTH_NORM, BLOCK_N, CH, DVP, PREC, UPCAST)
             lo = hi
         acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q0, q1, q2, q3, k_base, v_base, m0, offs_m, lo, T,
                                    fsize, frank, stride_kt, stride_vt, T, R1, DV, qk_scale,
-                                   1, False, CAUSAL, DEPTH_NORM, BLOCK_N, CH, DVP, RUNS, PREC, UPCAST)
+                                   1, False, CAUSAL, DEPTH_NORM, BLOCK_N, CH, DVP, PREC, UPCAST)
 
     acc = acc / l_i[:, None]
     o_ptr = O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_ot + dv[None, :]
@@ -308,25 +289,14 @@ def _dkdv_tile(dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, 
 def _dkdv_tiles(dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, lse_base, delta_base,
                 n0, offs_n, lo, hi, fsize, frank, stride_qt, stride_dot, T, R1, DV, sm_scale, qk_scale,
                 NC: tl.constexpr, DIAG: tl.constexpr, CAUSAL: tl.constexpr, DEPTH_NORM: tl.constexpr,
-                BLOCK_M: tl.constexpr, CH: tl.constexpr, DVP: tl.constexpr, RUNS: tl.constexpr,
+                BLOCK_M: tl.constexpr, CH: tl.constexpr, DVP: tl.constexpr,
                 PREC: tl.constexpr, UPCAST: tl.constexpr):
-    if RUNS:
-        run = tl.minimum(lo, hi)
-        while run < hi:
-            depth, rank, run_end = _run(n0, run, hi, fsize, frank, R1)
-            for m0 in range(run, run_end, BLOCK_M):
-                dk0, dk1, dk2, dk3, dv_acc = _dkdv_tile(
-                    dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, lse_base, delta_base,
-                    offs_n, m0, depth, rank, stride_qt, stride_dot, T, DV, sm_scale, qk_scale,
-                    NC, DIAG, CAUSAL, DEPTH_NORM, BLOCK_M, CH, DVP, PREC, UPCAST)
-            run = run_end
-    else:
-        for m0 in range(lo, hi, BLOCK_M):
-            depth, rank = _depth_rank(m0, n0, fsize, frank, R1)
-            dk0, dk1, dk2, dk3, dv_acc = _dkdv_tile(
-                dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, lse_base, delta_base,
-                offs_n, m0, depth, rank, stride_qt, stride_dot, T, DV, sm_scale, qk_scale,
-                NC, DIAG, CAUSAL, DEPTH_NORM, BLOCK_M, CH, DVP, PREC, UPCAST)
+    for m0 in range(lo, hi, BLOCK_M):
+        depth, rank = _depth_rank(m0, n0, fsize, frank, R1)
+        dk0, dk1, dk2, dk3, dv_acc = _dkdv_tile(
+            dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, lse_base, delta_base,
+            offs_n, m0, depth, rank, stride_qt, stride_dot, T, DV, sm_scale, qk_scale,
+            NC, DIAG, CAUSAL, DEPTH_NORM, BLOCK_M, CH, DVP, PREC, UPCAST)
     return dk0, dk1, dk2, dk3, dv_acc
 
 
@@ -340,7 +310,7 @@ def _prefix_dkdv_kernel(
     H, HK, G, T, R, R1, DV, sm_scale, qk_scale,
     CAUSAL: tl.constexpr, DEPTH_NORM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CH: tl.constexpr, NCH: tl.constexpr,
-    LP: tl.constexpr, DVP: tl.constexpr, RUNS: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    LP: tl.constexpr, DVP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
     # DK has k's strides and DV_ has v's strides (all contiguous, same shapes).
     pid_n = tl.program_id(0)
@@ -380,29 +350,29 @@ def _prefix_dkdv_kernel(
                 dk0, dk1, dk2, dk3, dv_acc = _dkdv_tiles(
                     dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, lse_base, delta_base,
                     n0, offs_n, lo, hi, fsize, frank, stride_qt, stride_dot, T, R1, DV, sm_scale, qk_scale,
-                    t, False, CAUSAL, DEPTH_NORM, BLOCK_M, CH, DVP, RUNS, PREC, UPCAST)
+                    t, False, CAUSAL, DEPTH_NORM, BLOCK_M, CH, DVP, PREC, UPCAST)
                 lo = hi
             dk0, dk1, dk2, dk3, dv_acc = _dkdv_tiles(
                 dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, lse_base, delta_base,
                 n0, offs_n, lo, n0, fsize, frank, stride_qt, stride_dot, T, R1, DV, sm_scale, qk_scale,
-                NCH, False, CAUSAL, DEPTH_NORM, BLOCK_M, CH, DVP, RUNS, PREC, UPCAST)
+                NCH, False, CAUSAL, DEPTH_NORM, BLOCK_M, CH, DVP, PREC, UPCAST)
         # The diagonal, then the query tiles below it, most chunks first.
         dk0, dk1, dk2, dk3, dv_acc = _dkdv_tiles(
             dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, lse_base, delta_base,
             n0, offs_n, n0, tl.minimum(n0 + BLOCK_N, T), fsize, frank, stride_qt, stride_dot, T, R1, DV,
-            sm_scale, qk_scale, NCH, True, CAUSAL, DEPTH_NORM, BLOCK_M, CH, DVP, RUNS, PREC, UPCAST)
+            sm_scale, qk_scale, NCH, True, CAUSAL, DEPTH_NORM, BLOCK_M, CH, DVP, PREC, UPCAST)
         lo = n0 + BLOCK_N
         for i in tl.static_range(0, NCH - 1):
             hi = _tier_end(n0, tl.load(TIERS + NCH - 1 - i), T)
             dk0, dk1, dk2, dk3, dv_acc = _dkdv_tiles(
                 dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, lse_base, delta_base,
                 n0, offs_n, lo, hi, fsize, frank, stride_qt, stride_dot, T, R1, DV, sm_scale, qk_scale,
-                NCH - i, False, CAUSAL, DEPTH_NORM, BLOCK_M, CH, DVP, RUNS, PREC, UPCAST)
+                NCH - i, False, CAUSAL, DEPTH_NORM, BLOCK_M, CH, DVP, PREC, UPCAST)
             lo = hi
         dk0, dk1, dk2, dk3, dv_acc = _dkdv_tiles(
             dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, lse_base, delta_base,
             n0, offs_n, lo, T, fsize, frank, stride_qt, stride_dot, T, R1, DV, sm_scale, qk_scale,
-            1, False, CAUSAL, DEPTH_NORM, BLOCK_M, CH, DVP, RUNS, PREC, UPCAST)
+            1, False, CAUSAL, DEPTH_NORM, BLOCK_M, CH, DVP, PREC, UPCAST)
 
     _store_chunks(DK + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_kt, n_ok, R,
                   dk0, dk1, dk2, dk3, CH, NCH)
@@ -445,23 +415,13 @@ def _dq_tile(dq0, dq1, dq2, dq3, q0, q1, q2, q3, do, lse, delta, k_base, v_base,
 def _dq_tiles(dq0, dq1, dq2, dq3, q0, q1, q2, q3, do, lse, delta, k_base, v_base, m0, offs_m, lo, hi,
               fsize, frank, stride_kt, stride_vt, T, R1, DV, sm_scale, qk_scale,
               NC: tl.constexpr, DIAG: tl.constexpr, CAUSAL: tl.constexpr, DEPTH_NORM: tl.constexpr,
-              BLOCK_N: tl.constexpr, CH: tl.constexpr, DVP: tl.constexpr, RUNS: tl.constexpr,
+              BLOCK_N: tl.constexpr, CH: tl.constexpr, DVP: tl.constexpr,
               PREC: tl.constexpr, UPCAST: tl.constexpr):
-    if RUNS:
-        run = tl.minimum(lo, hi)
-        while run < hi:
-            depth, rank, run_end = _run(m0, run, hi, fsize, frank, R1)
-            for n0 in range(run, run_end, BLOCK_N):
-                dq0, dq1, dq2, dq3 = _dq_tile(dq0, dq1, dq2, dq3, q0, q1, q2, q3, do, lse, delta, k_base, v_base,
-                                              offs_m, n0, depth, rank, stride_kt, stride_vt, T, DV, sm_scale,
-                                              qk_scale, NC, DIAG, CAUSAL, DEPTH_NORM, BLOCK_N, CH, DVP, PREC, UPCAST)
-            run = run_end
-    else:
-        for n0 in range(lo, hi, BLOCK_N):
-            depth, rank = _depth_rank(m0, n0, fsize, frank, R1)
-            dq0, dq1, dq2, dq3 = _dq_tile(dq0, dq1, dq2, dq3, q0, q1, q2, q3, do, lse, delta, k_base, v_base,
-                                          offs_m, n0, depth, rank, stride_kt, stride_vt, T, DV, sm_scale,
-                                          qk_scale, NC, DIAG, CAUSAL, DEPTH_NORM, BLOCK_N, CH, DVP, PREC, UPCAST)
+    for n0 in range(lo, hi, BLOCK_N):
+        depth, rank = _depth_rank(m0, n0, fsize, frank, R1)
+        dq0, dq1, dq2, dq3 = _dq_tile(dq0, dq1, dq2, dq3, q0, q1, q2, q3, do, lse, delta, k_base, v_base,
+                                      offs_m, n0, depth, rank, stride_kt, stride_vt, T, DV, sm_scale,
+                                      qk_scale, NC, DIAG, CAUSAL, DEPTH_NORM, BLOCK_N, CH, DVP, PREC, UPCAST)
     return dq0, dq1, dq2, dq3
 
 
@@ -475,7 +435,7 @@ def _prefix_dq_kernel(
     H, G, T, R, R1, DV, sm_scale, qk_scale,
     CAUSAL: tl.constexpr, DEPTH_NORM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CH: tl.constexpr, NCH: tl.constexpr,
-    LP: tl.constexpr, DVP: tl.constexpr, RUNS: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    LP: tl.constexpr, DVP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
     # DQ has q's strides.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest rows of tiles start first
@@ -509,17 +469,17 @@ def _prefix_dq_kernel(
         hi = _tier_start(m0, tl.load(TIERS + t))
         dq0, dq1, dq2, dq3 = _dq_tiles(dq0, dq1, dq2, dq3, q0, q1, q2, q3, do, lse, delta, k_base, v_base,
                                        m0, offs_m, lo, hi, fsize, frank, stride_kt, stride_vt, T, R1, DV,
-                                       sm_scale, qk_scale, t, False, CAUSAL, DEPTH_NORM, BLOCK_N, CH, DVP, RUNS,
+                                       sm_scale, qk_scale, t, False, CAUSAL, DEPTH_NORM, BLOCK_N, CH, DVP,
                                        PREC, UPCAST)
         lo = hi
     dq0, dq1, dq2, dq3 = _dq_tiles(dq0, dq1, dq2, dq3, q0, q1, q2, q3, do, lse, delta, k_base, v_base,
                                    m0, offs_m, lo, m0, fsize, frank, stride_kt, stride_vt, T, R1, DV,
-                                   sm_scale, qk_scale, NCH, False, CAUSAL, DEPTH_NORM, BLOCK_N, CH, DVP, RUNS,
+                                   sm_scale, qk_scale, NCH, False, CAUSAL, DEPTH_NORM, BLOCK_N, CH, DVP,
                                    PREC, UPCAST)
     dq0, dq1, dq2, dq3 = _dq_tiles(dq0, dq1, dq2, dq3, q0, q1, q2, q3, do, lse, delta, k_base, v_base,
                                    m0, offs_m, m0, tl.minimum(m0 + BLOCK_M, T), fsize, frank, stride_kt,
                                    stride_vt, T, R1, DV, sm_scale, qk_scale, NCH, True, CAUSAL, DEPTH_NORM,
-                                   BLOCK_N, CH, DVP, RUNS, PREC, UPCAST)
+                                   BLOCK_N, CH, DVP, PREC, UPCAST)
     if not CAUSAL:
         lo = m0 + BLOCK_M
         for i in tl.static_range(0, NCH - 1):
@@ -527,11 +487,11 @@ def _prefix_dq_kernel(
             dq0, dq1, dq2, dq3 = _dq_tiles(dq0, dq1, dq2, dq3, q0, q1, q2, q3, do, lse, delta, k_base,
                                            v_base, m0, offs_m, lo, hi, fsize, frank, stride_kt, stride_vt,
                                            T, R1, DV, sm_scale, qk_scale, NCH - i, False, CAUSAL,
-                                           DEPTH_NORM, BLOCK_N, CH, DVP, RUNS, PREC, UPCAST)
+                                           DEPTH_NORM, BLOCK_N, CH, DVP, PREC, UPCAST)
             lo = hi
         dq0, dq1, dq2, dq3 = _dq_tiles(dq0, dq1, dq2, dq3, q0, q1, q2, q3, do, lse, delta, k_base, v_base,
                                        m0, offs_m, lo, T, fsize, frank, stride_kt, stride_vt, T, R1, DV,
-                                       sm_scale, qk_scale, 1, False, CAUSAL, DEPTH_NORM, BLOCK_N, CH, DVP, RUNS,
+                                       sm_scale, qk_scale, 1, False, CAUSAL, DEPTH_NORM, BLOCK_N, CH, DVP,
                                        PREC, UPCAST)
 
     _store_chunks(DQ + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qt, m_ok, R,
@@ -560,9 +520,6 @@ class PrefixTiles:
     dq_n: int = 64  # dQ: key step
     num_warps: int = 4
     num_stages: int = 2
-    # Walk each tier in runs of one depth, finding depth and rank once per run rather than once per
-    # tile (not yet timed on a GPU, so off by default).
-    runs: bool = False
 
     def fits(self, fine_sizes: Sequence[int]) -> bool:
         pairs = ((self.fwd_m, self.fwd_n), (self.dkdv_n, self.dkdv_m), (self.dq_m, self.dq_n))
@@ -609,8 +566,7 @@ class PrefixPlan:
 
     def constexprs(self, causal: bool, depth_normalize: bool, block_m: int, block_n: int) -> dict:
         return dict(CAUSAL=causal, DEPTH_NORM=depth_normalize, BLOCK_M=block_m, BLOCK_N=block_n,
-                    CH=self.CH, NCH=self.NCH, LP=self.LP, DVP=self.DVP, RUNS=self.tiles.runs,
-                    PREC=self.prec, UPCAST=self.upcast,
+                    CH=self.CH, NCH=self.NCH, LP=self.LP, DVP=self.DVP, PREC=self.prec, UPCAST=self.upcast,
                     num_warps=self.tiles.num_warps, num_stages=self.tiles.num_stages)
 
 
@@ -660,19 +616,42 @@ def _backward(q, k, v, o, lse, do, plan: PrefixPlan, causal: bool, scale: float,
 _LOG2E = 1.0 / math.log(2.0)
 
 
-class _MLRAttentionPrefix(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, plan, causal, scale, depth_normalize):
-        o, lse = _forward(q, k, v, plan, causal, scale, depth_normalize)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.args = (plan, causal, scale, depth_normalize)
-        return o
+def _tiles_from(values: list[int]) -> PrefixTiles:
+    return PrefixTiles(*values)
 
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = _backward(q, k, v, o, lse, do, *ctx.args)
-        return dq, dk, dv, None, None, None, None
+
+def _tiles_list(tiles: PrefixTiles) -> list[int]:
+    return [int(x) for x in dataclasses.astuple(tiles)]
+
+
+@torch.library.custom_op("sattn::mlr_triton_prefix_forward", mutates_args=())
+def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ranks: list[int], sizes: list[int],
+                causal: bool, scale: float, depth_normalize: bool,
+                tiles: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    plan = PrefixPlan(q, v, tuple(ranks), tuple(sizes), _tiles_from(tiles))
+    return _forward(q, k, v, plan, causal, scale, depth_normalize)
+
+
+@_forward_op.register_fake
+def _(q, k, v, ranks, sizes, causal, scale, depth_normalize, tiles):
+    B, H, T, _ = q.shape
+    return q.new_empty(B, H, T, v.shape[-1]), q.new_empty(B, H, T, dtype=torch.float32)
+
+
+@torch.library.custom_op("sattn::mlr_triton_prefix_backward", mutates_args=())
+def _backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                 lse: torch.Tensor, ranks: list[int], sizes: list[int], causal: bool, scale: float,
+                 depth_normalize: bool, tiles: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    plan = PrefixPlan(q, v, tuple(ranks), tuple(sizes), _tiles_from(tiles))
+    return _backward(q, k, v, o, lse, do, plan, causal, scale, depth_normalize)
+
+
+@_backward_op.register_fake
+def _(do, q, k, v, o, lse, ranks, sizes, causal, scale, depth_normalize, tiles):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+attach_backward(_forward_op, _backward_op)
 
 
 def mlr_attention_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ranks: tuple[int, ...],
@@ -680,5 +659,5 @@ def mlr_attention_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank
                          tiles: PrefixTiles) -> torch.Tensor:
     """MLR attention on prefix-rank tiles; arguments already checked, ``tiles.fits(sizes[1:])``."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    plan = PrefixPlan(q, v, ranks, sizes, tiles)
-    return _MLRAttentionPrefix.apply(q, k, v, plan, causal, float(scale), depth_normalize)
+    out, _ = _forward_op(q, k, v, list(ranks), list(sizes), causal, float(scale), depth_normalize, _tiles_list(tiles))
+    return out

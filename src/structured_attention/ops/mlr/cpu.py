@@ -1,0 +1,121 @@
+"""The fused C++ MLR attention kernel for CPU (``cpu_kernel.cpp``): its custom ops and Python interface.
+
+:func:`mlr_attention_cpu` has the contract of :func:`~.reference.mlr_attention_reference`
+and is differentiable in ``q``, ``k`` and ``v``; :func:`mlr_decode_cpu` is one decoding step against
+the compressed cache, with the contract of :func:`~.reference.mlr_decode_reference`. The kernel's
+forward, backward and decoding step are ``torch.library`` custom ops (``sattn::mlr_cpu_*``).
+:mod:`.cpu_build` builds the kernel on first use.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import torch
+
+from ..._checks import require
+from .cpu_build import BLOCK_K, BLOCK_Q, available, load
+from .contract import attach_backward, check_mlr_arguments, check_mlr_cache_arguments, compute_dtype, expand_kv
+
+__all__ = ["available", "load", "mlr_attention_cpu", "mlr_decode_cpu"]
+
+# The kernel's entry points as custom ops: torch.compile keeps each whole (no graph break) and
+# traces shapes through the fake implementations; autograd reaches the backward through
+# register_autograd. q arrives already multiplied by the scale.
+@torch.library.custom_op("sattn::mlr_cpu_forward", mutates_args=())
+def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sizes: list[int], offsets: list[int],
+                causal: bool, depth_normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return tuple(load().forward(q.contiguous(), k.transpose(1, 2).contiguous(), v.contiguous(), sizes, offsets,
+                                causal, depth_normalize, BLOCK_Q, BLOCK_K))
+
+
+@_forward_op.register_fake
+def _(q, k, v, sizes, offsets, causal, depth_normalize):
+    return q.new_empty(*q.shape[:2], v.shape[-1]), q.new_empty(q.shape[:2])
+
+
+@torch.library.custom_op("sattn::mlr_cpu_backward", mutates_args=())
+def _backward_op(gout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                 lse: torch.Tensor, sizes: list[int], offsets: list[int], causal: bool,
+                 depth_normalize: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    q, k, v, gout = q.contiguous(), k.contiguous(), v.contiguous(), gout.contiguous()
+    delta = (gout * out).sum(-1)
+    dqT, dk, dv = load().backward(q, q.transpose(1, 2).contiguous(), k, k.transpose(1, 2).contiguous(), v, gout,
+                                  gout.transpose(1, 2).contiguous(), lse, delta, sizes, offsets, causal,
+                                  depth_normalize, BLOCK_Q, BLOCK_K)
+    return dqT.transpose(1, 2).contiguous(), dk, dv
+
+
+@_backward_op.register_fake
+def _(gout, q, k, v, out, lse, sizes, offsets, causal, depth_normalize):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+attach_backward(_forward_op, _backward_op)
+
+
+@torch.library.custom_op("sattn::mlr_cpu_decode", mutates_args=())
+def _decode_op(q: torch.Tensor, keys: list[torch.Tensor], key_starts: list[int], v: torch.Tensor, scale: float,
+               depth_normalize: bool) -> torch.Tensor:
+    return load().decode(q, keys, key_starts, v, scale, depth_normalize)
+
+
+@_decode_op.register_fake
+def _(q, keys, key_starts, v, scale, depth_normalize):
+    return q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+
+
+def mlr_attention_cpu(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ranks: Sequence[int],
+    block_sizes: Sequence[int] | None = None,
+    causal: bool = True,
+    scale: float | None = None,
+    depth_normalize: bool = False,
+) -> torch.Tensor:
+    """MLR attention through the fused C++ kernel; same contract as
+    :func:`~.reference.mlr_attention_reference`. Raises ``RuntimeError`` if the kernel is not
+    available (see :func:`available`)."""
+    ranks, sizes, scale = check_mlr_arguments(q, k, v, ranks, block_sizes, causal, scale, depth_normalize)
+    require(q.device.type == "cpu", "q.device", "a CPU tensor", q.device)
+    if not available():
+        raise RuntimeError("the C++ MLR attention kernel is not available here (see the warning when it was built)")
+    B, H, T, R = q.shape
+    Hk = k.shape[1]
+    Dv = v.shape[-1]
+    dtype = compute_dtype(q.dtype)
+    G = H // Hk
+    out, _ = _forward_op(
+        (q.to(dtype) * scale).reshape(B * H, T, R), expand_kv(k.to(dtype), G).reshape(B * H, T, R),
+        expand_kv(v.to(dtype), G).reshape(B * H, T, Dv), list(sizes), list(itertools.accumulate(ranks, initial=0)),
+        causal, depth_normalize)
+    return out.reshape(B, H, T, Dv).to(q.dtype)
+
+
+def mlr_decode_cpu(
+    q: torch.Tensor,
+    keys: Sequence[torch.Tensor],
+    key_starts: Sequence[int],
+    v: torch.Tensor,
+    ranks: Sequence[int],
+    scale: float,
+    depth_normalize: bool = False,
+) -> torch.Tensor:
+    """One MLR decoding step through the C++ kernel, one task per (sequence, query head); same
+    contract as :func:`~.reference.mlr_decode_reference` (not differentiable). Raises
+    ``RuntimeError`` if the kernel is not available."""
+    check_mlr_cache_arguments(q, keys, key_starts, v, ranks, scale, depth_normalize)
+    require(q.shape[2] == 1, "q", "one new query, shape (B, H, 1, sum(ranks))", tuple(q.shape))
+    if not available():
+        raise RuntimeError("the C++ MLR attention kernel is not available here (see the warning when it was built)")
+    dtype = compute_dtype(v.dtype)
+
+    def prepared(x: torch.Tensor) -> torch.Tensor:  # cache views are used in place when they can be
+        return x if x.dtype == dtype and x.stride(-1) == 1 else x.to(dtype).contiguous()
+
+    out = _decode_op(prepared(q)[:, :, 0], [prepared(k) for k in keys], list(key_starts), prepared(v), float(scale),
+                     depth_normalize)
+    return out.unsqueeze(2).to(v.dtype)

@@ -1,0 +1,116 @@
+"""Which backend runs an MLR attention call: the dispatch table of docs/design.md, in code.
+
+============================  =====================================  ==================================
+call                          CUDA tensors (Triton installed)        CPU tensors
+============================  =====================================  ==================================
+:func:`mlr_attention`         Triton: prefix-rank kernels when every  C++ kernel (built on first use);
+                              fine block is a multiple of the tile,  the blocked PyTorch path where it
+                              else the general kernel                cannot be built
+:func:`mlr_decode`            Triton split-key decoding kernel       C++ decoding kernel, else the
+                                                                     reference
+:func:`mlr_prefill`           the reference                          the reference
+============================  =====================================  ==================================
+
+Anything else (float64 on CUDA, other devices, Triton missing) runs the exact reference. Decoding
+steps that need gradients take the reference too: the decoding kernels have no backward.
+
+Every call is checked against the contract first, so a bad argument raises the same one-line
+``ValueError`` on every path, inside ``torch.compile`` as outside. The backends are
+``torch.library`` custom ops, so a compiled graph holds them whole, with no graph break.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+
+from . import blocked, cpu
+from .contract import check_mlr_arguments, check_mlr_cache_arguments
+from .reference import mlr_attention_reference, mlr_decode_reference, mlr_prefill_reference
+
+__all__ = ["has_triton", "mlr_attention", "mlr_decode", "mlr_prefill"]
+
+_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@functools.cache
+def has_triton() -> bool:
+    """Whether Triton imports here (asked once; the Triton backends are imported only when used)."""
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:  # ImportError, or a broken install
+        return False
+    return True
+
+
+def _on_triton(x: torch.Tensor) -> bool:
+    return x.is_cuda and x.dtype in _TRITON_DTYPES and has_triton()
+
+
+def mlr_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ranks: Sequence[int],
+    block_sizes: Sequence[int] | None = None,
+    causal: bool = True,
+    scale: float | None = None,
+    depth_normalize: bool = False,
+) -> torch.Tensor:
+    """MLR attention with the contract of :func:`mlr_attention_reference`, on the fastest correct
+    path for its inputs (see the table above); differentiable in ``q``, ``k`` and ``v``."""
+    check_mlr_arguments(q, k, v, ranks, block_sizes, causal, scale, depth_normalize)
+    args = (q, k, v, ranks, block_sizes, causal, scale, depth_normalize)
+    if _on_triton(q):
+        from .triton_general import mlr_attention_triton
+
+        return mlr_attention_triton(*args)
+    if q.device.type == "cpu":
+        if cpu.available():
+            return cpu.mlr_attention_cpu(*args)
+        return blocked.mlr_attention_blocked(*args)
+    return mlr_attention_reference(*args)
+
+
+def mlr_decode(
+    q: torch.Tensor,
+    keys: Sequence[torch.Tensor],
+    key_starts: Sequence[int],
+    v: torch.Tensor,
+    ranks: Sequence[int],
+    scale: float,
+    depth_normalize: bool = False,
+) -> torch.Tensor:
+    """One decoding step with the contract of :func:`mlr_decode_reference`, on the fastest correct
+    path (see the table above)."""
+    check_mlr_cache_arguments(q, keys, key_starts, v, ranks, scale, depth_normalize)
+    args = (q, keys, key_starts, v, ranks, scale, depth_normalize)
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, v, *keys)):
+        return mlr_decode_reference(*args)
+    if _on_triton(v):
+        from .triton_decode import mlr_decode_triton
+
+        return mlr_decode_triton(*args)
+    if v.device.type == "cpu" and cpu.available():
+        return cpu.mlr_decode_cpu(*args)
+    return mlr_decode_reference(*args)
+
+
+def mlr_prefill(
+    q: torch.Tensor,
+    keys: Sequence[torch.Tensor],
+    key_starts: Sequence[int],
+    v: torch.Tensor,
+    ranks: Sequence[int],
+    scale: float,
+    depth_normalize: bool = False,
+    block_sizes: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """``t`` new queries against the compressed cache, with the contract of
+    :func:`mlr_prefill_reference`; one query goes to :func:`mlr_decode`."""
+    if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[2] == 1:
+        return mlr_decode(q, keys, key_starts, v, ranks, scale, depth_normalize)
+    return mlr_prefill_reference(q, keys, key_starts, v, ranks, scale, depth_normalize, block_sizes)

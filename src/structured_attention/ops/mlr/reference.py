@@ -1,0 +1,192 @@
+"""Exact references for MLR attention: the definitions written out in plain PyTorch.
+
+* :func:`mlr_attention_reference`: full attention over a sequence, one dense ``(T, T)`` score built
+  level by level (level 1 everywhere, each finer level on its diagonal blocks);
+* :func:`mlr_prefill_reference`: ``t`` new queries, at the end of a sequence, against the
+  compressed cache, which holds level 1's keys for every position but level ``l``'s keys only from
+  the start of the first new query's level-``l`` block;
+* :func:`mlr_decode_reference`: the one-query case of it (no masks are needed: every key held for
+  level ``l`` lies in the query's own level-``l`` block).
+
+Every backend is tested against these; they are also the dispatcher's last resort.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..._checks import require
+from .contract import check_mlr_arguments, check_mlr_cache_arguments, compute_dtype, grouped_matmul
+
+__all__ = ["mlr_attention_reference", "mlr_decode_reference", "mlr_prefill_reference"]
+
+
+def _add_on_diagonal_blocks(S: torch.Tensor, block: torch.Tensor, s: int, n_full: int) -> None:
+    """In place: ``S[..., b*s:(b+1)*s, b*s:(b+1)*s] += block[..., b, :, :]`` for ``b < n_full``.
+
+    ``S`` is ``(..., T, T)``; ``block`` is ``(..., n_full, s, s)`` (broadcastable on the leading dims).
+    The diagonal blocks are reached through a strided view, so nothing of size ``T x T`` is built.
+    """
+    n = n_full * s
+    lead = S.shape[:-2]
+    view = S[..., :n, :n].view(*lead, n_full, s, n_full, s)
+    diag = torch.diagonal(view, dim1=-4, dim2=-2)  # (..., s, s, n_full)
+    diag.add_(block.movedim(-3, -1))
+
+
+def mlr_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ranks: Sequence[int],
+    block_sizes: Sequence[int] | None = None,
+    causal: bool = True,
+    scale: float | None = None,
+    depth_normalize: bool = False,
+) -> torch.Tensor:
+    """Exact MLR attention, the definition written out densely.
+
+    Args:
+        q: queries ``(B, H, T, R)``.
+        k: keys ``(B, Hk, T, R)``; ``Hk`` divides ``H`` and query head ``h`` reads key/value head
+            ``h // (H // Hk)`` (grouped-query attention, as ``repeat_interleave`` gives).
+        v: values ``(B, Hk, T, Dv)``.
+        ranks: per-level ranks ``(r_1, ..., r_L)``, positive, summing to ``R``; level ``l`` uses
+            head dims ``[r_1 + ... + r_{l-1}, r_1 + ... + r_l)`` of ``q`` and ``k``.
+        block_sizes: per-level block sizes; default ``T / 2^(l-1)`` (requires ``2^(L-1) | T``).
+            Given sizes must be strictly decreasing and nested with ``s_1 >= T``; ``T`` need not be
+            a multiple of the finest size (trailing blocks are then partial).
+        causal: mask the scores to ``j <= i``.
+        scale: score scale, default ``1 / sqrt(R)``. Per-level scales belong in ``q``.
+        depth_normalize: divide each score by its depth ``d(i, j)``.
+
+    Returns:
+        ``(B, H, T, Dv)`` in ``q``'s dtype. Scores, softmax and ``A V`` are computed in ``q``'s dtype,
+        or in float32 for float16 / bfloat16 inputs.
+
+    Raises:
+        ValueError: naming the offending parameter.
+    """
+    ranks, sizes, scale = check_mlr_arguments(q, k, v, ranks, block_sizes, causal, scale, depth_normalize)
+    B, H, T, R = q.shape
+    Hk = k.shape[1]
+
+    acc = compute_dtype(q.dtype)
+    G = H // Hk
+    # GQA without copying k/v: group the query heads that share a kv head, (B, Hk, G, T, R).
+    qg = (q.to(acc) * scale).reshape(B, Hk, G, T, R)
+    kc = k.to(acc)
+    vc = v.to(acc)
+    q_levels = qg.split(ranks, dim=-1)
+    k_levels = kc.split(ranks, dim=-1)
+
+    # Level 1 covers the whole context (s_1 >= T): one dense score, (B, Hk, G, T, T).
+    # einsum folds g into the matmul rows, so k is never expanded over the group.
+    S = torch.einsum("bhgir,bhjr->bhgij", q_levels[0], k_levels[0])
+    depth = torch.ones(T, T, dtype=acc, device=q.device) if depth_normalize else None
+
+    for ql, kl, s in zip(q_levels[1:], k_levels[1:], sizes[1:]):
+        n_full, rem = divmod(T, s)
+        if n_full:
+            n = n_full * s
+            qb = ql[..., :n, :].unflatten(-2, (n_full, s))  # (B, Hk, G, nb, s, r)
+            kb = kl[..., :n, :].unflatten(-2, (n_full, s))  # (B, Hk, nb, s, r)
+            _add_on_diagonal_blocks(S, torch.einsum("bhgnir,bhnjr->bhgnij", qb, kb), s, n_full)
+            if depth is not None:
+                _add_on_diagonal_blocks(depth, depth.new_ones(n_full, s, s), s, n_full)
+        if rem:  # trailing partial block: rows and columns [n_full * s, T)
+            start = n_full * s
+            S[..., start:, start:] += torch.einsum(
+                "bhgir,bhjr->bhgij", ql[..., start:, :], kl[..., start:, :])
+            if depth is not None:
+                depth[start:, start:] += 1
+
+    if depth is not None:
+        S = S / depth
+    if causal:
+        mask = torch.ones(T, T, dtype=torch.bool, device=q.device).triu_(1)
+        S = S.masked_fill(mask, float("-inf"))
+    A = torch.softmax(S, dim=-1)
+    out = torch.einsum("bhgij,bhjd->bhgid", A, vc)  # (B, Hk, G, T, Dv)
+    return out.reshape(B, H, T, v.shape[-1]).to(q.dtype)
+
+
+def mlr_prefill_reference(
+    q: torch.Tensor,
+    keys: Sequence[torch.Tensor],
+    key_starts: Sequence[int],
+    v: torch.Tensor,
+    ranks: Sequence[int],
+    scale: float,
+    depth_normalize: bool = False,
+    block_sizes: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """New queries at positions ``[end - t, end)`` against the compressed MLR cache, exactly.
+
+    Args:
+        q: the new queries ``(B, H, t, R)``, ``R = sum(ranks)``.
+        keys: per level, the keys held ``(B, Hk, end - key_starts[l], r_l)`` for positions
+            ``[key_starts[l], end)``, the new tokens' keys included; ``key_starts[0] == 0`` (level 1
+            keeps every key) and ``key_starts[l] <= end - t``.
+        key_starts: the first position held per level.
+        v: every value ``(B, Hk, end, Dv)``; ``H`` a multiple of ``Hk`` (GQA).
+        ranks: ``r_1..r_L``.
+        scale: logit scale.
+        depth_normalize: divide each score by the number of levels that score the pair.
+        block_sizes: the per-level block sizes; needed when ``t > 1``, to tell which held keys share
+            each query's blocks.
+
+    Returns:
+        ``(B, H, t, Dv)`` in ``v``'s dtype; equal to the last ``t`` rows of
+        :func:`mlr_attention_reference` over the whole sequence (causal).
+    """
+    ranks = check_mlr_cache_arguments(q, keys, key_starts, v, ranks, scale, depth_normalize, block_sizes)
+    acc = compute_dtype(v.dtype)
+    device = v.device
+    t, end = q.shape[2], v.shape[2]
+    q_pos = torch.arange(end - t, end, device=device)
+    q = q.to(v.dtype)  # the contract's dtype policy for the cache: queries take the cache's dtype
+    scores = grouped_matmul(q[..., : ranks[0]].to(acc) * scale, keys[0].to(acc).transpose(-1, -2))
+    depth = torch.ones(t, end, dtype=acc, device=device) if depth_normalize else None
+    offset = ranks[0]
+    for level in range(1, len(ranks)):
+        q_l = q[..., offset : offset + ranks[level]]
+        offset += ranks[level]
+        start = key_starts[level]
+        part = grouped_matmul(q_l.to(acc) * scale, keys[level].to(acc).transpose(-1, -2))
+        if t > 1:  # queries past a block boundary do not share the block of the keys before it
+            s = block_sizes[level]
+            same = (q_pos[:, None] // s) == (torch.arange(start, end, device=device)[None, :] // s)
+            part = part * same
+        else:
+            same = torch.ones(1, end - start, dtype=torch.bool, device=device)
+        scores[..., start:] += part
+        if depth is not None:
+            depth[:, start:] += same
+    if depth is not None:
+        scores = scores / depth
+    if t > 1:
+        future = torch.arange(end, device=device)[None, :] > q_pos[:, None]
+        scores = scores.masked_fill(future, float("-inf"))
+    weights = torch.softmax(scores, dim=-1)
+    return grouped_matmul(weights, v.to(acc)).to(v.dtype)
+
+
+def mlr_decode_reference(
+    q: torch.Tensor,
+    keys: Sequence[torch.Tensor],
+    key_starts: Sequence[int],
+    v: torch.Tensor,
+    ranks: Sequence[int],
+    scale: float,
+    depth_normalize: bool = False,
+) -> torch.Tensor:
+    """One new query ``(B, H, 1, R)`` at position ``end - 1`` against the compressed MLR cache: the
+    one-query case of :func:`mlr_prefill_reference` (same arguments, no block sizes needed).
+    Returns ``(B, H, 1, Dv)`` in ``v``'s dtype, equal to the last row of
+    :func:`mlr_attention_reference` over the whole sequence."""
+    require(isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[2] == 1, "q",
+            "one new query, shape (B, H, 1, sum(ranks))", tuple(q.shape) if isinstance(q, torch.Tensor) else q)
+    return mlr_prefill_reference(q, keys, key_starts, v, ranks, scale, depth_normalize)
