@@ -38,6 +38,15 @@ def test_bench_lm_reports_training_tokens_per_second(tmp_path, capsys):
     assert "train tokens/s" in capsys.readouterr().out
 
 
+def test_bench_lm_compile_adds_a_compiled_case_per_kind(tmp_path):
+    args = ["bench", "lm", "--kinds", "mlr:4|4", "--compile", "--d-model", "16", "--n-layers", "1", "--batch", "2",
+            "--no-memory", "--out", str(tmp_path), "--seq-lens", "16", "--n-heads", "2", "--repeats", "1"]
+    assert main(args) == 0
+    rows = json.loads((tmp_path / "lm.json").read_text())["results"]
+    assert [r["case"] for r in rows] == ["mlr:4|4", "mlr:4|4+compile"]
+    assert all(r["forward_backward_ms"] > 0 for r in rows)
+
+
 def test_bench_mlr_compares_paths_with_sdpa(tmp_path):
     args = ["bench", "mlr", "--ranks", "4|2|1|1", "--v-dim", "8", "--no-memory", "--profile", "--out", str(tmp_path), *TINY]
     assert main(args) == 0

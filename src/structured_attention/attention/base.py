@@ -87,7 +87,9 @@ def attend(
     """Softmax attention of queries at positions ``q_start + [0, t_q)`` over keys at
     ``k_start + [0, t_k)``; GQA when ``k``/``v`` have fewer heads than ``q``."""
     t_q, t_k = q.shape[2], k.shape[2]
-    gqa = k.shape[1] != q.shape[1]
+    # A branch, not the comparison itself: under torch.compile with dynamic shapes the comparison is
+    # symbolic, which SDPA rejects, and a branch on it is resolved while tracing.
+    gqa = True if k.shape[1] != q.shape[1] else False  # noqa: SIM210
     if window is not None and q_start == k_start and t_q == t_k:
         return sliding_window_attention(q, k, v, window, causal=causal, scale=scale, dropout_p=dropout)
     decoding = sdpa_kernel(DECODE_BACKENDS) if q.is_cuda and t_q == 1 else contextlib.nullcontext()

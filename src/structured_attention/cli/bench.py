@@ -39,6 +39,7 @@ from .common import pyplot
 
 LAYER_KINDS = "mha,swa:128,global_swa:32|32:window=128,mlr:8|8|8|8|8|8|8|8"
 LM_KINDS = "mha,swa:128,global_swa:32|32:window=128,mlr:16|16|16|16,mlr:32|16|8|8"
+COMPILED = "+compile"  # suffix of a case timed under torch.compile (sattn bench lm --compile)
 MLR_PATHS = "sdpa,mlr,mlr_blocked,mlr_reference"
 # SDPA cases: PyTorch's own choice of fused kernel, or its flash-attention kernel alone.
 _SDPA_BACKENDS = {"sdpa": None, "sdpa_flash": SDPBackend.FLASH_ATTENTION}
@@ -59,6 +60,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     lm.add_argument("--kinds", default=LM_KINDS, help=f"comma-separated attention specs, the first is the baseline (default {LM_KINDS})")
     lm.add_argument("--d-model", type=int, default=256, help="width (default 256)")
     lm.add_argument("--n-layers", type=int, default=4, help="layers (default 4)")
+    lm.add_argument("--compile", action="store_true",
+                    help=f"also time every kind's model under torch.compile, as the case '<kind>{COMPILED}' "
+                         "(the training loop's run.compile=true)")
     mlr = what.add_parser("mlr", help="time the MLR attention primitive against scaled_dot_product_attention")
     mlr.add_argument("--paths", default=MLR_PATHS, help=f"comma-separated: sdpa (PyTorch's choice of fused kernel), sdpa_flash (its flash-attention kernel), mlr (dispatched: the C++ kernel on CPU, Triton on CUDA), mlr_blocked (the PyTorch fallback), mlr_reference (default {MLR_PATHS})")
     mlr.add_argument("--ranks", default="8|8|8|8|8|8|8|8", help="MLR ranks per level; their sum is the q/k head dim (default 8|8|8|8|8|8|8|8)")
@@ -79,8 +83,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 # -- cases ------------------------------------------------------------------------------------------
+
 def _case_names(args: argparse.Namespace) -> list[str]:
-    return (args.paths if args.what == "mlr" else args.kinds).split(",")
+    names = (args.paths if args.what == "mlr" else args.kinds).split(",")
+    if getattr(args, "compile", False):
+        names += [name + COMPILED for name in names]
+    return names
 
 
 def _build_case(name: str, args: argparse.Namespace, seq_len: int) -> tuple[Step, Step]:
@@ -94,11 +102,13 @@ def _build_case(name: str, args: argparse.Namespace, seq_len: int) -> tuple[Step
         call: Step = lambda: layer(x)  # noqa: E731
         params: list[torch.Tensor] = [x, *layer.parameters()]
     elif args.what == "lm":
+        kind = name.removesuffix(COMPILED)
         config = GPTConfig(vocab_size=256, n_layers=args.n_layers, d_model=args.d_model, n_heads=args.n_heads,
-                           max_seq_len=seq_len, attention=name)
+                           max_seq_len=seq_len, attention=kind)
         model = GPT(config).to(device=device, dtype=dtype)
+        step_model = torch.compile(model) if name != kind else model  # compiled in the warm-up rounds
         idx = torch.randint(0, 256, (args.batch, seq_len + 1), device=device)
-        call = lambda: model(idx[:, :-1], idx[:, 1:])[1]  # noqa: E731
+        call = lambda: step_model(idx[:, :-1], idx[:, 1:])[1]  # noqa: E731
         params = list(model.parameters())
     else:
         ranks = tuple(int(r) for r in args.ranks.split("|"))
@@ -327,7 +337,7 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--device: expected 'cpu' or an available CUDA device, got {args.device!r}")
     if args.what in ("attention", "lm"):
         for kind in _case_names(args):  # a malformed spec or one that does not fit the width fails here
-            build_attention(kind, d_model=args.d_model, n_heads=args.n_heads, max_seq_len=max(seq_lens))
+            build_attention(kind.removesuffix(COMPILED), d_model=args.d_model, n_heads=args.n_heads, max_seq_len=max(seq_lens))
     if args.what == "lm" and args.n_layers <= 0:
         raise ValueError(f"--n-layers: expected a positive integer, got {args.n_layers}")
     if args.what == "attention":

@@ -128,6 +128,13 @@ def mlr_depth(T: int, block_sizes: Sequence[int], device: torch.device | str | N
     return depth
 
 
+def _check_scale(scale: object, expected: str) -> None:
+    # Comparisons rather than math.isfinite: under torch.compile a float argument can be symbolic,
+    # and the comparisons (NaN fails both) trace as guards where isfinite would break the graph.
+    require(isinstance(scale, (int, float)) and not isinstance(scale, bool) and 0 < scale < math.inf,
+            "scale", expected, scale)
+
+
 def _check_bool(value: object, name: str) -> bool:
     require(isinstance(value, bool), name, "a bool (True or False)", value)
     return value  # type: ignore[return-value]
@@ -222,8 +229,7 @@ def check_mlr_arguments(
     if scale is None:
         scale = 1.0 / math.sqrt(R)
     else:
-        require(isinstance(scale, (int, float)) and not isinstance(scale, bool)
-                and math.isfinite(scale) and scale > 0, "scale", "a finite positive number or None", scale)
+        _check_scale(scale, "a finite positive number or None")
 
     return ranks, sizes, float(scale)
 
@@ -273,8 +279,7 @@ def check_mlr_cache_arguments(
     for level, (k, r, start) in enumerate(zip(keys, ranks, key_starts)):
         require(tuple(k.shape) == (B, Hk, end - start, r), f"keys[{level}]",
                 f"shape {(B, Hk, end - start, r)}", tuple(k.shape))
-    require(isinstance(scale, (int, float)) and not isinstance(scale, bool) and math.isfinite(scale) and scale > 0,
-            "scale", "a finite positive number", scale)
+    _check_scale(scale, "a finite positive number")
     _check_bool(depth_normalize, "depth_normalize")
     return ranks
 

@@ -1,0 +1,276 @@
+"""torch.compile and torch.library: MLR attention's custom ops pass ``opcheck``, and every attention
+kind's layer, a GPT training step and a one-token decoding step through the cache compile whole
+(``fullgraph=True``, so any graph break fails) and agree with the same code run eagerly.
+
+The eager run is the independent computation: the compiled graph holds the same custom ops, so
+agreement checks that tracing (fake implementations, registered autograd, the cache's Python
+state) changed nothing. Inductor is tested on the MLR cases; every kind runs under aot_eager,
+which traces forward and backward the same way without generating code.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.library import opcheck
+
+import structured_attention.ops.mlr.blocked  # noqa: F401  (registers sattn::mlr_blocked_*)
+from structured_attention.attention import build_attention
+from structured_attention.models.gpt import GPT, GPTConfig
+from structured_attention.ops.mlr import cpu, mlr_attention, mlr_decode
+
+SPECS = ["mha", "mha:n_kv_heads=1", "swa:window=8", "global_swa:window=8", "bilinear_btt", "bilinear_mlr",
+         "mlr:8|4|2|2", "mlr:8|4|2|2:depth_normalize=true", "mlr:8|4|2|2:n_kv_heads=1"]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _graph_ops(fn, *args):
+    """Run ``fn`` compiled whole under aot_eager; return its outputs and the call targets of its graph."""
+    targets: set[str] = set()
+
+    def backend(gm, example_inputs):
+        targets.update(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
+
+    return torch.compile(fn, fullgraph=True, backend=backend)(*args), targets
+
+
+def _rand(*shape, dtype=torch.float64, grad=False, seed=[0]):  # noqa: B006 - a counter for distinct draws
+    seed[0] += 1
+    x = torch.randn(*shape, dtype=dtype, generator=torch.Generator().manual_seed(seed[0]))
+    return x.requires_grad_(grad)
+
+
+# --------------------------------------------------------------------------------------------------
+# The custom ops themselves
+# --------------------------------------------------------------------------------------------------
+
+N, T, R, DV = 2, 24, 8, 4
+SIZES, OFFSETS = [32, 8], [0, 4, 8]
+
+
+def _needs_cpu_kernel():
+    if not cpu.available():
+        pytest.skip("the C++ kernel cannot be built here (no compiler or ninja)")
+
+
+def _needs_triton():
+    pytest.importorskip("triton", reason="triton is not installed")
+    from structured_attention.ops.mlr.triton_common import INTERPRETED
+
+    if not torch.cuda.is_available() and not INTERPRETED:
+        pytest.skip("no CUDA device and TRITON_INTERPRET is not 1")
+
+
+def _triton_device():
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def test_opcheck_blocked_forward_and_backward():
+    q, k, v = _rand(N, T, R, grad=True), _rand(N, T, R, grad=True), _rand(N, T, DV, grad=True)
+    cfg = (SIZES, OFFSETS, True, 0.5, False, 8)
+    opcheck(torch.ops.sattn.mlr_blocked_forward.default, (q, k, v, *cfg))
+    out = torch.ops.sattn.mlr_blocked_forward(q, k, v, *cfg)
+    opcheck(torch.ops.sattn.mlr_blocked_backward.default,
+            (_rand(N, T, DV), q.detach(), k.detach(), v.detach(), out.detach(), *cfg))
+
+
+def test_opcheck_cpu_forward_backward_and_decode():
+    _needs_cpu_kernel()
+    q, k, v = _rand(N, T, R, grad=True), _rand(N, T, R, grad=True), _rand(N, T, DV, grad=True)
+    cfg = (SIZES, OFFSETS, False, True)
+    opcheck(torch.ops.sattn.mlr_cpu_forward.default, (q, k, v, *cfg))
+    out, lse = torch.ops.sattn.mlr_cpu_forward(q, k, v, *cfg)
+    opcheck(torch.ops.sattn.mlr_cpu_backward.default,
+            (_rand(N, T, DV), q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), *cfg))
+    keys = [_rand(1, 2, T, 4), _rand(1, 2, T - 16, 4)]
+    opcheck(torch.ops.sattn.mlr_cpu_decode.default, (_rand(1, 2, R), keys, [0, 16], _rand(1, 2, T, DV), 0.5, True))
+
+
+@pytest.mark.parametrize("kernel", ["general", "prefix"])
+def test_opcheck_triton_forward_and_backward(kernel):
+    _needs_triton()
+    import structured_attention.ops.mlr.triton_general  # noqa: F401  (registers the Triton ops)
+
+    dev, f32 = _triton_device(), torch.float32
+    q, k = (_rand(1, 2, 32, 32, dtype=f32).to(dev).requires_grad_() for _ in range(2))
+    v = _rand(1, 2, 32, 16, dtype=f32).to(dev).requires_grad_()
+    if kernel == "general":
+        fwd, bwd = torch.ops.sattn.mlr_triton_forward, torch.ops.sattn.mlr_triton_backward
+        cfg = ([16, 8, 8], [32, 12, 6], True, 0.2, False, 16, 16)
+    else:
+        fwd, bwd = torch.ops.sattn.mlr_triton_prefix_forward, torch.ops.sattn.mlr_triton_prefix_backward
+        cfg = ([16, 8, 8], [32, 32, 16], True, 0.2, False, [16] * 6 + [4, 2])
+    opcheck(fwd.default, (q, k, v, *cfg))
+    out, lse = fwd(q, k, v, *cfg)
+    do = _rand(1, 2, 32, 16, dtype=f32).to(dev)
+    opcheck(bwd.default, (do, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), *cfg))
+
+
+def test_opcheck_triton_decode():
+    _needs_triton()
+    import structured_attention.ops.mlr.triton_decode  # noqa: F401  (registers sattn::mlr_triton_decode)
+
+    dev, f32 = _triton_device(), torch.float32
+    keys = [_rand(1, 2, T, 4, dtype=f32).to(dev), _rand(1, 2, T - 16, 4, dtype=f32).to(dev)]
+    args = (_rand(1, 2, 1, R, dtype=f32).to(dev), keys, [0, 16], _rand(1, 2, T, DV, dtype=f32).to(dev), [4, 4],
+            0.5, False, 16, 16, 4, 2, None)
+    opcheck(torch.ops.sattn.mlr_triton_decode.default, args)
+
+
+# --------------------------------------------------------------------------------------------------
+# Whole graphs: the dispatcher, every layer, a training step, a decoding step
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["cpu-kernel", "blocked"])
+def test_dispatcher_compiles_to_one_custom_op_forward_and_backward(kernel, monkeypatch):
+    if kernel:
+        _needs_cpu_kernel()
+    else:
+        monkeypatch.setattr(cpu, "available", lambda: False)
+    q, k, v = _rand(1, 4, 40, 8, grad=True), _rand(1, 2, 40, 8, grad=True), _rand(1, 2, 40, 6, grad=True)
+
+    def f(q, k, v):
+        return mlr_attention(q, k, v, (4, 2, 2), (64, 16, 4), causal=True)
+
+    out, targets = _graph_ops(f, q, k, v)
+    op = "sattn.mlr_cpu_forward.default" if kernel else "sattn.mlr_blocked_forward.default"
+    assert op in targets
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    ref = f(q, k, v)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    for got, want in zip(grads, torch.autograd.grad(ref.sum(), (q, k, v))):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_decode_dispatch_compiles_to_the_cpu_kernel():
+    _needs_cpu_kernel()
+    keys = [_rand(1, 2, T, 4), _rand(1, 2, T - 16, 4)]
+    args = (_rand(1, 2, 1, R), keys, [0, 16], _rand(1, 2, T, DV), (4, 4), 0.5)
+    out, targets = _graph_ops(mlr_decode, *args)
+    assert "sattn.mlr_cpu_decode.default" in targets
+    torch.testing.assert_close(out, mlr_decode(*args), rtol=1e-12, atol=1e-12)
+
+
+def _layer_and_input(spec, seed=0):
+    torch.manual_seed(seed)
+    layer = build_attention(spec, d_model=32, n_heads=2, max_seq_len=64)
+    x = torch.randn(2, 48, 32, requires_grad=True)
+    return layer, x
+
+
+def _forward_backward(layer, x):
+    out = layer(x)
+    grads = torch.autograd.grad(out.square().sum(), (x, *layer.parameters()))
+    return out, grads
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_every_layer_compiles_whole_forward_and_backward(spec):
+    layer, x = _layer_and_input(spec)
+    eager = _forward_backward(layer, x)
+    compiled = _forward_backward(torch.compile(layer, fullgraph=True, backend="aot_eager"), x)
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+
+
+def test_mlr_layer_compiles_with_inductor():
+    layer, x = _layer_and_input("mlr:8|4|2|2")
+    eager = _forward_backward(layer, x)
+    compiled = _forward_backward(torch.compile(layer, fullgraph=True), x)
+    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5)
+
+
+def _gpt(spec):
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, max_seq_len=64, attention=spec))
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_gpt_training_step_compiles_whole(backend):
+    model = _gpt("mlr:8|4|2|2")
+    twin = copy.deepcopy(model)
+    step_model = torch.compile(model, fullgraph=True, backend=backend)
+    opt, twin_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, twin))
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):  # three steps: the compiled graph is reused after the weights change
+        idx = torch.randint(0, 64, (2, 40), generator=gen)
+        targets = torch.randint(0, 64, (2, 40), generator=gen)
+        losses = []
+        for m, o, fn in ((model, opt, step_model), (twin, twin_opt, twin)):
+            o.zero_grad()
+            _, loss = fn(idx, targets)
+            loss.backward()
+            o.step()
+            losses.append(loss.detach())
+        torch.testing.assert_close(losses[0], losses[1], rtol=1e-4, atol=1e-5)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-4)
+
+
+# The cache's position is a Python int, so each step is traced anew for its position (static caches
+# that hold it on the device are the way to one graph for every step); eight steps from position 20
+# cross the ends of the blocks of 4 and 8 at 24 and 28.
+DECODE_STEPS = range(20, 29)
+
+
+@pytest.mark.parametrize("spec", ["mha", "swa:window=8", "bilinear_btt", "mlr:8|4|2|2",
+                                  "mlr:8|4|2|2:depth_normalize=true"])
+def test_one_token_decoding_step_compiles_whole(spec):
+    layer = build_attention(spec, d_model=32, n_heads=2, max_seq_len=64).eval()
+    x = torch.randn(1, 40, 32, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=len(DECODE_STEPS)):
+        full = layer(x)
+        cache = layer.new_cache(1)
+        layer(x[:, : DECODE_STEPS[0]], cache)
+        step = torch.compile(lambda token: layer(token, cache), fullgraph=True, backend="aot_eager")
+        steps = [step(x[:, t : t + 1]) for t in DECODE_STEPS]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full[:, DECODE_STEPS[0] : DECODE_STEPS[-1] + 1],
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_gpt_decoding_step_compiles_whole_with_inductor():
+    model = _gpt("mlr:8|4|2|2").eval()
+    idx = torch.randint(0, 64, (1, 30), generator=torch.Generator().manual_seed(4))
+    first, last = 23, 25  # two steps, the second starting new blocks of 4 and 8
+    with torch.no_grad():
+        full, _ = model(idx)
+        caches = model.new_caches(1)
+        model(idx[:, :first], caches=caches)
+        step = torch.compile(lambda token: model(token, caches=caches)[0], fullgraph=True)
+        logits = [step(idx[:, t : t + 1]) for t in range(first, last)]
+    torch.testing.assert_close(torch.cat(logits, dim=1), full[:, first:last], rtol=1e-4, atol=1e-4)
+
+
+# --------------------------------------------------------------------------------------------------
+# Errors: the same one line inside torch.compile as outside
+# --------------------------------------------------------------------------------------------------
+
+BAD_CALLS = [
+    (dict(ranks=(8, 4)), "ranks: expected values summing to R=8"),
+    (dict(ranks=(4, 4), block_sizes=(16, 6)), "block_sizes: expected strictly decreasing sizes"),
+    (dict(ranks=(4, 4), scale=-1.0), "scale: expected a finite positive number or None, got -1.0"),
+]
+
+
+@pytest.mark.parametrize("kwargs,message", BAD_CALLS, ids=["ranks", "block_sizes", "scale"])
+def test_bad_arguments_raise_the_same_line_compiled(kwargs, message):
+    q = torch.randn(1, 2, 16, 8)
+    with pytest.raises(ValueError, match=message) as eager:
+        mlr_attention(q, q, q, **kwargs)
+    with pytest.raises(ValueError) as compiled:
+        torch.compile(mlr_attention, backend="aot_eager")(q, q, q, **kwargs)
+    assert str(compiled.value) == str(eager.value)
+    torch._dynamo.reset()
+    # fullgraph=True forbids the fallback to eager, so Dynamo reports the error as its own exception,
+    # whose text carries the same line.
+    with pytest.raises(torch._dynamo.exc.Unsupported, match=message.replace("(", r"\(")):
+        torch.compile(mlr_attention, fullgraph=True, backend="aot_eager")(q, q, q, **kwargs)
