@@ -117,29 +117,6 @@ def test_validation_names_the_parameter():
         mlr_attention_cpu(q, k, v, (4, 4), (16, 6))
 
 
-@pytest.mark.parametrize("failure", ["build", "self-check"])
-def test_a_failed_build_or_self_check_warns_once_and_mlr_attention_falls_back(monkeypatch, failure):
-    import torch.utils.cpp_extension as cpp
-
-    def broken(*args, **kwargs):
-        raise RuntimeError("no compiler here")
-
-    from structured_attention.ops.mlr import cpu_build
-
-    monkeypatch.setattr(cpu_build, "_module", None)
-    monkeypatch.setattr(cpu_build, "_failed", False)
-    monkeypatch.setattr(cpp, "load", broken) if failure == "build" else monkeypatch.setattr(cpu_build, "_self_check", broken)
-    with pytest.warns(UserWarning, match="could not be built.*no compiler here"):
-        assert cpu_build.load() is None
-    assert not cpu_build.available()  # no second attempt, no second warning
-    with pytest.raises(RuntimeError, match="not available"):
-        mlr_attention_cpu(*_inputs(1, 1, 1, 8, 4, 4, torch.float32, 5), (2, 2))
-    from structured_attention.functional import mlr_attention
-
-    q, k, v = _inputs(1, 1, 1, 8, 4, 4, torch.float64, 5)
-    torch.testing.assert_close(mlr_attention(q, k, v, (2, 2)), mlr_attention_reference(q, k, v, (2, 2)))
-
-
 def test_memory_is_linear_in_T():
     """No allocation of T x T size, forward or backward: the kernel's own work buffers are a few
     tiles per thread, and every tensor it allocates is O(T)."""
