@@ -22,7 +22,8 @@ from structured_attention.models.gpt import GPT, GPTConfig
 from structured_attention.ops.mlr import cpu, mlr_attention, mlr_decode
 
 SPECS = ["mha", "mha:n_kv_heads=1", "swa:window=8", "global_swa:window=8", "bilinear_btt", "bilinear_mlr",
-         "mlr:8|4|2|2", "mlr:8|4|2|2:depth_normalize=true", "mlr:8|4|2|2:n_kv_heads=1"]
+         "bilinear_mlr:key_map=true", "mlr:8|4|2|2", "mlr:8|4|2|2:depth_normalize=true", "mlr:8|4|2|2:n_kv_heads=1",
+         "mlr:8|4|2|2:causal=false", "mlr:8|4|2|2:rotary=true:qk_norm=true"]
 
 
 @pytest.fixture(autouse=True)
