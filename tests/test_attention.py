@@ -217,7 +217,7 @@ def test_mlr_cache_keeps_only_current_block_above_level_one():
     assert level2.data.shape[2] <= 20  # the level-2 buffer never holds the whole context
     # T r_1 + sum_{l>1} (T mod s_l) r_l numbers per kv head for keys, T * Dv for values
     assert cache.nbytes == 3 * 2 * (29 * 5 + (29 % 8) * 3 + 29 * 8) * 4
-    # and never more than the bound of SPEC section 3: T r_1 + sum s_l r_l
+    # and never more than the bound of docs/design.md, 'Compressed KV cache': T r_1 + sum s_l r_l
     assert layer.kv_cache_numel(29) <= 2 * (29 * 5 + 8 * 3 + 29 * 8)
 
 

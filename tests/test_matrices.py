@@ -1,4 +1,5 @@
-"""Tests for structured_attention.matrices (SPEC section 2), in float64."""
+"""Tests for structured_attention.matrices (docs/design.md, 'Structured matrices (the MLBTC
+family)'), in float64."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ MLBTC_LEVELS = [
     LevelSpec(inner=4),
 ]
 
-# (factory, params from SPEC's formula, multiply-adds per vector from the analytic formula)
+# (factory, params from docs/design.md's table, multiply-adds per vector from the analytic formula)
 CASES: dict[str, tuple[Callable[[], StructuredMatrix], int, int]] = {
     "dense-8x12": (lambda: Dense(8, 12), 8 * 12, 8 * 12),
     "dense-12x8": (lambda: Dense(12, 8), 12 * 8, 12 * 8),

@@ -49,7 +49,7 @@ def test_ett_borders_follow_the_protocol(dataset, month):
     b = split_borders(dataset, 20 * month + 5, lookback)
     assert b == {"train": (0, 12 * month), "val": (12 * month - lookback, 16 * month),
                  "test": (16 * month - lookback, 20 * month)}
-    if dataset == "ETTh1":  # the numbers of SPEC section 4
+    if dataset == "ETTh1":  # the protocol's ETTh1 rows (docs/design.md, 'Long-range time-series forecasting')
         assert b["train"][1] == 8640 and b["val"] == (8640 - lookback, 11520) and b["test"] == (11520 - lookback, 14400)
 
 

@@ -1,4 +1,5 @@
-"""``sattn train icl`` and ``sattn sweep icl``: in-context linear regression (SPEC section 4).
+"""``sattn train icl`` and ``sattn sweep icl``: in-context linear regression (docs/design.md,
+'In-context linear regression').
 
 ```
 sattn train icl [--config FILE] [section.key=value ...] [--resume]

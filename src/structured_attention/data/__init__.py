@@ -1,4 +1,4 @@
-"""The language-modelling data layer (SPEC sections 4 "Language modelling" and 6).
+"""The language-modelling data layer (docs/design.md, 'Language modelling' and 'Data').
 
 - :func:`load_corpus` -> :class:`Corpus`: a text source (the embedded stdlib corpus, a file or
   folder, a Hugging Face dataset) split into train/validation by document, tokenised once into

@@ -1,4 +1,5 @@
-"""In-context regression prompts (Garg et al. 2022; SPEC section 4) and their curriculum.
+"""In-context regression prompts (Garg et al. 2022) and their curriculum (docs/design.md,
+'In-context linear regression').
 
 A prompt is ``N`` points ``(x_i, y_i)`` of one random linear function: ``x_i ~ N(0, I_d)``,
 ``w ~ N(0, I_d)``, ``y_i = w^T x_i`` (+ Gaussian noise in the *noisy* variant; in the *sparse*

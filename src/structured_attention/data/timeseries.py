@@ -1,4 +1,4 @@
-"""Time series for forecasting (SPEC section 4, "Long-range time-series forecasting").
+"""Time series for forecasting (docs/design.md, 'Long-range time-series forecasting' and 'Data').
 
 - :func:`read_csv_table` -> :class:`Table`: any CSV with a date column (named ``date``, else the
   first column) and numeric columns; a missing value, a non-numeric cell or a ragged row is one

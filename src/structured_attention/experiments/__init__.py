@@ -1,5 +1,6 @@
-"""The experiments of SPEC section 4, each a :class:`~structured_attention.training.Task` for the
-shared training loop plus its config and entry points:
+"""The experiments (docs/design.md, 'Experiments'), each a
+:class:`~structured_attention.training.Task` for the shared training loop plus its config and entry
+points:
 
 - :mod:`structured_attention.experiments.lm`: byte/char-level language modelling;
 - :mod:`structured_attention.experiments.icl`: in-context linear regression (baselines in

@@ -1,5 +1,5 @@
-"""Long-range time-series forecasting (SPEC section 4): ETT or any CSV, the point-token and the
-patch forecasters, test MSE and MAE on normalised data.
+"""Long-range time-series forecasting: ETT or any CSV, the point-token and the patch forecasters,
+test MSE and MAE on normalised data (docs/design.md, 'Long-range time-series forecasting').
 
 - :class:`TSConfig` (``model: ForecasterConfig``, ``data: TSDataConfig``, ``optim: OptimConfig``,
   ``run: TSRunConfig``), read with :func:`load_ts_config` (YAML + ``section.key=value``);

@@ -1,6 +1,6 @@
-"""In-context linear regression (SPEC section 4; Garg et al. 2022): a causal transformer reads
-prompts ``x_1, y_1, ..., x_N`` of a random linear function and predicts every ``y_i`` from the
-examples before it.
+"""In-context linear regression (Garg et al. 2022; docs/design.md, 'In-context linear regression'):
+a causal transformer reads prompts ``x_1, y_1, ..., x_N`` of a random linear function and predicts
+every ``y_i`` from the examples before it.
 
 - :class:`ICLConfig` (``model: TransformerConfig``, ``task: RegressionConfig``, ``optim``,
   ``run``), read with :func:`load_icl_config` (YAML + ``section.key=value`` overrides);

@@ -1,4 +1,5 @@
-"""Language modelling (SPEC section 4): a GPT trained on a text corpus, evaluated in bits per byte.
+"""Language modelling: a GPT trained on a text corpus, evaluated in bits per byte (docs/design.md,
+'Language modelling').
 
 - :class:`LMConfig` (``model: GPTConfig``, ``data: DataConfig``, ``optim: OptimConfig``,
   ``run: LMRunConfig``), read with :func:`load_lm_config` (YAML + ``section.key=value`` overrides);

@@ -1,4 +1,5 @@
-"""Structured matrices of the MLBTC family (SPEC section 2).
+"""Structured matrices of the MLBTC family (docs/design.md, 'Structured matrices (the MLBTC
+family)').
 
 Every class is a ``StructuredMatrix``: an ``nn.Module`` mapping ``(..., in_features) ->
 (..., out_features)`` with ``to_dense()``, ``num_params``, ``flops(batch)``, ``rank_bound``,

@@ -1,4 +1,5 @@
-"""Forecasters over the shared :class:`Transformer` backbone (SPEC section 4, time series).
+"""Forecasters over the shared :class:`Transformer` backbone (docs/design.md, 'Long-range
+time-series forecasting').
 
 Both map a lookback window ``x: (B, L, C)`` to a forecast ``(B, H, C)``, with a bidirectional
 encoder whose attention kind (``mha``, ``swa:<w>``, ``mlr:<ranks>``, ``bilinear_mlr:<ranks>``,
