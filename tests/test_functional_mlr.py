@@ -1,12 +1,15 @@
 """Tests for structured_attention.functional.mlr (SPEC section 3, "MLR attention, exactly").
 
-Everything is checked against an independent, deliberately naive reference written here: one full
-``T x T`` block mask per level, explicit ``repeat_interleave`` for GQA, explicit causal mask.
+The reference's agreement with the naive definition (one full ``T x T`` block mask per level,
+explicit ``repeat_interleave`` for GQA, explicit causal mask: ``mlr_cases.naive_mlr``), outputs and
+gradients, on every case, and its dtype policy (float32, bfloat16, float16 against float64) are on
+the shared grid, tests/test_mlr_grid.py. Here: GQA's head mapping, non-contiguous inputs, random
+nested configurations, structural properties, the depth / pair-count / block-size helpers, gradcheck,
+validation and the CPU dispatch.
 """
 
 from __future__ import annotations
 
-import math
 import re
 
 import pytest
@@ -15,6 +18,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mlr_cases import make_qkv, naive_mlr
 from structured_attention.functional import (
     mlr_attention_reference,
     mlr_block_sizes,
@@ -22,99 +26,10 @@ from structured_attention.functional import (
     mlr_pair_counts,
 )
 from structured_attention.functional import mlr_attention as dispatched_mlr_attention
-from structured_attention.ops.mlr.blocked import mlr_attention_blocked
 from structured_attention.ops.mlr.contract import mlr_score_flops
 
-# These tests pin down the exact reference; the fast paths are checked against it in their own files.
+# These tests pin down the exact reference; the fast paths are checked against it on the grid.
 mlr_attention = mlr_attention_reference
-
-# --------------------------------------------------------------------------------------------------
-# Naive reference
-# --------------------------------------------------------------------------------------------------
-
-
-def naive_mlr(q, k, v, ranks, block_sizes=None, causal=True, scale=None, depth_normalize=False):
-    B, H, T, R = q.shape
-    Hk = k.shape[1]
-    group = H // Hk
-    k = k.repeat_interleave(group, dim=1)
-    v = v.repeat_interleave(group, dim=1)
-    L = len(ranks)
-    if block_sizes is None:
-        block_sizes = [T // 2**l for l in range(L)]
-    if scale is None:
-        scale = 1.0 / math.sqrt(R)
-    pos = torch.arange(T)
-    S = torch.zeros(B, H, T, T, dtype=q.dtype)
-    depth = torch.zeros(T, T, dtype=q.dtype)
-    start = 0
-    for r, s in zip(ranks, block_sizes):
-        ql, kl = q[..., start : start + r], k[..., start : start + r]
-        start += r
-        same_block = (pos[:, None] // s) == (pos[None, :] // s)
-        S = S + torch.where(same_block, ql @ kl.transpose(-1, -2), torch.zeros((), dtype=q.dtype))
-        depth = depth + same_block.to(q.dtype)
-    S = scale * S
-    if depth_normalize:
-        S = S / depth
-    if causal:
-        allowed = pos[None, :] <= pos[:, None]
-        S = S.masked_fill(~allowed, float("-inf"))
-    return torch.softmax(S, dim=-1) @ v
-
-
-def make_qkv(B, H, Hk, T, R, Dv, dtype=torch.float64, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, H, T, R, generator=g, dtype=dtype)
-    k = torch.randn(B, Hk, T, R, generator=g, dtype=dtype)
-    v = torch.randn(B, Hk, T, Dv, generator=g, dtype=dtype)
-    return q, k, v
-
-
-# (T, ranks, block_sizes) -- None means the default T / 2^(l-1).
-CASES = [
-    (1, (5, 2, 1), (4, 2, 1)),
-    (7, (5, 2, 1), (8, 4, 2)),  # s_1 > T, T not a multiple of the finest block
-    (24, (5, 2, 1), None),  # default (24, 12, 6)
-    (24, (5, 2, 1), (48, 12, 4)),  # ratio 4 between levels
-    (33, (5, 2, 1), (64, 16, 4)),  # partial trailing block on every fine level
-    (33, (8, 2, 2, 1, 1, 1, 1, 1), (128, 64, 32, 16, 8, 4, 2, 1)),
-    (64, (5, 2, 1), None),
-    (64, (3, 3), (64, 32)),
-    (128, (8, 2, 2, 1, 1, 1, 1, 1), None),  # (32|8|6|4|4|4|4|2) scaled down, default sizes
-]
-HEADS = [(4, 4), (4, 2), (4, 1)]
-
-
-@pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("depth_normalize", [False, True])
-@pytest.mark.parametrize("case_idx", range(len(CASES)))
-def test_matches_naive_reference(case_idx, causal, depth_normalize):
-    T, ranks, block_sizes = CASES[case_idx]
-    H, Hk = HEADS[case_idx % len(HEADS)]
-    q, k, v = make_qkv(2, H, Hk, T, sum(ranks), 3, seed=case_idx)
-    out = mlr_attention(q, k, v, ranks, block_sizes, causal=causal, depth_normalize=depth_normalize)
-    ref = naive_mlr(q, k, v, ranks, block_sizes, causal=causal, depth_normalize=depth_normalize)
-    assert out.shape == (2, H, T, 3) and out.dtype == torch.float64
-    torch.testing.assert_close(out, ref, rtol=0, atol=1e-10)
-
-
-@pytest.mark.parametrize("H,Hk", HEADS)
-@pytest.mark.parametrize("causal", [True, False])
-def test_gqa_and_custom_scale(H, Hk, causal):
-    ranks, sizes = (5, 2, 1), (16, 4, 2)
-    q, k, v = make_qkv(3, H, Hk, 13, 8, 5, seed=H * 10 + Hk)
-    for scale in (0.7, 3.0):
-        out = mlr_attention(q, k, v, ranks, sizes, causal=causal, scale=scale)
-        ref = naive_mlr(q, k, v, ranks, sizes, causal=causal, scale=scale)
-        torch.testing.assert_close(out, ref, rtol=0, atol=1e-10)
-    # The default scale really is 1/sqrt(R).
-    torch.testing.assert_close(
-        mlr_attention(q, k, v, ranks, sizes, causal=causal),
-        mlr_attention(q, k, v, ranks, sizes, causal=causal, scale=1 / math.sqrt(8)),
-        rtol=0,
-        atol=1e-12,
-    )
 
 
 def test_gqa_head_mapping_is_repeat_interleave():
@@ -299,7 +214,7 @@ def test_helper_errors(fn, args, name):
 
 
 # --------------------------------------------------------------------------------------------------
-# Autograd and precision
+# Autograd
 # --------------------------------------------------------------------------------------------------
 
 
@@ -313,39 +228,6 @@ def test_gradcheck(causal, depth_normalize):
         return mlr_attention(q, k, v, (2, 1), (8, 2), causal=causal, depth_normalize=depth_normalize)
 
     assert torch.autograd.gradcheck(fn, (q, k, v), eps=1e-6, atol=1e-7)
-
-
-def test_gradients_match_naive():
-    q, k, v = make_qkv(2, 4, 2, 19, 8, 3, seed=9)
-    grads = []
-    for f in (mlr_attention, naive_mlr):
-        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
-        out = f(qq, kk, vv, (5, 2, 1), (32, 8, 2), causal=True, depth_normalize=True)
-        (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
-        grads.append((qq.grad, kk.grad, vv.grad))
-    for a, b in zip(*grads):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
-
-
-@pytest.mark.parametrize("causal", [True, False])
-def test_float32_agrees_with_float64(causal):
-    q, k, v = make_qkv(2, 4, 2, 33, 8, 4, seed=4)
-    out64 = mlr_attention(q, k, v, (5, 2, 1), (64, 16, 4), causal=causal)
-    out32 = mlr_attention(q.float(), k.float(), v.float(), (5, 2, 1), (64, 16, 4), causal=causal)
-    assert out32.dtype == torch.float32
-    torch.testing.assert_close(out32.double(), out64, rtol=0, atol=1e-5)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("depth_normalize", [False, True])
-def test_half_precision_close_to_float64(dtype, depth_normalize):
-    q, k, v = make_qkv(2, 4, 2, 33, 8, 4, dtype=dtype, seed=6)
-    # Large scores: a half-precision softmax would lose much more than the tolerance.
-    q = q * 4
-    out = mlr_attention(q, k, v, (5, 2, 1), (64, 16, 4), depth_normalize=depth_normalize)
-    assert out.dtype == dtype and out.shape == (2, 4, 33, 4)
-    ref = naive_mlr(q.double(), k.double(), v.double(), (5, 2, 1), (64, 16, 4), depth_normalize=depth_normalize)
-    torch.testing.assert_close(out.double(), ref, rtol=0, atol=2e-2)
 
 
 # --------------------------------------------------------------------------------------------------
