@@ -1,4 +1,4 @@
-"""Tests for structured_attention.functional.mlr (SPEC section 3, "MLR attention, exactly").
+"""Tests for the MLR attention reference and contract (docs/design.md, "MLR attention").
 
 The reference's agreement with the naive definition (one full ``T x T`` block mask per level,
 explicit ``repeat_interleave`` for GQA, explicit causal mask: ``mlr_cases.naive_mlr``), outputs and
