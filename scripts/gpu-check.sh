@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check of the kernels, for a machine with one CUDA GPU: the Triton tests on the GPU, the
+# The GPU check of the kernels, for a machine with one CUDA GPU: the Triton and compile tests on the GPU, the
 # tile-setting and decoding timings, and the issue-3 benchmarks in bfloat16.
 #   scripts/gpu-check.sh [OUT_DIR] [tests|tune|decode|ncu|bench|all]
 # (default OUT_DIR runs/gpu-check, or $OUT on the lent device machine; default all). On an H100 the
@@ -25,7 +25,10 @@ print(f"python {platform.python_version()} | torch {torch.__version__} | triton 
 PY
 
 if [[ $step == tests || $step == all ]]; then
-    python3 -m pytest -q -p no:cacheprovider tests/test_mlr_triton.py tests/test_mlr_decode.py 2>&1 \
+    # the backend grid (its Triton subset), the kernels' own tests, and opcheck and the compiled
+    # graphs of the custom ops on CUDA
+    python3 -m pytest -q -p no:cacheprovider tests/test_mlr_grid.py tests/test_mlr_triton.py tests/test_mlr_decode.py \
+        tests/test_compile.py -k "not inductor and not training_step" 2>&1 \
         | tee "$out/tests.log" | tail -n 5 || status=1
 fi
 if [[ $step == tune || $step == all ]]; then

@@ -190,6 +190,20 @@ def test_mlr_layer_compiles_with_inductor():
     torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("spec", ["mlr:8|4|2|2", "mlr:8|4|2|2:n_kv_heads=1"])
+def test_mlr_layer_compiles_whole_on_cuda(spec):
+    """On CUDA the graph holds the Triton kernels' custom ops; compiled equals eager."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    layer, x = _layer_and_input(spec)
+    layer, x = layer.cuda(), x.detach().cuda().requires_grad_()
+    eager = _forward_backward(layer, x)
+    out, targets = _graph_ops(layer, x)
+    assert any(t.startswith("sattn.mlr_triton") for t in targets), targets
+    compiled = _forward_backward(torch.compile(layer, fullgraph=True), x)
+    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
+
+
 def _gpt(spec):
     torch.manual_seed(0)
     return GPT(GPTConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, max_seq_len=64, attention=spec))
