@@ -14,8 +14,9 @@ docs/design.md explains the mathematics, the tiling the kernels use and the disp
 The contract every entry point follows (one argument check, one dtype policy, one GQA policy, one
 error style):
 
-* arguments: :func:`check_mlr_arguments` (full attention) and :func:`check_mlr_cache_arguments`
-  (new queries against a cache); each raises a one-line ``ValueError`` naming the parameter;
+* arguments: :func:`check_mlr_arguments` (full attention, with :func:`check_document_ids` for packed
+  documents) and :func:`check_mlr_cache_arguments` (new queries against a cache); each raises a
+  one-line ``ValueError`` naming the parameter;
 * dtypes: q, k and v share one floating dtype; scores, softmax and ``A V`` accumulate in
   :func:`compute_dtype` (float32 for float16 / bfloat16, else the input's own), and the result has
   the input's dtype;
@@ -41,6 +42,7 @@ from structured_attention._checks import (
 
 __all__ = [
     "HALF_DTYPES",
+    "check_document_ids",
     "check_mlr_arguments",
     "check_mlr_cache_arguments",
     "compute_dtype",
@@ -198,9 +200,11 @@ def check_mlr_arguments(
     causal: bool,
     scale: float | None,
     depth_normalize: bool,
+    document_ids: torch.Tensor | None = None,
 ) -> tuple[tuple[int, ...], tuple[int, ...], float]:
     """Validate the arguments of the MLR attention contract (shared by every path); return the
-    ranks, the block sizes and the scale (default ``1/sqrt(R)``)."""
+    ranks, the block sizes and the scale (default ``1/sqrt(R)``). ``document_ids`` (optional) is
+    checked by :func:`check_document_ids`."""
     q = check_tensor(q, "q", 4)
     k = check_tensor(k, "k", 4)
     v = check_tensor(v, "v", 4)
@@ -230,8 +234,41 @@ def check_mlr_arguments(
         scale = 1.0 / math.sqrt(R)
     else:
         _check_scale(scale, "a finite positive number or None")
+    check_document_ids(document_ids, B, T, q.device)
 
     return ranks, sizes, float(scale)
+
+
+def check_document_ids(
+    document_ids: object, B: int, T: int, device: torch.device | str | None = None
+) -> torch.Tensor | None:
+    """Validate packed-document ids: ``None``, or an integer (not bool) tensor of shape ``(B, T)``,
+    non-decreasing along ``T`` in every row (so each document is one contiguous segment), on
+    ``device`` when given (the device of ``q``). Returns the tensor (or ``None``).
+
+    Checking the order reads the ids on the host (a device synchronisation when they live on an
+    accelerator).
+    """
+    if document_ids is None:
+        return None
+    require(isinstance(document_ids, torch.Tensor), "document_ids", "a torch.Tensor or None",
+            type(document_ids).__name__)
+    assert isinstance(document_ids, torch.Tensor)
+    require(tuple(document_ids.shape) == (B, T), "document_ids", f"shape (B={B}, T={T})",
+            tuple(document_ids.shape))
+    require(not document_ids.is_floating_point() and not document_ids.is_complex()
+            and document_ids.dtype != torch.bool, "document_ids",
+            "an integer dtype (not bool)", document_ids.dtype)
+    if device is not None:
+        require(document_ids.device == torch.device(device), "document_ids",
+                f"a tensor on {device} (the device of q)", document_ids.device)
+    if T > 1:
+        steps = document_ids[:, 1:] < document_ids[:, :-1]
+        if bool(steps.any()):
+            row, col = (int(x) for x in steps.nonzero()[0])
+            raise ValueError(f"document_ids: expected ids non-decreasing along T in every row (each document "
+                             f"one contiguous segment), got a decrease in row {row} at position {col + 1}")
+    return document_ids
 
 
 

@@ -59,10 +59,54 @@ def mlr_attention(
     causal: bool = True,
     scale: float | None = None,
     depth_normalize: bool = False,
+    document_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """MLR attention with the contract of :func:`mlr_attention_reference`, on the fastest correct
-    path for its inputs (see the table above); differentiable in ``q``, ``k`` and ``v``."""
-    check_mlr_arguments(q, k, v, ranks, block_sizes, causal, scale, depth_normalize)
+    path for its inputs (see the table above); differentiable in ``q``, ``k`` and ``v``.
+
+    With ``document_ids`` (packed documents, ``(B, T)`` non-decreasing integer ids), each
+    document's contiguous segment runs through the same path as a sequence of its own, with the
+    call's block sizes, and the outputs are concatenated back; this equals the reference's
+    ``document_ids`` semantics and does no padded work. The kernels do not yet take per-document
+    starts themselves: the documents are a loop on the host, one backend call per document.
+    """
+    _, sizes, resolved_scale = check_mlr_arguments(
+        q, k, v, ranks, block_sizes, causal, scale, depth_normalize, document_ids)
+    if document_ids is None:
+        return _mlr_attention(q, k, v, ranks, block_sizes, causal, scale, depth_normalize)
+    # The boundaries are read on the host with one .tolist(): a device synchronisation, and a graph
+    # break (data-dependent shapes) under torch.compile. Acceptable until the kernels take
+    # per-document starts (varlen) themselves.
+    boundaries = []  # per row, the (start, end) of each document
+    for ids in document_ids.tolist():
+        starts = [0, *(t for t in range(1, len(ids)) if ids[t] != ids[t - 1])]
+        boundaries.append(list(zip(starts, [*starts[1:], len(ids)])))
+    if all(len(row) == 1 for row in boundaries):  # one document per row: the plain call
+        return _mlr_attention(q, k, v, ranks, sizes, causal, resolved_scale, depth_normalize)
+    # Each segment is checked again as a sequence of its own; the call's sizes are valid for it
+    # (s_1 >= T >= its length).
+    rows = []
+    for b, row in enumerate(boundaries):
+        segments = [
+            _mlr_attention(q[b:b + 1, :, start:end], k[b:b + 1, :, start:end], v[b:b + 1, :, start:end],
+                           ranks, sizes, causal, resolved_scale, depth_normalize)
+            for start, end in row
+        ]
+        rows.append(torch.cat(segments, dim=2))
+    return torch.cat(rows, dim=0)
+
+
+def _mlr_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ranks: Sequence[int],
+    block_sizes: Sequence[int] | None,
+    causal: bool,
+    scale: float | None,
+    depth_normalize: bool,
+) -> torch.Tensor:
+    """One call, without documents, to the backend the dispatch table picks."""
     args = (q, k, v, ranks, block_sizes, causal, scale, depth_normalize)
     if _on_triton(q):
         from .triton_general import mlr_attention_triton

@@ -1,7 +1,8 @@
 """Exact references for MLR attention: the definitions written out in plain PyTorch.
 
 * :func:`mlr_attention_reference`: full attention over a sequence, one dense ``(T, T)`` score built
-  level by level (level 1 everywhere, each finer level on its diagonal blocks);
+  level by level (level 1 everywhere, each finer level on its diagonal blocks); with packed
+  ``document_ids``, level by level under dense per-level masks of local positions;
 * :func:`mlr_prefill_reference`: ``t`` new queries, at the end of a sequence, against the
   compressed cache, which holds level 1's keys for every position but level ``l``'s keys only from
   the start of the first new query's level-``l`` block;
@@ -45,6 +46,7 @@ def mlr_attention_reference(
     causal: bool = True,
     scale: float | None = None,
     depth_normalize: bool = False,
+    document_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact MLR attention, the definition written out densely.
 
@@ -61,6 +63,11 @@ def mlr_attention_reference(
         causal: mask the scores to ``j <= i``.
         scale: score scale, default ``1 / sqrt(R)``. Per-level scales belong in ``q``.
         depth_normalize: divide each score by its depth ``d(i, j)``.
+        document_ids: optional ``(B, T)`` integer ids of packed documents, non-decreasing along
+            ``T``. A token then attends only to its own document (same id in the same row), and
+            positions and block membership count from the document's first token, so each
+            document is scored exactly as if it ran alone as its own sequence, with the call's
+            block sizes (fixed by ``T``, not by the document's length).
 
     Returns:
         ``(B, H, T, Dv)`` in ``q``'s dtype. Scores, softmax and ``A V`` are computed in ``q``'s dtype,
@@ -69,7 +76,8 @@ def mlr_attention_reference(
     Raises:
         ValueError: naming the offending parameter.
     """
-    ranks, sizes, scale = check_mlr_arguments(q, k, v, ranks, block_sizes, causal, scale, depth_normalize)
+    ranks, sizes, scale = check_mlr_arguments(
+        q, k, v, ranks, block_sizes, causal, scale, depth_normalize, document_ids)
     B, H, T, R = q.shape
     Hk = k.shape[1]
 
@@ -81,6 +89,9 @@ def mlr_attention_reference(
     vc = v.to(acc)
     q_levels = qg.split(ranks, dim=-1)
     k_levels = kc.split(ranks, dim=-1)
+    if document_ids is not None:
+        S, depth, masked = _document_scores(q_levels, k_levels, sizes, causal, depth_normalize, document_ids)
+        return _attend(S, depth, masked, vc).reshape(B, H, T, v.shape[-1]).to(q.dtype)
 
     # Level 1 covers the whole context (s_1 >= T): one dense score, (B, Hk, G, T, T).
     # einsum folds g into the matmul rows, so k is never expanded over the group.
@@ -103,14 +114,68 @@ def mlr_attention_reference(
             if depth is not None:
                 depth[start:, start:] += 1
 
+    masked = torch.ones(T, T, dtype=torch.bool, device=q.device).triu_(1) if causal else None
+    return _attend(S, depth, masked, vc).reshape(B, H, T, v.shape[-1]).to(q.dtype)
+
+
+def _attend(S: torch.Tensor, depth: torch.Tensor | None, masked: torch.Tensor | None,
+            vc: torch.Tensor) -> torch.Tensor:
+    """The shared tail: ``softmax(S / depth, masked to -inf) @ V``.
+
+    ``S`` is ``(B, Hk, G, T, T)``; ``depth`` and ``masked`` broadcast against it; ``vc`` is
+    ``(B, Hk, T, Dv)``. Returns ``(B, Hk, G, T, Dv)``.
+    """
     if depth is not None:
         S = S / depth
-    if causal:
-        mask = torch.ones(T, T, dtype=torch.bool, device=q.device).triu_(1)
-        S = S.masked_fill(mask, float("-inf"))
+    if masked is not None:
+        S = S.masked_fill(masked, float("-inf"))
     A = torch.softmax(S, dim=-1)
-    out = torch.einsum("bhgij,bhjd->bhgid", A, vc)  # (B, Hk, G, T, Dv)
-    return out.reshape(B, H, T, v.shape[-1]).to(q.dtype)
+    return torch.einsum("bhgij,bhjd->bhgid", A, vc)
+
+
+def _document_scores(
+    q_levels: Sequence[torch.Tensor],
+    k_levels: Sequence[torch.Tensor],
+    sizes: Sequence[int],
+    causal: bool,
+    depth_normalize: bool,
+    document_ids: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Scores of packed documents, level by level with dense per-level masks (O(L T^2)).
+
+    Level ``l`` scores ``(i, j)`` when both are in one document and their local positions
+    ``p = i - start(document)`` share a level-``l`` block: ``p(i) // s_l == p(j) // s_l``.
+    Returns the scores ``(B, Hk, G, T, T)``, the depth ``(B, 1, 1, T, T)`` (or ``None``) and the
+    mask of excluded pairs ``(B, 1, 1, T, T)`` (other documents, and ``j > i`` when causal).
+    """
+    T = document_ids.shape[1]
+    device = document_ids.device
+    ids = document_ids
+    pos = torch.arange(T, device=device).expand_as(ids)
+    # The ids are non-decreasing, so a document starts where the id changes; the start of i's
+    # document is the last such position <= i.
+    new_doc = torch.ones_like(ids, dtype=torch.bool)
+    new_doc[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    start = torch.where(new_doc, pos, torch.zeros_like(pos)).cummax(dim=1).values
+    local = pos - start  # (B, T)
+    same_doc = (ids[:, :, None] == ids[:, None, :])[:, None, None]  # (B, 1, 1, T, T)
+
+    # Level 1: s_1 >= T >= every document's length, so same_doc alone.
+    shares = [same_doc]
+    for s in sizes[1:]:
+        blk = local // s
+        shares.append(same_doc & (blk[:, :, None] == blk[:, None, :])[:, None, None])
+    S = sum(torch.einsum("bhgir,bhjr->bhgij", ql, kl) * share
+            for ql, kl, share in zip(q_levels, k_levels, shares))
+    depth = None
+    if depth_normalize:
+        # Pairs of different documents have depth 0; 1 there keeps S / depth (and its gradient)
+        # finite before they are masked out.
+        depth = sum(share.to(S.dtype) for share in shares).clamp_min(1)
+    masked = ~same_doc
+    if causal:
+        masked = masked | torch.ones(T, T, dtype=torch.bool, device=device).triu_(1)
+    return S, depth, masked
 
 
 def mlr_prefill_reference(
