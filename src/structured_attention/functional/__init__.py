@@ -1,32 +1,9 @@
-"""Functional (stateless) attention: MLR attention (from :mod:`structured_attention.ops.mlr`),
-sliding-window attention and scaled dot-product attention."""
+"""Functional (stateless) attention: MLR attention (the public functions of
+:mod:`structured_attention.ops.mlr`), sliding-window attention and scaled dot-product attention."""
 
 from structured_attention.functional.sdpa import scaled_dot_product_attention
 from structured_attention.functional.windowed import sliding_window_attention
-from structured_attention.ops.mlr import (
-    mlr_attention,
-    mlr_attention_reference,
-    mlr_block_sizes,
-    mlr_decode,
-    mlr_decode_reference,
-    mlr_depth,
-    mlr_pair_counts,
-    mlr_prefill,
-    mlr_prefill_reference,
-    mlr_score_flops,
-)
+from structured_attention.ops import mlr as _mlr
+from structured_attention.ops.mlr import *  # noqa: F403  (re-exported as they are listed there)
 
-__all__ = [
-    "mlr_attention",
-    "mlr_attention_reference",
-    "mlr_block_sizes",
-    "mlr_decode",
-    "mlr_decode_reference",
-    "mlr_depth",
-    "mlr_pair_counts",
-    "mlr_prefill",
-    "mlr_prefill_reference",
-    "mlr_score_flops",
-    "scaled_dot_product_attention",
-    "sliding_window_attention",
-]
+__all__ = [*_mlr.__all__, "scaled_dot_product_attention", "sliding_window_attention"]

@@ -42,6 +42,7 @@ from structured_attention._checks import (
 
 __all__ = [
     "HALF_DTYPES",
+    "attach_backward",
     "check_document_ids",
     "check_mlr_arguments",
     "check_mlr_cache_arguments",
@@ -271,8 +272,6 @@ def check_document_ids(
     return document_ids
 
 
-
-
 def check_mlr_cache_arguments(
     q: torch.Tensor,
     keys: Sequence[torch.Tensor],
@@ -282,13 +281,15 @@ def check_mlr_cache_arguments(
     scale: float,
     depth_normalize: bool,
     block_sizes: Sequence[int] | None = None,
+    one_query: bool = False,
 ) -> tuple[int, ...]:
     """Validate ``t`` new queries at positions ``[end - t, end)`` against the compressed cache.
 
     ``keys[l]`` holds level ``l``'s keys for positions ``[key_starts[l], end)`` and ``v`` every value
     for ``[0, end)``. One query (decoding) needs no block sizes: every key held for level ``l`` lies
     in its own level-``l`` block. Several queries (a prompt continued against a cache) need them to
-    tell which held keys share each query's blocks. Returns the ranks.
+    tell which held keys share each query's blocks. ``one_query`` requires ``t == 1`` (a decoding
+    step). Returns the ranks.
     """
     q = check_tensor(q, "q", 4)
     v = check_tensor(v, "v", 4)
@@ -308,6 +309,7 @@ def check_mlr_cache_arguments(
     require(q.shape[0] == B and 1 <= t <= end and q.shape[-1] == sum(ranks), "q",
             f"shape (B={B}, H, t <= {end}, sum(ranks)={sum(ranks)})", tuple(q.shape))
     require(q.shape[1] % Hk == 0, "q", f"a head count (dim 1) that is a multiple of the {Hk} kv heads", tuple(q.shape))
+    require(t == 1 or not one_query, "q", "one new query, shape (B, H, 1, sum(ranks))", tuple(q.shape))
     require(t == 1 or block_sizes is not None, "block_sizes",
             f"the per-level block sizes when several queries (t={t}) meet the cache", block_sizes)
     require(all(isinstance(s, int) and not isinstance(s, bool) for s in key_starts) and key_starts[0] == 0

@@ -16,9 +16,15 @@ import torch
 
 from ..._checks import require
 from .cpu_build import BLOCK_K, BLOCK_Q, available, load
-from .contract import attach_backward, check_mlr_arguments, check_mlr_cache_arguments, compute_dtype, expand_kv
+from .contract import (
+    attach_backward,
+    check_mlr_arguments,
+    check_mlr_cache_arguments,
+    compute_dtype,
+    expand_kv,
+)
 
-__all__ = ["available", "load", "mlr_attention_cpu", "mlr_decode_cpu"]
+__all__ = ["available", "decode", "load", "mlr_attention_cpu", "mlr_decode_cpu"]
 
 # The kernel's entry points as custom ops: torch.compile keeps each whole (no graph break) and
 # traces shapes through the fake implementations; autograd reaches the backward through
@@ -107,8 +113,16 @@ def mlr_decode_cpu(
     """One MLR decoding step through the C++ kernel, one task per (sequence, query head); same
     contract as :func:`~.reference.mlr_decode_reference` (not differentiable). Raises
     ``RuntimeError`` if the kernel is not available."""
-    check_mlr_cache_arguments(q, keys, key_starts, v, ranks, scale, depth_normalize)
-    require(q.shape[2] == 1, "q", "one new query, shape (B, H, 1, sum(ranks))", tuple(q.shape))
+    check_mlr_cache_arguments(q, keys, key_starts, v, ranks, scale, depth_normalize, one_query=True)
+    return decode(q, keys, key_starts, v, scale, depth_normalize)
+
+
+def decode(
+    q: torch.Tensor, keys: Sequence[torch.Tensor], key_starts: Sequence[int], v: torch.Tensor, scale: float,
+    depth_normalize: bool,
+) -> torch.Tensor:
+    """:func:`mlr_decode_cpu` on arguments already checked against the contract (the dispatcher's
+    entry: a decoding step is checked once)."""
     if not available():
         raise RuntimeError("the C++ MLR attention kernel is not available here (see the warning when it was built)")
     dtype = compute_dtype(v.dtype)

@@ -21,7 +21,6 @@ Every call is checked against the contract first, so a bad argument raises the s
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import torch
@@ -35,15 +34,22 @@ __all__ = ["has_triton", "mlr_attention", "mlr_decode", "mlr_prefill"]
 _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-@functools.cache
+_has_triton: bool | None = None
+
+
+@torch.compiler.assume_constant_result  # a constant under torch.compile, like cpu.available()
 def has_triton() -> bool:
     """Whether Triton imports here (asked once; the Triton backends are imported only when used)."""
-    try:
-        import triton  # noqa: F401
-        import triton.language  # noqa: F401
-    except Exception:  # ImportError, or a broken install
-        return False
-    return True
+    global _has_triton
+    if _has_triton is None:
+        try:
+            import triton  # noqa: F401
+            import triton.language  # noqa: F401
+
+            _has_triton = True
+        except Exception:  # ImportError, or a broken install
+            _has_triton = False
+    return _has_triton
 
 
 def _on_triton(x: torch.Tensor) -> bool:
@@ -130,17 +136,18 @@ def mlr_decode(
 ) -> torch.Tensor:
     """One decoding step with the contract of :func:`mlr_decode_reference`, on the fastest correct
     path (see the table above)."""
-    check_mlr_cache_arguments(q, keys, key_starts, v, ranks, scale, depth_normalize)
-    args = (q, keys, key_starts, v, ranks, scale, depth_normalize)
+    # Checked once here: the kernels' entries below take checked arguments (a decoding step is on
+    # the host's critical path, once per layer and token).
+    check_mlr_cache_arguments(q, keys, key_starts, v, ranks, scale, depth_normalize, one_query=True)
     if torch.is_grad_enabled() and any(x.requires_grad for x in (q, v, *keys)):
-        return mlr_decode_reference(*args)
+        return mlr_decode_reference(q, keys, key_starts, v, ranks, scale, depth_normalize)
     if _on_triton(v):
-        from .triton_decode import mlr_decode_triton
+        from . import triton_decode
 
-        return mlr_decode_triton(*args)
+        return triton_decode.decode(q, keys, key_starts, v, ranks, scale, depth_normalize)
     if v.device.type == "cpu" and cpu.available():
-        return cpu.mlr_decode_cpu(*args)
-    return mlr_decode_reference(*args)
+        return cpu.decode(q, keys, key_starts, v, scale, depth_normalize)
+    return mlr_decode_reference(q, keys, key_starts, v, ranks, scale, depth_normalize)
 
 
 def mlr_prefill(

@@ -18,7 +18,6 @@ from collections.abc import Sequence
 
 import torch
 
-from ..._checks import require
 from .contract import check_mlr_arguments, check_mlr_cache_arguments, compute_dtype, grouped_matmul
 
 __all__ = ["mlr_attention_reference", "mlr_decode_reference", "mlr_prefill_reference"]
@@ -208,6 +207,20 @@ def mlr_prefill_reference(
         :func:`mlr_attention_reference` over the whole sequence (causal).
     """
     ranks = check_mlr_cache_arguments(q, keys, key_starts, v, ranks, scale, depth_normalize, block_sizes)
+    return _cached_attention(q, keys, key_starts, v, ranks, scale, depth_normalize, block_sizes)
+
+
+def _cached_attention(
+    q: torch.Tensor,
+    keys: Sequence[torch.Tensor],
+    key_starts: Sequence[int],
+    v: torch.Tensor,
+    ranks: Sequence[int],
+    scale: float,
+    depth_normalize: bool,
+    block_sizes: Sequence[int] | None,
+) -> torch.Tensor:
+    """:func:`mlr_prefill_reference` on checked arguments."""
     acc = compute_dtype(v.dtype)
     device = v.device
     t, end = q.shape[2], v.shape[2]
@@ -252,6 +265,5 @@ def mlr_decode_reference(
     one-query case of :func:`mlr_prefill_reference` (same arguments, no block sizes needed).
     Returns ``(B, H, 1, Dv)`` in ``v``'s dtype, equal to the last row of
     :func:`mlr_attention_reference` over the whole sequence."""
-    require(isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[2] == 1, "q",
-            "one new query, shape (B, H, 1, sum(ranks))", tuple(q.shape) if isinstance(q, torch.Tensor) else q)
-    return mlr_prefill_reference(q, keys, key_starts, v, ranks, scale, depth_normalize)
+    check_mlr_cache_arguments(q, keys, key_starts, v, ranks, scale, depth_normalize, one_query=True)
+    return _cached_attention(q, keys, key_starts, v, ranks, scale, depth_normalize, None)

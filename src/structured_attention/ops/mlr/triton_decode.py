@@ -30,7 +30,7 @@ from ..._checks import require
 from .contract import check_mlr_cache_arguments
 from .triton_common import INTERPRETED, cdiv, device_table, dot, dot_acc, pow2
 
-__all__ = ["mlr_decode_triton"]
+__all__ = ["decode", "mlr_decode_triton"]
 
 
 @triton.jit
@@ -181,8 +181,29 @@ def mlr_decode_triton(
     an H200 at a 16k cache (docs/benchmarks.md): uncapped, the kernel takes 230 registers, so a
     multiprocessor holds two programs and the grid runs in two waves; at 128 registers and two
     stages it holds four, one wave."""
-    ranks = check_mlr_cache_arguments(q, keys, key_starts, v, ranks, scale, depth_normalize)
-    require(q.shape[2] == 1, "q", "one new query, shape (B, H, 1, sum(ranks))", tuple(q.shape))
+    ranks = check_mlr_cache_arguments(q, keys, key_starts, v, ranks, scale, depth_normalize, one_query=True)
+    return decode(q, keys, key_starts, v, ranks, scale, depth_normalize, chunk=chunk, block_n=block_n,
+                  num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg)
+
+
+def decode(
+    q: torch.Tensor,
+    keys: Sequence[torch.Tensor],
+    key_starts: Sequence[int],
+    v: torch.Tensor,
+    ranks: Sequence[int],
+    scale: float,
+    depth_normalize: bool,
+    *,
+    chunk: int | None = None,
+    block_n: int = 128,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    maxnreg: int | None = 128,
+) -> torch.Tensor:
+    """:func:`mlr_decode_triton` on arguments already checked against the contract (the
+    dispatcher's entry: a decoding step is checked once); the kernel's own requirements are
+    checked here."""
     require(v.dtype in (torch.float32, torch.float16, torch.bfloat16), "v.dtype", "float32, float16 or bfloat16", v.dtype)
     for name, x in [("v", v), *((f"keys[{i}]", k) for i, k in enumerate(keys))]:
         require(x.stride(-1) == 1, name, "a contiguous last dim", f"strides {tuple(x.stride())}")
