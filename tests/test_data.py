@@ -23,6 +23,7 @@ from structured_attention.data import (
     ByteTokenizer,
     CharTokenizer,
     Corpus,
+    document_ids,
     eval_batches,
     load_corpus,
     sample_batch,
@@ -32,6 +33,7 @@ from structured_attention.data import (
 )
 
 HAVE_DATASETS = importlib.util.find_spec("datasets") is not None
+SHARD_FILES = ["meta.json", "train.bin", "train_docs.bin", "val.bin", "val_docs.bin"]
 
 # --------------------------------------------------------------------------------------------------
 # Tokenizers
@@ -226,6 +228,88 @@ def test_bits_per_byte_byte_tokenizer(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------------
+# Document starts
+# --------------------------------------------------------------------------------------------------
+
+# Blank lines inside documents ("\n\n", the separator itself) and multi-byte characters.
+DOCS = {
+    "a.py": "def f():\n    return 1\n\n\ndef g():\n    return 2\n",
+    "b/c.py": "x = 'naïve café'\n\nprint(x)\n",
+    "b/d.py": "# 日本語 🙂\n\n\n\nclass C:\n    pass\n",
+    "e.txt": "plain text\n\nwith paragraphs\n\nand more",
+    "d.py": "# title\n\nbody = '∑ x²'\n",
+    "g.py": "import os\n\n\n\n",
+}
+
+
+def document_texts(corpus: Corpus, split: str) -> list[str]:
+    """Each document of ``split`` decoded from the tokens between consecutive recorded starts."""
+    tokens = np.asarray(getattr(corpus, split))
+    bounds = [*getattr(corpus, f"{split}_document_starts").tolist(), len(tokens)]
+    return [corpus.tokenizer.decode(tokens[a:b]) for a, b in zip(bounds, bounds[1:])]
+
+
+@pytest.mark.parametrize("tokenizer", ["byte", "char"])
+def test_document_starts_match_the_documents(tmp_path, tokenizer):
+    for rel, text in DOCS.items():
+        write(tmp_path / "corpus" / rel, text)
+    corpus = load_corpus(tmp_path / "corpus", tokenizer=tokenizer, val_fraction=0.5, cache_dir=tmp_path / "cache")
+    for split in ("train", "val"):
+        names = corpus.meta[f"{split}_documents"]
+        starts = getattr(corpus, f"{split}_document_starts")
+        assert len(names) >= 2 and starts.dtype == np.int64 and not starts.flags.writeable
+        assert starts[0] == 0 and len(starts) == len(names)
+        # The separator belongs to the document before it; the last document has none.
+        expected = [DOCS[n] + DOC_SEPARATOR for n in names[:-1]] + [DOCS[names[-1]]]
+        if split == "val":  # characters the char vocabulary (built from training) lacks come back as U+FFFD
+            expected = [corpus.tokenizer.decode(corpus.tokenizer.encode(t)) for t in expected]
+        assert document_texts(corpus, split) == expected
+    # Read back from the cache, the starts are the same.
+    again = load_corpus(tmp_path / "corpus", tokenizer=tokenizer, val_fraction=0.5, cache_dir=tmp_path / "cache")
+    assert np.array_equal(again.train_document_starts, corpus.train_document_starts)
+    assert np.array_equal(again.val_document_starts, corpus.val_document_starts)
+
+
+def test_single_document_has_one_start_per_split(tmp_path):
+    corpus = load_corpus(write(tmp_path / "one.py", DOCS["a.py"] * 5), cache_dir=tmp_path / "cache")
+    assert corpus.train_document_starts.tolist() == [0] and corpus.val_document_starts.tolist() == [0]
+
+
+def test_cache_without_document_starts_is_rebuilt(tmp_path, monkeypatch):
+    for rel, text in DOCS.items():
+        write(tmp_path / "corpus" / rel, text)
+    cache = tmp_path / "cache"
+    first = load_corpus(tmp_path / "corpus", val_fraction=0.5, cache_dir=cache)
+    calls = []
+    real_encode = ByteTokenizer.encode_array
+
+    def counting(self, text):
+        calls.append(len(text))
+        return real_encode(self, text)
+
+    monkeypatch.setattr(ByteTokenizer, "encode_array", counting)
+    # A cache written before document starts were recorded: an older format tag and no *_docs.bin.
+    meta = json.loads((first.path / "meta.json").read_text())
+    (first.path / "meta.json").write_text(json.dumps({**meta, "format": "structured-attention-corpus-v1"}))
+    for split in ("train", "val"):
+        (first.path / f"{split}_docs.bin").unlink()
+    old = load_corpus(tmp_path / "corpus", val_fraction=0.5, cache_dir=cache)
+    assert calls and old.path == first.path and sorted(p.name for p in old.path.iterdir()) == SHARD_FILES
+    assert np.array_equal(old.train_document_starts, first.train_document_starts)
+    assert json.loads((old.path / "meta.json").read_text())["format"] == meta["format"]
+    # The current format with a document-starts file missing or cut short is rebuilt too.
+    for damage in ("unlink", "truncate"):
+        calls.clear()
+        path = old.path / "val_docs.bin"
+        path.unlink() if damage == "unlink" else path.write_bytes(path.read_bytes()[:-8])
+        rebuilt = load_corpus(tmp_path / "corpus", val_fraction=0.5, cache_dir=cache)
+        assert calls and np.array_equal(rebuilt.val_document_starts, first.val_document_starts)
+    calls.clear()
+    load_corpus(tmp_path / "corpus", val_fraction=0.5, cache_dir=cache)
+    assert not calls  # intact: read, not tokenised
+
+
+# --------------------------------------------------------------------------------------------------
 # Cache
 # --------------------------------------------------------------------------------------------------
 
@@ -235,7 +319,7 @@ def test_cache_reuses_shards_and_content_changes_hash(tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     first = load_corpus(tmp_path / "corpus", tokenizer="char", cache_dir=cache)
     assert first.path.parent == cache and len(first.path.name) == 64
-    assert sorted(p.name for p in first.path.iterdir()) == ["meta.json", "train.bin", "val.bin"]
+    assert sorted(p.name for p in first.path.iterdir()) == SHARD_FILES
     meta = json.loads((first.path / "meta.json").read_text())
     assert meta["train_tokens"] == len(first.train) and meta["val_bytes"] == first.val_bytes
     mtimes = {p.name: p.stat().st_mtime_ns for p in first.path.iterdir()}
@@ -286,7 +370,7 @@ def test_atomic_write_leaves_no_temp_files(tmp_path, monkeypatch):
 
     corpus = load_corpus(path, cache_dir=cache)  # the next call rebuilds
     assert corpus.path == folder and decode_all(corpus, "val")
-    assert sorted(p.name for p in folder.iterdir()) == ["meta.json", "train.bin", "val.bin"]
+    assert sorted(p.name for p in folder.iterdir()) == SHARD_FILES
 
     # A truncated shard (e.g. written by a foreign process) is detected and rebuilt.
     (folder / "train.bin").write_bytes(b"xx")
@@ -410,6 +494,41 @@ def test_eval_batches_consecutive_windows():
     assert only[0].shape == (1, 10)
 
 
+def token_documents(corpus: Corpus, split: str) -> np.ndarray:
+    """For each token of a byte-tokenised ``split``: its document's index, from the file texts."""
+    names = corpus.meta[f"{split}_documents"]
+    sizes = [len(DOCS[n].encode()) + len(DOC_SEPARATOR) for n in names[:-1]] + [len(DOCS[names[-1]].encode())]
+    return np.repeat(np.arange(len(names)), sizes)
+
+
+def test_document_ids_of_sampled_and_eval_windows(tmp_path):
+    for rel, text in DOCS.items():
+        write(tmp_path / "corpus" / rel, text)
+    corpus = load_corpus(tmp_path / "corpus", val_fraction=0.5, cache_dir=tmp_path / "cache")
+    for split in ("train", "val"):
+        tokens, starts = getattr(corpus, split), getattr(corpus, f"{split}_document_starts")
+        expected = token_documents(corpus, split)
+        assert len(expected) == len(tokens)
+        # Token ids equal to their own positions make x say which token each id is for.
+        positions = np.arange(len(tokens))
+        x, y, ids = sample_batch(positions, 64, 16, seed=1, step=2, document_starts=starts)
+        assert ids.dtype == torch.long and ids.shape == x.shape == (64, 16)
+        assert np.array_equal(ids.numpy(), expected[x.numpy()])
+        assert bool((ids[:, -1] > ids[:, 0]).any())  # some windows cross a boundary
+        # The same windows as without document starts: (x, y) is unchanged, a pure function of (seed, step).
+        x0, y0 = sample_batch(tokens, 64, 16, seed=1, step=2)
+        x1, y1, ids1 = sample_batch(tokens, 64, 16, seed=1, step=2, document_starts=starts)
+        assert torch.equal(x0, x1) and torch.equal(y0, y1) and torch.equal(ids1, ids)
+        parts = [sample_batch(tokens, 16, 16, seed=1, step=2, rank=r, world_size=4, document_starts=starts)
+                 for r in range(4)]
+        assert torch.equal(torch.cat([p[2] for p in parts]), ids)
+        for (xp, yp, idsp), (xe, ye) in zip(eval_batches(positions, 3, 10, document_starts=starts),
+                                            eval_batches(tokens, 3, 10)):
+            assert np.array_equal(idsp.numpy(), expected[xp.numpy()])
+            assert torch.equal(xe, torch.from_numpy(np.asarray(tokens, dtype=np.int64)[xp.numpy()]))
+    assert np.array_equal(document_ids(np.array([0, 3, 5]), np.array([0, 4]), 3), [[0, 0, 0], [1, 2, 2]])
+
+
 def test_batch_errors_name_parameter():
     short = np.arange(10, dtype=np.uint8)
     with pytest.raises(ValueError, match=r"^seq_len"):
@@ -432,3 +551,9 @@ def test_batch_errors_name_parameter():
         eval_batches(short, 2, 4, max_batches=0)
     with pytest.raises(ValueError, match=r"^tokens"):
         sample_batch(np.zeros((2, 20)), 2, 4, seed=0, step=0)
+    for bad in (np.array([1, 4]), np.array([0, 4, 4]), np.array([0, 10]), np.array([], dtype=np.int64),
+                np.array([0.0, 4.0]), [0, 4]):
+        with pytest.raises(ValueError, match=r"^document_starts: expected [^\n]*$"):
+            sample_batch(short, 2, 4, seed=0, step=0, document_starts=bad)
+        with pytest.raises(ValueError, match=r"^document_starts"):
+            eval_batches(short, 2, 4, document_starts=bad)

@@ -5,10 +5,11 @@
   cached memory-mapped shards;
 - :class:`ByteTokenizer`, :class:`CharTokenizer`, :func:`tokenizer_from_json`;
 - :func:`sample_batch` (random windows reproducible from ``(seed, step)``, sharded by rank) and
-  :func:`eval_batches` (consecutive windows).
+  :func:`eval_batches` (consecutive windows), with the windows' :func:`document_ids` when given a
+  split's document starts (packed documents).
 """
 
-from .batches import eval_batches, sample_batch
+from .batches import document_ids, eval_batches, sample_batch
 from .corpus import DOC_SEPARATOR, Corpus, default_cache_dir, load_corpus, split_documents, stdlib_files
 from .tokenizers import TOKENIZERS, ByteTokenizer, CharTokenizer, Tokenizer, tokenizer_from_json
 
@@ -20,6 +21,7 @@ __all__ = [
     "TOKENIZERS",
     "Tokenizer",
     "default_cache_dir",
+    "document_ids",
     "eval_batches",
     "load_corpus",
     "sample_batch",

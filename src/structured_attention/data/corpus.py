@@ -1,7 +1,8 @@
 """Text corpora for language modelling, tokenised once into cached memory-mapped shards.
 
 :func:`load_corpus` reads a source, splits it into train and validation text, tokenises both once
-and returns a :class:`Corpus` whose ``train`` / ``val`` are read-only 1-D ``np.memmap``\\ s.
+and returns a :class:`Corpus` whose ``train`` / ``val`` are read-only 1-D ``np.memmap``\\ s and
+whose ``train_document_starts`` / ``val_document_starts`` say where each document begins in them.
 
 Sources
 -------
@@ -29,17 +30,33 @@ Within each side, documents keep their sorted order and are joined with :data:`D
 (``"\\n\\n"``, i.e. one blank line). A single document is split by characters: the last
 ``max(1, round(val_fraction * n_chars))`` characters are validation, the rest training.
 
+Document boundaries
+-------------------
+``"\\n\\n"`` also occurs inside documents (blank lines in Python files), so the boundaries
+cannot be found in the tokens afterwards; they are recorded while tokenising. For each split, an
+``int64`` array holds the token index where each document starts: the first is 0, and the
+separator's tokens belong to the document before it. A single-document corpus has one document
+per split (start 0). The tokenizers are context-free (``byte``: one token per UTF-8 byte,
+``char``: one per code point), so a document's token count is that of its text encoded alone;
+the counts are checked to add up to the split's tokens. ``data.pack_documents``
+(:mod:`structured_attention.experiments.lm`) uses the starts to reset attention and positions at
+each document's first token.
+
 Cache
 -----
 Shards live in ``<cache_dir>/<key>/`` with ``key = sha256`` of (a format tag, the tokenizer name,
 the UTF-8 train text, the UTF-8 validation text), each length-prefixed: ``train.bin``,
 ``val.bin`` (raw ``np.uint8`` ids for ``byte``, ``np.uint16`` for ``char`` with a vocabulary up to
-65536, else ``np.uint32``) and ``meta.json`` (tokenizer json, token counts, byte counts, dtype,
-source description, document names). Every file is written to a temporary file in the same folder
-and moved into place with ``os.replace``; ``meta.json`` is written last and is the commit marker, so
-an interrupted write never yields a shard that is read. A second call with the same content (same
-split, same tokenizer) reads the shards without tokenising. The default ``cache_dir`` is
-``$SATTN_CACHE_DIR`` or ``~/.cache/structured-attention``.
+65536, else ``np.uint32``), ``train_docs.bin`` and ``val_docs.bin`` (the document starts, raw
+``np.int64``, one per document name in ``meta.json``) and ``meta.json`` (format tag, tokenizer
+json, token counts, byte counts, dtype, source description, document names). Every file is
+written to a temporary file in the same folder and moved into place with ``os.replace``;
+``meta.json`` is written last and is the commit marker, so an interrupted write never yields a
+shard that is read. A folder whose ``meta.json`` names another format (e.g. one written before
+document starts were recorded), or whose shards or document starts are missing or truncated, is
+rebuilt. A second call with the same content (same split, same tokenizer) reads the shards
+without tokenising. The default ``cache_dir`` is ``$SATTN_CACHE_DIR`` or
+``~/.cache/structured-attention``.
 """
 
 from __future__ import annotations
@@ -74,7 +91,7 @@ __all__ = [
 DOC_SEPARATOR = "\n\n"
 #: Folder names excluded from the stdlib corpus (besides any ``config-*`` folder).
 STDLIB_EXCLUDED_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"})
-_FORMAT = "structured-attention-corpus-v1"
+_FORMAT = "structured-attention-corpus-v2"  # v2: document starts (train_docs.bin, val_docs.bin)
 _HF_EXTRA = "pip install 'structured-attention[hf]'"
 
 
@@ -88,8 +105,10 @@ class Corpus:
     """A tokenised train/validation split.
 
     ``train`` and ``val`` are read-only 1-D ``np.memmap`` arrays of token ids; ``train_bytes`` and
-    ``val_bytes`` the UTF-8 byte counts of the text they encode; ``path`` the cache folder holding
-    the shards and ``meta`` the contents of its ``meta.json``.
+    ``val_bytes`` the UTF-8 byte counts of the text they encode; ``train_document_starts`` and
+    ``val_document_starts`` read-only ``int64`` arrays of the token index where each document of the
+    split starts (increasing, the first 0; see the module docstring); ``path`` the cache folder
+    holding the shards and ``meta`` the contents of its ``meta.json``.
     """
 
     train: np.ndarray
@@ -98,6 +117,8 @@ class Corpus:
     source: str
     train_bytes: int
     val_bytes: int
+    train_document_starts: np.ndarray
+    val_document_starts: np.ndarray
     path: Path | None = None
     meta: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -123,7 +144,8 @@ class Corpus:
     def __repr__(self) -> str:
         return (
             f"Corpus(source={self.source!r}, tokenizer={self.tokenizer!r}, train={len(self.train)} tokens, "
-            f"val={len(self.val)} tokens, train_bytes={self.train_bytes}, val_bytes={self.val_bytes})"
+            f"val={len(self.val)} tokens, train_bytes={self.train_bytes}, val_bytes={self.val_bytes}, "
+            f"train_documents={len(self.train_document_starts)}, val_documents={len(self.val_document_starts)})"
         )
 
 
@@ -157,22 +179,34 @@ def split_documents(names: Sequence[str], val_fraction: float) -> list[bool]:
     return is_val
 
 
-def _split(names: list[str], texts: list[str], val_fraction: float) -> tuple[str, str, list[str], list[str]]:
-    """(train_text, val_text, train_names, val_names) from non-empty documents."""
+def _split(
+    names: list[str], texts: list[str], val_fraction: float
+) -> tuple[list[str], list[str], list[str], list[str]]:
+    """(train documents, validation documents, train names, validation names) from non-empty
+    documents; each side's text is its documents joined with :data:`DOC_SEPARATOR`."""
     if len(texts) == 1:
         text = texts[0]
         n_val = max(1, round(val_fraction * len(text)))
         cut = len(text) - n_val
-        return text[:cut], text[cut:], list(names), list(names)
+        return [text[:cut]], [text[cut:]], list(names), list(names)
     is_val = split_documents(names, val_fraction)
-    train = [t for t, v in zip(texts, is_val) if not v]
-    val = [t for t, v in zip(texts, is_val) if v]
     return (
-        DOC_SEPARATOR.join(train),
-        DOC_SEPARATOR.join(val),
+        [t for t, v in zip(texts, is_val) if not v],
+        [t for t, v in zip(texts, is_val) if v],
         [n for n, v in zip(names, is_val) if not v],
         [n for n, v in zip(names, is_val) if v],
     )
+
+
+def _document_starts(tok: Tokenizer, documents: list[str], n_tokens: int, split: str) -> np.ndarray:
+    """The token index where each of ``documents`` starts in their tokenised join (int64)."""
+    # Context-free tokenizers: the join's tokens are each document's tokens, then the separator's.
+    counts = np.array([len(tok.encode_array(d)) for d in documents], dtype=np.int64)
+    counts[:-1] += len(tok.encode_array(DOC_SEPARATOR))
+    total = int(counts.sum())
+    require(total == n_tokens, "tokenizer", f"a context-free tokenizer (the {split} documents' token counts "
+            f"summing to the split's {n_tokens} tokens)", f"{tok.name} with a sum of {total}")
+    return np.concatenate([[0], np.cumsum(counts[:-1])]).astype(np.int64)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -302,21 +336,29 @@ def _cache_key(tokenizer_name: str, train_b: bytes, val_b: bytes) -> str:
     return h.hexdigest()
 
 
-def _open_shards(folder: Path) -> tuple[dict[str, Any], np.ndarray, np.ndarray] | None:
-    """The cached (meta, train, val) in ``folder``, or None when it is absent or incomplete."""
+def _open_shards(folder: Path) -> tuple[dict[str, Any], dict[str, np.ndarray], dict[str, np.ndarray]] | None:
+    """The cached (meta, tokens by split, document starts by split) in ``folder``, or None when it
+    is absent, incomplete or of another format."""
+    tokens, starts = {}, {}
     try:
         meta = json.loads((folder / "meta.json").read_text(encoding="utf-8"))
+        if meta.get("format") != _FORMAT:
+            return None
         dtype = np.dtype(meta["dtype"])
-        arrays = []
         for split in ("train", "val"):
             n = int(meta[f"{split}_tokens"])
             p = folder / f"{split}.bin"
             if n <= 0 or p.stat().st_size != n * dtype.itemsize:
                 return None
-            arrays.append(np.memmap(p, dtype=dtype, mode="r", shape=(n,)))
-    except (OSError, ValueError, KeyError, TypeError):
+            tokens[split] = np.memmap(p, dtype=dtype, mode="r", shape=(n,))
+            s = np.fromfile(folder / f"{split}_docs.bin", dtype=np.int64)
+            if len(s) != len(meta[f"{split}_documents"]) or s[0] != 0 or np.any(np.diff(s) <= 0) or s[-1] >= n:
+                return None
+            s.flags.writeable = False
+            starts[split] = s
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
         return None
-    return meta, arrays[0], arrays[1]
+    return meta, tokens, starts
 
 
 # --------------------------------------------------------------------------------------------------
@@ -357,8 +399,8 @@ def load_corpus(
     require(
         n_chars >= 2, "source", "a corpus with text (at least 2 characters)", f"{description}: {n_chars} characters"
     )
-    train_text, val_text, train_names, val_names = _split(names, texts, val_fraction)
-    del texts
+    train_docs, val_docs, train_names, val_names = _split(names, texts, val_fraction)
+    train_text, val_text = DOC_SEPARATOR.join(train_docs), DOC_SEPARATOR.join(val_docs)
     train_b = train_text.encode("utf-8")
     val_b = val_text.encode("utf-8")
 
@@ -369,6 +411,8 @@ def load_corpus(
         tok: Tokenizer = ByteTokenizer() if tokenizer == "byte" else CharTokenizer.from_text(train_text)
         train_ids = tok.encode_array(train_text)
         val_ids = tok.encode_array(val_text)
+        train_starts = _document_starts(tok, train_docs, len(train_ids), "train")
+        val_starts = _document_starts(tok, val_docs, len(val_ids), "val")
         meta = {
             "format": _FORMAT,
             "source": description,
@@ -385,18 +429,22 @@ def load_corpus(
         folder.mkdir(parents=True, exist_ok=True)
         atomic_write(folder / "train.bin", lambda p: Path(p).write_bytes(train_ids.tobytes()))
         atomic_write(folder / "val.bin", lambda p: Path(p).write_bytes(val_ids.tobytes()))
+        atomic_write(folder / "train_docs.bin", lambda p: Path(p).write_bytes(train_starts.tobytes()))
+        atomic_write(folder / "val_docs.bin", lambda p: Path(p).write_bytes(val_starts.tobytes()))
         atomic_write(folder / "meta.json", lambda p: Path(p).write_text(json.dumps(meta, ensure_ascii=False), encoding="utf-8"))
         cached = _open_shards(folder)
         if cached is None:  # pragma: no cover - only if the filesystem lost what was just written
             raise OSError(f"cache_dir: could not read back the shards written to {str(folder)!r}")
-    meta, train, val = cached
+    meta, tokens, starts = cached
     return Corpus(
-        train=train,
-        val=val,
+        train=tokens["train"],
+        val=tokens["val"],
         tokenizer=tokenizer_from_json(meta["tokenizer"]),
         source=description,
         train_bytes=int(meta["train_bytes"]),
         val_bytes=int(meta["val_bytes"]),
+        train_document_starts=starts["train"],
+        val_document_starts=starts["val"],
         path=folder,
         meta=meta,
     )
