@@ -95,7 +95,8 @@ def run_eval(args: argparse.Namespace, ckpt: LoadedCheckpoint) -> int:
     normalised MSE by number of in-context examples, on the run's validation prompts."""
     from ..experiments.icl import error_curves, load_icl, validation_prompts
 
-    for flag, value in (("--source", args.source), ("--max-batches", args.max_batches)):
+    for flag, value in (("--source", args.source), ("--max-batches", args.max_batches),
+                        ("--pack-documents", args.pack_documents)):
         if value is not None:
             raise ValueError(f"{flag}: applies to language-model checkpoints; {ckpt.path} is an in-context regression run's")
     model, config, ckpt = load_icl(ckpt)

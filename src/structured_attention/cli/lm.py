@@ -3,7 +3,7 @@
 
 ```
 sattn train lm [--config FILE] [section.key=value ...] [--resume]
-sattn eval --checkpoint DIR [--source PATH] [--max-batches N]
+sattn eval --checkpoint DIR [--source PATH] [--max-batches N] [--pack-documents | --no-pack-documents]
 sattn generate --checkpoint DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--top-k K] [--seed S]
 sattn sweep lm [--config FILE] --widths 64,128,256 --kinds "mha;swa:128;mlr:16|8|4|4" --lrs 1e-3,3e-3
 ```
@@ -94,9 +94,14 @@ def run_eval(args: argparse.Namespace, ckpt: LoadedCheckpoint) -> int:
     if len(val) < 2:
         raise ValueError(f"--source: the validation split has {len(val)} tokens; at least 2 are needed")
     batch_size = args.batch_size or config.run.batch_size
-    loss = evaluate_lm(model, val, batch_size, config.run.seq_len, args.max_batches, "cpu", "none")
+    packed = d.pack_documents if args.pack_documents is None else args.pack_documents
+    # Re-encoding keeps one token per code point (or byte), so the document starts still hold.
+    starts = corpus.val_document_starts if packed else None
+    loss = evaluate_lm(model, val, batch_size, config.run.seq_len, args.max_batches, "cpu", "none",
+                       document_starts=starts)
     bpb = corpus.bits_per_byte(loss)
-    print(f"checkpoint {ckpt.path} (step {ckpt.step}) on {corpus.source} validation split ({len(val):,} tokens)")
+    print(f"checkpoint {ckpt.path} (step {ckpt.step}) on {corpus.source} validation split ({len(val):,} tokens, "
+          f"{len(corpus.val_document_starts):,} documents, {'packed' if packed else 'not packed'})")
     print(f"val loss {loss:.4f} nats/token, {bpb:.4f} bits per byte")
     return 0
 

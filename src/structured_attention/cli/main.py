@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "forecaster: score this CSV (the same columns) instead of the run's file")
     e.add_argument("--max-batches", type=int, default=None,
                    help="language model: cap on validation batches (default: the whole split)")
+    e.add_argument("--pack-documents", action=argparse.BooleanOptionalAction, default=None,
+                   help="language model: reset attention and positions at document boundaries, or not "
+                        "(default: as the checkpoint trained, its data.pack_documents)")
     e.add_argument("--examples", default=None,
                    help="in-context regression: comma-separated numbers of in-context examples "
                         "(default: eight evenly spaced up to N - 1)")

@@ -79,7 +79,8 @@ def run_eval(args: argparse.Namespace, ckpt: LoadedCheckpoint) -> int:
     from ..experiments.forecasting import PUBLISHED_TEST_BATCH, checkpoint_series, forecast_metrics, load_forecaster
 
     for flag, value, kind in (("--examples", args.examples, "in-context regression"),
-                              ("--max-batches", args.max_batches, "language-model")):
+                              ("--max-batches", args.max_batches, "language-model"),
+                              ("--pack-documents", args.pack_documents, "language-model")):
         if value is not None:
             raise ValueError(f"{flag}: applies to {kind} checkpoints; {ckpt.path} is a forecasting run's")
     model, config, ckpt = load_forecaster(ckpt)

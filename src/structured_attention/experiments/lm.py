@@ -4,6 +4,8 @@
 - :class:`LMConfig` (``model: GPTConfig``, ``data: DataConfig``, ``optim: OptimConfig``,
   ``run: LMRunConfig``), read with :func:`load_lm_config` (YAML + ``section.key=value`` overrides);
 - :class:`LMTask`, the corpus and the GPT as the shared loop (:func:`training.fit`) sees them;
+  with ``data.pack_documents`` every window's tokens attend only within their own document and
+  their positions restart at its first token (training and evaluation alike);
 - :func:`train_lm` -> dict (per-step losses, final validation loss and bits per byte, a sample);
 - :func:`evaluate_lm`, :func:`generate_sample` and :func:`load_lm` (a trained GPT and its
   tokenizer from a checkpoint, for ``sattn eval`` and ``sattn generate``).
@@ -47,9 +49,14 @@ class DataConfig:
     tokenizer: str = "byte"  # "byte" or "char"
     val_fraction: float = 0.1
     cache_dir: str | None = None  # None: $SATTN_CACHE_DIR or ~/.cache/structured-attention
+    # True: reset attention and positions at document boundaries (GPT's document_ids); False: a
+    # window runs across them as one sequence (the default, and what configs without it meant).
+    pack_documents: bool = False
 
     def __post_init__(self) -> None:
         require(0 < self.val_fraction < 1, "data.val_fraction", "a number in (0, 1)", self.val_fraction)
+        require(isinstance(self.pack_documents, bool), "data.pack_documents", "a boolean (true/false)",
+                self.pack_documents)
 
 
 @dataclass(frozen=True)
@@ -97,16 +104,19 @@ def evaluate_lm(
     max_batches: int | None = None,
     device: torch.device | str = "cpu",
     autocast: str = "auto",
+    document_starts: np.ndarray | None = None,
 ) -> float:
-    """Mean cross-entropy (nats per token) over consecutive windows of ``tokens``."""
+    """Mean cross-entropy (nats per token) over consecutive windows of ``tokens``; given the
+    split's ``document_starts``, with documents packed (each token sees only its own document)."""
     was_training = model.training
     model.eval()
     seq_len = min(seq_len, len(tokens) - 1)
     total, count = 0.0, 0
     device = torch.device(device)
-    for x, y in eval_batches(tokens, batch_size, seq_len, max_batches=max_batches, device=device):
+    for x, y, *ids in eval_batches(tokens, batch_size, seq_len, max_batches=max_batches, device=device,
+                                   document_starts=document_starts):
         with autocast_context(autocast, device):
-            _, loss = model(x, y)
+            _, loss = model(x, y, document_ids=ids[0] if ids else None)
         total += float(loss) * y.numel()
         count += y.numel()
     model.train(was_training)
@@ -115,7 +125,8 @@ def evaluate_lm(
 
 class LMTask(Task):
     """Next-token prediction on a corpus: random windows for training, the validation split's
-    first ``run.eval_batches`` batches of consecutive windows for evaluation."""
+    first ``run.eval_batches`` batches of consecutive windows for evaluation; with
+    ``data.pack_documents`` a batch is ``(x, y, document_ids)`` and both use the document ids."""
 
     config: LMConfig
 
@@ -142,25 +153,33 @@ class LMTask(Task):
     def describe(self) -> str:
         c = self.corpus
         assert c is not None
+        packed = " | documents packed" if self.config.data.pack_documents else ""
         return (f"data: {c.source} | tokenizer {c.tokenizer.name} (vocab {c.vocab_size}) | "
-                f"train {len(c.train):,} tokens, val {len(c.val):,} tokens | attention {self.config.model.attention}")
+                f"train {len(c.train):,} tokens ({len(c.train_document_starts):,} documents), "
+                f"val {len(c.val):,} tokens ({len(c.val_document_starts):,} documents){packed} | "
+                f"attention {self.config.model.attention}")
 
     def build_model(self) -> GPT:
         return GPT(self.config.model)
 
-    def batch(self, index: int, rank: int, world_size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, index: int, rank: int, world_size: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """``(x, y)``, or ``(x, y, document_ids)`` with ``data.pack_documents``."""
         assert self.corpus is not None
         run = self.config.run
+        starts = self.corpus.train_document_starts if self.config.data.pack_documents else None
         return sample_batch(self.corpus.train, run.batch_size, run.seq_len, seed=run.seed, step=index,
-                            rank=rank, world_size=world_size, device=device)
+                            rank=rank, world_size=world_size, device=device, document_starts=starts)
 
-    def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        return model(*batch)[1]
+    def loss(self, model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        x, y, *ids = batch
+        return model(x, y, document_ids=ids[0] if ids else None)[1]
 
     def evaluate(self, model: nn.Module, device: torch.device) -> dict[str, float]:
         assert self.corpus is not None
         run = self.config.run
-        loss = evaluate_lm(model, self.corpus.val, run.batch_size, run.seq_len, run.eval_batches, device, "none")
+        starts = self.corpus.val_document_starts if self.config.data.pack_documents else None
+        loss = evaluate_lm(model, self.corpus.val, run.batch_size, run.seq_len, run.eval_batches, device, "none",
+                           document_starts=starts)
         return {"val_loss": loss, "val_bpb": self.corpus.bits_per_byte(loss)}
 
     def tokens_per_batch(self) -> int:
