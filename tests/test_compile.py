@@ -87,13 +87,18 @@ def test_opcheck_blocked_forward_and_backward():
 def test_opcheck_cpu_forward_backward_and_decode():
     _needs_cpu_kernel()
     q, k, v = _rand(N, T, R, grad=True), _rand(N, T, R, grad=True), _rand(N, T, DV, grad=True)
-    cfg = (SIZES, OFFSETS, False, True)
-    opcheck(torch.ops.sattn.mlr_cpu_forward.default, (q, k, v, *cfg))
-    out, lse = torch.ops.sattn.mlr_cpu_forward(q, k, v, *cfg)
-    opcheck(torch.ops.sattn.mlr_cpu_backward.default,
-            (_rand(N, T, DV), q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), *cfg))
+    whole = torch.empty(0, 3, dtype=torch.long)
+    documents = torch.tensor([[n, start, length] for n in range(N) for start, length in [(0, 20), (20, T - 20)]])
+    for segments in (whole, documents):
+        cfg = (segments, SIZES, OFFSETS, False, True)
+        opcheck(torch.ops.sattn.mlr_cpu_forward.default, (q, k, v, *cfg))
+        out, lse = torch.ops.sattn.mlr_cpu_forward(q, k, v, *cfg)
+        opcheck(torch.ops.sattn.mlr_cpu_backward.default,
+                (_rand(N, T, DV), q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), *cfg))
     keys = [_rand(1, 2, T, 4), _rand(1, 2, T - 16, 4)]
-    opcheck(torch.ops.sattn.mlr_cpu_decode.default, (_rand(1, 2, R), keys, [0, 16], _rand(1, 2, T, DV), 0.5, True))
+    for row_starts in (None, torch.tensor([[3, 20]])):
+        opcheck(torch.ops.sattn.mlr_cpu_decode.default,
+                (_rand(1, 2, R), keys, [0, 16], _rand(1, 2, T, DV), 0.5, True, row_starts))
 
 
 @pytest.mark.parametrize("kernel", ["general", "prefix"])
@@ -106,7 +111,9 @@ def test_opcheck_triton_forward_and_backward(kernel):
     v = _rand(1, 2, 32, 16, dtype=f32).to(dev).requires_grad_()
     if kernel == "general":
         fwd, bwd = torch.ops.sattn.mlr_triton_forward, torch.ops.sattn.mlr_triton_backward
-        cfg = ([16, 8, 8], [32, 12, 6], True, 0.2, False, 16, 16)
+        # two packed documents of 20 and 12 tokens (the segment table, the longest length)
+        segments = torch.tensor([[0, 0, 20], [0, 20, 12]], dtype=torch.int32, device=dev)
+        cfg = (segments, 20, [16, 8, 8], [32, 12, 6], True, 0.2, False, 16, 16)
     else:
         fwd, bwd = torch.ops.sattn.mlr_triton_prefix_forward, torch.ops.sattn.mlr_triton_prefix_backward
         cfg = ([16, 8, 8], [32, 32, 16], True, 0.2, False, [16] * 6 + [4, 2])
@@ -122,9 +129,10 @@ def test_opcheck_triton_decode():
 
     dev, f32 = _triton_device(), torch.float32
     keys = [_rand(1, 2, T, 4, dtype=f32).to(dev), _rand(1, 2, T - 16, 4, dtype=f32).to(dev)]
-    args = (_rand(1, 2, 1, R, dtype=f32).to(dev), keys, [0, 16], _rand(1, 2, T, DV, dtype=f32).to(dev), [4, 4],
-            0.5, False, 16, 16, 4, 2, None)
-    opcheck(torch.ops.sattn.mlr_triton_decode.default, args)
+    for row_starts in (None, torch.tensor([[3, 20]], device=dev)):
+        args = (_rand(1, 2, 1, R, dtype=f32).to(dev), keys, [0, 16], _rand(1, 2, T, DV, dtype=f32).to(dev), [4, 4],
+                0.5, False, row_starts, 16, 16, 4, 2, None)
+        opcheck(torch.ops.sattn.mlr_triton_decode.default, args)
 
 
 # --------------------------------------------------------------------------------------------------

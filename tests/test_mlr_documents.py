@@ -177,3 +177,43 @@ def test_int32_ids_and_none():
         mlr_attention_reference(q, k, v, ranks, document_ids=ids), rtol=0, atol=1e-10)
     assert torch.equal(mlr_attention_reference(q, k, v, ranks, document_ids=None),
                        mlr_attention_reference(q, k, v, ranks))
+
+
+def test_cpu_kernel_takes_documents_in_one_call(monkeypatch):
+    """Varlen: the C++ kernel runs every document of the batch in one forward call, as segments."""
+    if not mlr_cpu.available():
+        pytest.skip("the C++ kernel is not available here")
+    calls = []
+    original = mlr_cpu._forward_op
+
+    def spy(q, k, v, segments, *rest):
+        calls.append(segments.clone())
+        return original(q, k, v, segments, *rest)
+
+    monkeypatch.setattr(mlr_cpu, "_forward_op", spy)
+    q, k, v, ranks, block_sizes, lengths = _inputs("uneven-gqa", torch.float32)
+    mlr_attention(q, k, v, ranks, block_sizes, document_ids=_ids(lengths))
+    assert len(calls) == 1
+    H = q.shape[1]
+    expected = [(b * H + h, s, e - s) for b, row in enumerate(lengths) for s, e in _bounds(row) for h in range(H)]
+    assert sorted(map(tuple, calls[0].tolist())) == sorted(expected)
+
+
+@pytest.mark.parametrize("causal,depth_normalize", [(True, False), (False, True)])
+@pytest.mark.parametrize("case", ["two-levels", "custom-sizes"])
+def test_triton_general_kernel_takes_documents(case, causal, depth_normalize):
+    """The Triton kernels (in the interpreter without a GPU) read each document as a segment."""
+    triton_general = pytest.importorskip("structured_attention.ops.mlr.triton_general")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    q, k, v, ranks, block_sizes, lengths = _inputs(case, torch.float32, seed=3, requires_grad=True)
+    expected = _per_document(q, k, v, ranks, block_sizes, lengths, causal, depth_normalize)
+    args = [x.detach().to(device).requires_grad_() for x in (q, k, v)]
+    out = triton_general.mlr_attention_triton(*args, ranks, block_sizes, causal=causal,
+                                              depth_normalize=depth_normalize,
+                                              document_ids=_ids(lengths).to(device), block_m=16, block_n=16)
+    torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-5)
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(4))
+    grads = torch.autograd.grad((out * w.to(device)).sum(), args)
+    expected_grads = torch.autograd.grad((expected * w).sum(), (q, k, v))
+    for name, got, want in zip("qkv", grads, expected_grads):
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"d{name}: {m}")

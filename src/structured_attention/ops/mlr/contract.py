@@ -248,7 +248,7 @@ def check_document_ids(
     ``device`` when given (the device of ``q``). Returns the tensor (or ``None``).
 
     Checking the order reads the ids on the host (a device synchronisation when they live on an
-    accelerator).
+    accelerator); under ``torch.compile`` only shape, dtype and device are checked.
     """
     if document_ids is None:
         return None
@@ -263,7 +263,7 @@ def check_document_ids(
     if device is not None:
         require(document_ids.device == torch.device(device), "document_ids",
                 f"a tensor on {device} (the device of q)", document_ids.device)
-    if T > 1:
+    if T > 1 and not torch.compiler.is_compiling():
         steps = document_ids[:, 1:] < document_ids[:, :-1]
         if bool(steps.any()):
             row, col = (int(x) for x in steps.nonzero()[0])
@@ -282,6 +282,7 @@ def check_mlr_cache_arguments(
     depth_normalize: bool,
     block_sizes: Sequence[int] | None = None,
     one_query: bool = False,
+    row_starts: torch.Tensor | None = None,
 ) -> tuple[int, ...]:
     """Validate ``t`` new queries at positions ``[end - t, end)`` against the compressed cache.
 
@@ -289,7 +290,7 @@ def check_mlr_cache_arguments(
     for ``[0, end)``. One query (decoding) needs no block sizes: every key held for level ``l`` lies
     in its own level-``l`` block. Several queries (a prompt continued against a cache) need them to
     tell which held keys share each query's blocks. ``one_query`` requires ``t == 1`` (a decoding
-    step). Returns the ranks.
+    step). ``row_starts`` (left-padded rows) is checked by :func:`check_row_starts`. Returns the ranks.
     """
     q = check_tensor(q, "q", 4)
     v = check_tensor(v, "v", 4)
@@ -320,7 +321,29 @@ def check_mlr_cache_arguments(
                 f"shape {(B, Hk, end - start, r)}", tuple(k.shape))
     _check_scale(scale, "a finite positive number")
     _check_bool(depth_normalize, "depth_normalize")
+    check_row_starts(row_starts, B, len(ranks), end, one_query, v.device)
     return ranks
+
+
+def check_row_starts(row_starts: object, B: int, L: int, end: int, one_query: bool, device: torch.device) -> None:
+    """Validate per-row starts of a left-padded cache: ``None``, or an integer ``(B, L)`` tensor on
+    the cache's device. Row ``b``'s sequence starts at slot ``row_starts[b, 0]`` (earlier slots are
+    its padding; a start past the new queries means the row is all padding so far) and
+    ``row_starts[b, l]`` is where the first new query's level-``l`` block starts in that row:
+    non-negative, non-decreasing along ``l``, and at most ``end - 1`` for a decoding step (whose
+    query must be real). The values are read only on the CPU (no device sync)."""
+    if row_starts is None:
+        return
+    require(isinstance(row_starts, torch.Tensor), "row_starts", "a torch.Tensor or None", type(row_starts).__name__)
+    assert isinstance(row_starts, torch.Tensor)
+    require(tuple(row_starts.shape) == (B, L), "row_starts", f"shape (B={B}, levels={L})", tuple(row_starts.shape))
+    require(row_starts.dtype in (torch.int32, torch.int64), "row_starts", "an int32 or int64 tensor", row_starts.dtype)
+    require(row_starts.device == device, "row_starts", f"a tensor on {device} (the device of v)", row_starts.device)
+    if row_starts.device.type == "cpu" and not torch.compiler.is_compiling():
+        ok = bool((row_starts >= 0).all()) and (not one_query or bool((row_starts <= end - 1).all()))
+        ok = ok and (L == 1 or bool((row_starts[:, 1:] >= row_starts[:, :-1]).all()))
+        top = f"[0, {end - 1}] (a decoding step's query is real)" if one_query else ">= 0"
+        require(ok, "row_starts", f"slots {top}, non-decreasing along the levels", row_starts.tolist())
 
 
 def attach_backward(forward_op: torch.library.CustomOpDef, backward_op: torch.library.CustomOpDef) -> None:

@@ -29,32 +29,34 @@ __all__ = ["available", "decode", "load", "mlr_attention_cpu", "mlr_decode_cpu"]
 # The kernel's entry points as custom ops: torch.compile keeps each whole (no graph break) and
 # traces shapes through the fake implementations; autograd reaches the backward through
 # register_autograd. q arrives already multiplied by the scale.
+# ``segments`` (S, 3) int64 rows of (row of the N dim, start, length), or (0, 3) for whole rows: each
+# is scored as a sequence of its own (packed documents, varlen).
 @torch.library.custom_op("sattn::mlr_cpu_forward", mutates_args=())
-def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sizes: list[int], offsets: list[int],
-                causal: bool, depth_normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return tuple(load().forward(q.contiguous(), k.transpose(1, 2).contiguous(), v.contiguous(), sizes, offsets,
-                                causal, depth_normalize, BLOCK_Q, BLOCK_K))
+def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor, sizes: list[int],
+                offsets: list[int], causal: bool, depth_normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return tuple(load().forward(q.contiguous(), k.transpose(1, 2).contiguous(), v.contiguous(), segments, sizes,
+                                offsets, causal, depth_normalize, BLOCK_Q, BLOCK_K))
 
 
 @_forward_op.register_fake
-def _(q, k, v, sizes, offsets, causal, depth_normalize):
+def _(q, k, v, segments, sizes, offsets, causal, depth_normalize):
     return q.new_empty(*q.shape[:2], v.shape[-1]), q.new_empty(q.shape[:2])
 
 
 @torch.library.custom_op("sattn::mlr_cpu_backward", mutates_args=())
 def _backward_op(gout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                 lse: torch.Tensor, sizes: list[int], offsets: list[int], causal: bool,
+                 lse: torch.Tensor, segments: torch.Tensor, sizes: list[int], offsets: list[int], causal: bool,
                  depth_normalize: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     q, k, v, gout = q.contiguous(), k.contiguous(), v.contiguous(), gout.contiguous()
     delta = (gout * out).sum(-1)
     dqT, dk, dv = load().backward(q, q.transpose(1, 2).contiguous(), k, k.transpose(1, 2).contiguous(), v, gout,
-                                  gout.transpose(1, 2).contiguous(), lse, delta, sizes, offsets, causal,
+                                  gout.transpose(1, 2).contiguous(), lse, delta, segments, sizes, offsets, causal,
                                   depth_normalize, BLOCK_Q, BLOCK_K)
     return dqT.transpose(1, 2).contiguous(), dk, dv
 
 
 @_backward_op.register_fake
-def _(gout, q, k, v, out, lse, sizes, offsets, causal, depth_normalize):
+def _(gout, q, k, v, out, lse, segments, sizes, offsets, causal, depth_normalize):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -63,12 +65,13 @@ attach_backward(_forward_op, _backward_op)
 
 @torch.library.custom_op("sattn::mlr_cpu_decode", mutates_args=())
 def _decode_op(q: torch.Tensor, keys: list[torch.Tensor], key_starts: list[int], v: torch.Tensor, scale: float,
-               depth_normalize: bool) -> torch.Tensor:
-    return load().decode(q, keys, key_starts, v, scale, depth_normalize)
+               depth_normalize: bool, row_starts: torch.Tensor | None) -> torch.Tensor:
+    starts = torch.empty(0, dtype=torch.long) if row_starts is None else row_starts.long().contiguous()
+    return load().decode(q, keys, key_starts, v, scale, depth_normalize, starts)
 
 
 @_decode_op.register_fake
-def _(q, keys, key_starts, v, scale, depth_normalize):
+def _(q, keys, key_starts, v, scale, depth_normalize, row_starts):
     return q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
 
 
@@ -81,11 +84,14 @@ def mlr_attention_cpu(
     causal: bool = True,
     scale: float | None = None,
     depth_normalize: bool = False,
+    document_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """MLR attention through the fused C++ kernel; same contract as
-    :func:`~.reference.mlr_attention_reference`. Raises ``RuntimeError`` if the kernel is not
-    available (see :func:`available`)."""
-    ranks, sizes, scale = check_mlr_arguments(q, k, v, ranks, block_sizes, causal, scale, depth_normalize)
+    :func:`~.reference.mlr_attention_reference`, packed ``document_ids`` included: the kernel
+    takes each document as a segment of its own (varlen), so packing costs no padded work.
+    Raises ``RuntimeError`` if the kernel is not available (see :func:`available`)."""
+    ranks, sizes, scale = check_mlr_arguments(q, k, v, ranks, block_sizes, causal, scale, depth_normalize,
+                                              document_ids)
     require(q.device.type == "cpu", "q.device", "a CPU tensor", q.device)
     if not available():
         raise RuntimeError("the C++ MLR attention kernel is not available here (see the warning when it was built)")
@@ -96,9 +102,30 @@ def mlr_attention_cpu(
     G = H // Hk
     out, _ = _forward_op(
         (q.to(dtype) * scale).reshape(B * H, T, R), expand_kv(k.to(dtype), G).reshape(B * H, T, R),
-        expand_kv(v.to(dtype), G).reshape(B * H, T, Dv), list(sizes), list(itertools.accumulate(ranks, initial=0)),
-        causal, depth_normalize)
+        expand_kv(v.to(dtype), G).reshape(B * H, T, Dv), document_segments(document_ids, H), list(sizes),
+        list(itertools.accumulate(ranks, initial=0)), causal, depth_normalize)
     return out.reshape(B, H, T, Dv).to(q.dtype)
+
+
+def document_segments(document_ids: torch.Tensor | None, heads: int) -> torch.Tensor:
+    """The kernel's ``(S, 3)`` segments ``(row b * heads + h, start, length)`` of every document
+    of every row and head; ``(0, 3)`` (whole rows) without documents or when each row is one."""
+    none = torch.empty(0, 3, dtype=torch.long)
+    if document_ids is None:
+        return none
+    ids = document_ids.cpu()
+    B, T = ids.shape
+    new = torch.ones(B, T, dtype=torch.bool)
+    new[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    if not bool(new[:, 1:].any()):
+        return none
+    rows, starts = new.nonzero(as_tuple=True)
+    ends = torch.cat([starts[1:], starts.new_tensor([T])])
+    row_ends = torch.cat([rows[1:] != rows[:-1], torch.tensor([True])])
+    ends = torch.where(row_ends, T, ends)
+    per_head = torch.arange(heads)
+    n = (rows[:, None] * heads + per_head[None, :]).reshape(-1)
+    return torch.stack([n, starts.repeat_interleave(heads), (ends - starts).repeat_interleave(heads)], dim=1).contiguous()
 
 
 def mlr_decode_cpu(
@@ -109,17 +136,19 @@ def mlr_decode_cpu(
     ranks: Sequence[int],
     scale: float,
     depth_normalize: bool = False,
+    row_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One MLR decoding step through the C++ kernel, one task per (sequence, query head); same
     contract as :func:`~.reference.mlr_decode_reference` (not differentiable). Raises
     ``RuntimeError`` if the kernel is not available."""
-    check_mlr_cache_arguments(q, keys, key_starts, v, ranks, scale, depth_normalize, one_query=True)
-    return decode(q, keys, key_starts, v, scale, depth_normalize)
+    check_mlr_cache_arguments(q, keys, key_starts, v, ranks, scale, depth_normalize, one_query=True,
+                              row_starts=row_starts)
+    return decode(q, keys, key_starts, v, scale, depth_normalize, row_starts)
 
 
 def decode(
     q: torch.Tensor, keys: Sequence[torch.Tensor], key_starts: Sequence[int], v: torch.Tensor, scale: float,
-    depth_normalize: bool,
+    depth_normalize: bool, row_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`mlr_decode_cpu` on arguments already checked against the contract (the dispatcher's
     entry: a decoding step is checked once)."""
@@ -131,5 +160,5 @@ def decode(
         return x if x.dtype == dtype and x.stride(-1) == 1 else x.to(dtype).contiguous()
 
     out = _decode_op(prepared(q)[:, :, 0], [prepared(k) for k in keys], list(key_starts), prepared(v), float(scale),
-                     depth_normalize)
+                     depth_normalize, row_starts)
     return out.unsqueeze(2).to(v.dtype)

@@ -3,7 +3,9 @@
 //
 // Contract (checked and prepared by structured_attention/ops/mlr/cpu.py):
 //   q (N, T, R) queries already multiplied by the scale; k (N, T, R); v (N, T, Dv);
-//   sizes: block size per level (s_1 >= T, nested); offsets: R_d = r_1 + ... + r_d, d = 0..L.
+//   sizes: block size per level (s_1 >= T, nested); offsets: R_d = r_1 + ... + r_d, d = 0..L;
+//   segments: (S, 3) int64 (row, start, length), or empty for whole rows. Each segment (a packed
+//   document, per head) is scored as a sequence of its own: local positions, its own blocks.
 // Score of pair (i, j) at depth d(i, j) = #{l : i / s_l == j / s_l}:
 //   S(i, j) = <q_i[:R_d], k_j[:R_d]>  (divided by d if depth_normalize), masked to j <= i if causal.
 //
@@ -234,27 +236,62 @@ void piece_scores(const Levels& lv, int64_t T, int64_t R, int64_t dmin, int64_t 
   }
 }
 
+// A run of positions [start, start + len) of row n (one head of one sequence or packed document):
+// positions and blocks count from its start and it attends only within itself.
+struct Segment {
+  int64_t n, start, len;
+};
+
+// The segments of (N, T) rows: from a (S, 3) int64 tensor of (row, start, length), or every row
+// whole when it is empty.
+std::vector<Segment> make_segments(const at::Tensor& segments, int64_t N, int64_t T) {
+  std::vector<Segment> out;
+  if (segments.numel() == 0) {
+    for (int64_t n = 0; n < N; ++n) out.push_back({n, 0, T});
+    return out;
+  }
+  TORCH_CHECK(segments.scalar_type() == at::kLong && segments.dim() == 2 && segments.size(1) == 3 &&
+                  segments.is_contiguous(),
+              "mlr_cpu: segments must be a contiguous (S, 3) int64 tensor of (row, start, length)");
+  const int64_t* p = segments.data_ptr<int64_t>();
+  for (int64_t x = 0; x < segments.size(0); ++x) {
+    const Segment g{p[3 * x], p[3 * x + 1], p[3 * x + 2]};
+    TORCH_CHECK(g.n >= 0 && g.n < N && g.start >= 0 && g.len > 0 && g.start + g.len <= T,
+                "mlr_cpu: a segment outside the rows");
+    out.push_back(g);
+  }
+  return out;
+}
+
 template <typename scalar_t>
 void forward_kernel(const at::Tensor& q, const at::Tensor& kT, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
-                    const Levels& lv, bool causal, bool depth_normalize, int64_t bq, int64_t bk) {
-  const int64_t N = q.size(0), T = q.size(1), R = q.size(2), Dv = v.size(2);
-  const int64_t n_tiles = (T + bq - 1) / bq;
+                    const std::vector<Segment>& segs, const Levels& lv, bool causal, bool depth_normalize, int64_t bq,
+                    int64_t bk) {
+  const int64_t T = q.size(1), R = q.size(2), Dv = v.size(2);
+  // Tasks: the query tiles of every segment, numbered segment by segment.
+  std::vector<int64_t> first_task(segs.size() + 1, 0);
+  for (size_t x = 0; x < segs.size(); ++x) first_task[x + 1] = first_task[x] + (segs[x].len + bq - 1) / bq;
   const scalar_t* qp = q.data_ptr<scalar_t>();
   const scalar_t* kTp = kT.data_ptr<scalar_t>();
   const scalar_t* vp = v.data_ptr<scalar_t>();
   scalar_t* op = out.data_ptr<scalar_t>();
   scalar_t* lp = lse.data_ptr<scalar_t>();
-  at::parallel_for(0, N * n_tiles, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, first_task.back(), 1, [&](int64_t begin, int64_t end) {
     std::vector<scalar_t> S(bq * bk), G(bq * bk), acc(bq * Dv), mx(bq), sum(bq);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t h = task / n_tiles, i0 = (task % n_tiles) * bq, i1 = std::min(i0 + bq, T), m = i1 - i0;
-      const scalar_t* qh = qp + h * T * R;
-      const scalar_t* kTh = kTp + h * R * T;
-      const scalar_t* vh = vp + h * T * Dv;
+      const size_t x = std::upper_bound(first_task.begin(), first_task.end(), task) - first_task.begin() - 1;
+      const Segment& g = segs[x];
+      const int64_t Tl = g.len, i0 = (task - first_task[x]) * bq, i1 = std::min(i0 + bq, Tl), m = i1 - i0;
+      // Row-major arrays start at the segment's first row; transposed ones (leading dimension T)
+      // at its first column.
+      const int64_t row0 = g.n * T + g.start;
+      const scalar_t* qh = qp + row0 * R;
+      const scalar_t* kTh = kTp + g.n * R * T + g.start;
+      const scalar_t* vh = vp + row0 * Dv;
       std::fill(acc.begin(), acc.end(), scalar_t(0));
       std::fill(mx.begin(), mx.end(), -std::numeric_limits<scalar_t>::infinity());
       std::fill(sum.begin(), sum.end(), scalar_t(0));
-      for (auto [j0, j1] : key_pieces(lv, i0, i1, causal ? i1 : T, bk)) {
+      for (auto [j0, j1] : key_pieces(lv, i0, i1, causal ? i1 : Tl, bk)) {
         const int64_t n = j1 - j0;
         int64_t dmin, dmax;
         lv.depth_range(i0, i1, j0, j1, &dmin, &dmax);
@@ -274,8 +311,8 @@ void forward_kernel(const at::Tensor& q, const at::Tensor& kT, const at::Tensor&
       }
       for (int64_t a = 0; a < m; ++a) {
         const scalar_t inv = scalar_t(1) / sum[a];
-        for (int64_t d = 0; d < Dv; ++d) op[(h * T + i0 + a) * Dv + d] = acc[a * Dv + d] * inv;
-        lp[h * T + i0 + a] = mx[a] + std::log(sum[a]);
+        for (int64_t d = 0; d < Dv; ++d) op[(row0 + i0 + a) * Dv + d] = acc[a * Dv + d] * inv;
+        lp[row0 + i0 + a] = mx[a] + std::log(sum[a]);
       }
     }
     release_matmul(static_cast<scalar_t*>(nullptr));
@@ -285,29 +322,34 @@ void forward_kernel(const at::Tensor& q, const at::Tensor& kT, const at::Tensor&
 template <typename scalar_t>
 void backward_kernel(const at::Tensor& q, const at::Tensor& qT, const at::Tensor& k, const at::Tensor& kT,
                      const at::Tensor& v, const at::Tensor& gout, const at::Tensor& goutT, const at::Tensor& lse,
-                     const at::Tensor& delta, at::Tensor& dqT, at::Tensor& dk, at::Tensor& dv, const Levels& lv,
-                     bool causal, bool depth_normalize, int64_t bq, int64_t bk) {
-  const int64_t N = q.size(0), T = q.size(1), R = q.size(2), Dv = v.size(2);
-  const int64_t n_tiles = (T + bq - 1) / bq;
-  // One head per task: a head's dk and dv rows receive updates from every query tile.
-  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+                     const at::Tensor& delta, at::Tensor& dqT, at::Tensor& dk, at::Tensor& dv,
+                     const std::vector<Segment>& segs, const Levels& lv, bool causal, bool depth_normalize, int64_t bq,
+                     int64_t bk) {
+  const int64_t T = q.size(1), R = q.size(2), Dv = v.size(2);
+  // One segment per task: a segment's dk and dv rows receive updates from every query tile of it.
+  at::parallel_for(0, static_cast<int64_t>(segs.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<scalar_t> P(bk * bq), G(bk * bq), dS(bk * bq);
-    for (int64_t h = begin; h < end; ++h) {
-      const scalar_t* qh = q.data_ptr<scalar_t>() + h * T * R;
-      const scalar_t* qTh = qT.data_ptr<scalar_t>() + h * R * T;
-      const scalar_t* kh = k.data_ptr<scalar_t>() + h * T * R;
-      const scalar_t* kTh = kT.data_ptr<scalar_t>() + h * R * T;
-      const scalar_t* vh = v.data_ptr<scalar_t>() + h * T * Dv;
-      const scalar_t* gh = gout.data_ptr<scalar_t>() + h * T * Dv;
-      const scalar_t* gTh = goutT.data_ptr<scalar_t>() + h * Dv * T;
-      const scalar_t* lh = lse.data_ptr<scalar_t>() + h * T;
-      const scalar_t* dh = delta.data_ptr<scalar_t>() + h * T;
-      scalar_t* dqTh = dqT.data_ptr<scalar_t>() + h * R * T;
-      scalar_t* dkh = dk.data_ptr<scalar_t>() + h * T * R;
-      scalar_t* dvh = dv.data_ptr<scalar_t>() + h * T * Dv;
+    for (int64_t x = begin; x < end; ++x) {
+      const Segment& g = segs[x];
+      const int64_t Tl = g.len, n_tiles = (Tl + bq - 1) / bq;
+      // Row-major arrays from the segment's first row; transposed ones (leading dimension T)
+      // from its first column.
+      const int64_t row0 = g.n * T + g.start, col0 = g.start;
+      const scalar_t* qh = q.data_ptr<scalar_t>() + row0 * R;
+      const scalar_t* qTh = qT.data_ptr<scalar_t>() + g.n * R * T + col0;
+      const scalar_t* kh = k.data_ptr<scalar_t>() + row0 * R;
+      const scalar_t* kTh = kT.data_ptr<scalar_t>() + g.n * R * T + col0;
+      const scalar_t* vh = v.data_ptr<scalar_t>() + row0 * Dv;
+      const scalar_t* gh = gout.data_ptr<scalar_t>() + row0 * Dv;
+      const scalar_t* gTh = goutT.data_ptr<scalar_t>() + g.n * Dv * T + col0;
+      const scalar_t* lh = lse.data_ptr<scalar_t>() + row0;
+      const scalar_t* dh = delta.data_ptr<scalar_t>() + row0;
+      scalar_t* dqTh = dqT.data_ptr<scalar_t>() + g.n * R * T + col0;
+      scalar_t* dkh = dk.data_ptr<scalar_t>() + row0 * R;
+      scalar_t* dvh = dv.data_ptr<scalar_t>() + row0 * Dv;
       for (int64_t t = 0; t < n_tiles; ++t) {
-        const int64_t i0 = t * bq, i1 = std::min(i0 + bq, T), m = i1 - i0;
-        for (auto [j0, j1] : key_pieces(lv, i0, i1, causal ? i1 : T, bk)) {
+        const int64_t i0 = t * bq, i1 = std::min(i0 + bq, Tl), m = i1 - i0;
+        for (auto [j0, j1] : key_pieces(lv, i0, i1, causal ? i1 : Tl, bk)) {
           const int64_t n = j1 - j0;
           int64_t dmin, dmax;
           lv.depth_range(i0, i1, j0, j1, &dmin, &dmax);
@@ -376,20 +418,28 @@ void add_key_scores(const T* q, const T* k, int64_t st, int64_t r, int64_t n, T*
 // j >= starts[l] (level l's keys held are those of the token's own block), then a softmax and the
 // values. keys[l] and v are (B, Hk, n, r) views with a contiguous last dim (cache buffers with
 // spare capacity); one task per (b, h) streams its level-1 keys, its finer keys and its values once.
+// Left-padded rows (row_starts, (B, L) int64, or empty): row b attends from slot row_starts[b][0]
+// on and scores level l from max(starts[l], row_starts[b][l]) on.
 template <typename T>
 void decode_kernel(const at::Tensor& q, const std::vector<at::Tensor>& keys, const std::vector<int64_t>& starts,
-                   const at::Tensor& v, at::Tensor& out, double scale, bool depth_normalize) {
+                   const at::Tensor& v, const at::Tensor& row_starts, at::Tensor& out, double scale,
+                   bool depth_normalize) {
   const int64_t B = q.size(0), H = q.size(1), Hk = v.size(1), end = v.size(2), Dv = v.size(3);
   const int64_t G = H / Hk, L = static_cast<int64_t>(keys.size());
   std::vector<int64_t> qoff(L + 1, 0);
   for (int64_t l = 0; l < L; ++l) qoff[l + 1] = qoff[l] + keys[l].size(3);
   const T* qp = q.data_ptr<T>();
   const T* vp = v.data_ptr<T>();
+  const int64_t* rs = row_starts.numel() ? row_starts.data_ptr<int64_t>() : nullptr;
   T* op = out.data_ptr<T>();
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t stop) {
     std::vector<T> s(end), depth(depth_normalize ? end : 0), acc(Dv);
+    std::vector<int64_t> lo(L);
     for (int64_t bh = begin; bh < stop; ++bh) {
       const int64_t b = bh / H, hk = (bh % H) / G;
+      for (int64_t l = 0; l < L; ++l)  // clamped, so that no start reaches past the query's own key
+        lo[l] = std::min(end - 1, rs ? std::max(starts[l], rs[b * L + l]) : starts[l]);
+      const int64_t first = lo[0];
       const T* qrow = qp + b * q.stride(0) + (bh % H) * q.stride(1);
       std::fill(s.begin(), s.end(), T(0));
       if (depth_normalize) std::fill(depth.begin(), depth.end(), T(0));
@@ -398,18 +448,20 @@ void decode_kernel(const at::Tensor& q, const std::vector<at::Tensor>& keys, con
         const T* kb = k.data_ptr<T>() + b * k.stride(0) + hk * k.stride(1);
         const T* ql = qrow + qoff[l];
         const int64_t r = qoff[l + 1] - qoff[l], st = k.stride(2);
-        add_key_scores(ql, kb, st, r, end - starts[l], s.data() + starts[l]);
+        add_key_scores(ql, kb + (lo[l] - starts[l]) * st, st, r, end - lo[l], s.data() + lo[l]);
         if (depth_normalize)
-          for (int64_t j = starts[l]; j < end; ++j) depth[j] += 1;
+          for (int64_t j = lo[l]; j < end; ++j) depth[j] += 1;
       }
+      const int64_t n = end - first;
+      T* sf = s.data() + first;
       if (depth_normalize)
-        for (int64_t j = 0; j < end; ++j) s[j] *= T(scale) / depth[j];
+        for (int64_t j = 0; j < n; ++j) sf[j] *= T(scale) / depth[first + j];
       else
-        for (int64_t j = 0; j < end; ++j) s[j] *= T(scale);
-      const T sum = exp_shift_sum(s.data(), end, row_max(s.data(), end));
+        for (int64_t j = 0; j < n; ++j) sf[j] *= T(scale);
+      const T sum = exp_shift_sum(sf, n, row_max(sf, n));
       std::fill(acc.begin(), acc.end(), T(0));
       const T* vb = vp + b * v.stride(0) + hk * v.stride(1);
-      for (int64_t j = 0; j < end; ++j) {
+      for (int64_t j = first; j < end; ++j) {
         const T* vr = vb + j * v.stride(2);
         const T p = s[j];
         for (int64_t d = 0; d < Dv; ++d) acc[d] += p * vr[d];
@@ -435,14 +487,16 @@ void check_input(const at::Tensor& t, const char* name) {
 }  // namespace
 
 std::vector<at::Tensor> mlr_forward(const at::Tensor& q, const at::Tensor& kT, const at::Tensor& v,
-                                    std::vector<int64_t> sizes, std::vector<int64_t> offsets, bool causal,
-                                    bool depth_normalize, int64_t bq, int64_t bk) {
+                                    const at::Tensor& segments, std::vector<int64_t> sizes,
+                                    std::vector<int64_t> offsets, bool causal, bool depth_normalize, int64_t bq,
+                                    int64_t bk) {
   for (auto [t, name] : {std::pair{&q, "q"}, {&kT, "kT"}, {&v, "v"}}) check_input(*t, name);
   const Levels lv = make_levels(sizes, offsets);
   auto out = at::empty({q.size(0), q.size(1), v.size(2)}, q.options());
   auto lse = at::empty({q.size(0), q.size(1)}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "mlr_forward", [&] {
-    forward_kernel<scalar_t>(q, kT, v, out, lse, lv, causal, depth_normalize, bq, bk);
+    forward_kernel<scalar_t>(q, kT, v, out, lse, make_segments(segments, q.size(0), q.size(1)), lv, causal,
+                             depth_normalize, bq, bk);
   });
   return {out, lse};
 }
@@ -450,8 +504,9 @@ std::vector<at::Tensor> mlr_forward(const at::Tensor& q, const at::Tensor& kT, c
 std::vector<at::Tensor> mlr_backward(const at::Tensor& q, const at::Tensor& qT, const at::Tensor& k,
                                      const at::Tensor& kT, const at::Tensor& v, const at::Tensor& gout,
                                      const at::Tensor& goutT, const at::Tensor& lse, const at::Tensor& delta,
-                                     std::vector<int64_t> sizes, std::vector<int64_t> offsets, bool causal,
-                                     bool depth_normalize, int64_t bq, int64_t bk) {
+                                     const at::Tensor& segments, std::vector<int64_t> sizes,
+                                     std::vector<int64_t> offsets, bool causal, bool depth_normalize, int64_t bq,
+                                     int64_t bk) {
   for (auto [t, name] : {std::pair{&q, "q"}, {&qT, "qT"}, {&k, "k"}, {&kT, "kT"}, {&v, "v"}, {&gout, "gout"},
                          {&goutT, "goutT"}})
     check_input(*t, name);
@@ -460,14 +515,14 @@ std::vector<at::Tensor> mlr_backward(const at::Tensor& q, const at::Tensor& qT, 
   auto dk = at::zeros_like(k);
   auto dv = at::zeros_like(v);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "mlr_backward", [&] {
-    backward_kernel<scalar_t>(q, qT, k, kT, v, gout, goutT, lse, delta, dqT, dk, dv, lv, causal, depth_normalize, bq,
-                              bk);
+    backward_kernel<scalar_t>(q, qT, k, kT, v, gout, goutT, lse, delta, dqT, dk, dv,
+                              make_segments(segments, q.size(0), q.size(1)), lv, causal, depth_normalize, bq, bk);
   });
   return {dqT, dk, dv};
 }
 
 at::Tensor mlr_decode(const at::Tensor& q, const std::vector<at::Tensor>& keys, std::vector<int64_t> starts,
-                      const at::Tensor& v, double scale, bool depth_normalize) {
+                      const at::Tensor& v, double scale, bool depth_normalize, const at::Tensor& row_starts) {
   TORCH_CHECK(q.dim() == 3 && v.dim() == 4 && q.stride(2) == 1 && v.stride(3) == 1,
               "mlr_cpu: decode takes q (B, H, R) and v (B, Hk, T, Dv) with a contiguous last dim");
   TORCH_CHECK(!keys.empty() && keys.size() == starts.size(), "mlr_cpu: one key view and start per level");
@@ -476,9 +531,13 @@ at::Tensor mlr_decode(const at::Tensor& q, const std::vector<at::Tensor>& keys, 
                 "mlr_cpu: decode keys must be (B, Hk, n, r) CPU views with a contiguous last dim, of q's dtype");
   TORCH_CHECK(v.scalar_type() == q.scalar_type() && (q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble),
               "mlr_cpu: decode takes float32 or float64");
+  TORCH_CHECK(row_starts.numel() == 0 || (row_starts.scalar_type() == at::kLong && row_starts.is_contiguous() &&
+                                           row_starts.dim() == 2 && row_starts.size(0) == q.size(0) &&
+                                           row_starts.size(1) == static_cast<int64_t>(keys.size())),
+              "mlr_cpu: decode row_starts must be empty or a contiguous (B, L) int64 tensor");
   auto out = at::empty({q.size(0), q.size(1), v.size(3)}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "mlr_decode", [&] {
-    decode_kernel<scalar_t>(q, keys, starts, v, out, scale, depth_normalize);
+    decode_kernel<scalar_t>(q, keys, starts, v, row_starts, out, scale, depth_normalize);
   });
   return out;
 }

@@ -6,8 +6,10 @@ call                          CUDA tensors (Triton installed)        CPU tensors
 :func:`mlr_attention`         Triton: prefix-rank kernels when every  C++ kernel (built on first use);
                               fine block is a multiple of the tile,  the blocked PyTorch path where it
                               else the general kernel                cannot be built
+... with ``document_ids``     the general kernel, documents as       C++ kernel, documents as segments
+                              segments (varlen)                      (varlen); else one call each
 :func:`mlr_decode`            Triton split-key decoding kernel       C++ decoding kernel, else the
-                                                                     reference
+(``row_starts`` too)                                                 reference
 :func:`mlr_prefill`           the reference                          the reference
 ============================  =====================================  ==================================
 
@@ -71,18 +73,22 @@ def mlr_attention(
     path for its inputs (see the table above); differentiable in ``q``, ``k`` and ``v``.
 
     With ``document_ids`` (packed documents, ``(B, T)`` non-decreasing integer ids), each
-    document's contiguous segment runs through the same path as a sequence of its own, with the
-    call's block sizes, and the outputs are concatenated back; this equals the reference's
-    ``document_ids`` semantics and does no padded work. The kernels do not yet take per-document
-    starts themselves: the documents are a loop on the host, one backend call per document.
+    document is scored as a sequence of its own with the call's block sizes. The C++ kernel and the
+    general Triton kernels take the documents as segments (varlen: no padded work, one call); the
+    blocked and reference paths run each document's segment as a call of its own, a loop on the host.
     """
     _, sizes, resolved_scale = check_mlr_arguments(
         q, k, v, ranks, block_sizes, causal, scale, depth_normalize, document_ids)
     if document_ids is None:
         return _mlr_attention(q, k, v, ranks, block_sizes, causal, scale, depth_normalize)
+    if _on_triton(q):
+        from .triton_general import mlr_attention_triton
+
+        return mlr_attention_triton(q, k, v, ranks, sizes, causal, resolved_scale, depth_normalize, document_ids)
+    if q.device.type == "cpu" and cpu.available():
+        return cpu.mlr_attention_cpu(q, k, v, ranks, sizes, causal, resolved_scale, depth_normalize, document_ids)
     # The boundaries are read on the host with one .tolist(): a device synchronisation, and a graph
-    # break (data-dependent shapes) under torch.compile. Acceptable until the kernels take
-    # per-document starts (varlen) themselves.
+    # break (data-dependent shapes) under torch.compile.
     boundaries = []  # per row, the (start, end) of each document
     for ids in document_ids.tolist():
         starts = [0, *(t for t in range(1, len(ids)) if ids[t] != ids[t - 1])]
@@ -133,21 +139,23 @@ def mlr_decode(
     ranks: Sequence[int],
     scale: float,
     depth_normalize: bool = False,
+    row_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One decoding step with the contract of :func:`mlr_decode_reference`, on the fastest correct
-    path (see the table above)."""
+    """One decoding step with the contract of :func:`mlr_decode_reference` (``row_starts``:
+    left-padded rows), on the fastest correct path (see the table above)."""
     # Checked once here: the kernels' entries below take checked arguments (a decoding step is on
     # the host's critical path, once per layer and token).
-    check_mlr_cache_arguments(q, keys, key_starts, v, ranks, scale, depth_normalize, one_query=True)
+    check_mlr_cache_arguments(q, keys, key_starts, v, ranks, scale, depth_normalize, one_query=True,
+                              row_starts=row_starts)
     if torch.is_grad_enabled() and any(x.requires_grad for x in (q, v, *keys)):
-        return mlr_decode_reference(q, keys, key_starts, v, ranks, scale, depth_normalize)
+        return mlr_decode_reference(q, keys, key_starts, v, ranks, scale, depth_normalize, row_starts)
     if _on_triton(v):
         from . import triton_decode
 
-        return triton_decode.decode(q, keys, key_starts, v, ranks, scale, depth_normalize)
+        return triton_decode.decode(q, keys, key_starts, v, ranks, scale, depth_normalize, row_starts=row_starts)
     if v.device.type == "cpu" and cpu.available():
-        return cpu.decode(q, keys, key_starts, v, scale, depth_normalize)
-    return mlr_decode_reference(q, keys, key_starts, v, ranks, scale, depth_normalize)
+        return cpu.decode(q, keys, key_starts, v, scale, depth_normalize, row_starts)
+    return mlr_decode_reference(q, keys, key_starts, v, ranks, scale, depth_normalize, row_starts)
 
 
 def mlr_prefill(
@@ -159,9 +167,10 @@ def mlr_prefill(
     scale: float,
     depth_normalize: bool = False,
     block_sizes: Sequence[int] | None = None,
+    row_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``t`` new queries against the compressed cache, with the contract of
     :func:`mlr_prefill_reference`; one query goes to :func:`mlr_decode`."""
     if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[2] == 1:
-        return mlr_decode(q, keys, key_starts, v, ranks, scale, depth_normalize)
-    return mlr_prefill_reference(q, keys, key_starts, v, ranks, scale, depth_normalize, block_sizes)
+        return mlr_decode(q, keys, key_starts, v, ranks, scale, depth_normalize, row_starts)
+    return mlr_prefill_reference(q, keys, key_starts, v, ranks, scale, depth_normalize, block_sizes, row_starts)

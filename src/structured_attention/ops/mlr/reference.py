@@ -186,6 +186,7 @@ def mlr_prefill_reference(
     scale: float,
     depth_normalize: bool = False,
     block_sizes: Sequence[int] | None = None,
+    row_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """New queries at positions ``[end - t, end)`` against the compressed MLR cache, exactly.
 
@@ -201,13 +202,20 @@ def mlr_prefill_reference(
         depth_normalize: divide each score by the number of levels that score the pair.
         block_sizes: the per-level block sizes; needed when ``t > 1``, to tell which held keys share
             each query's blocks.
+        row_starts: optional ``(B, L)`` integers for left-padded rows (a batch of sequences of
+            different lengths): row ``b``'s sequence starts at slot ``row_starts[b, 0]``, so slot
+            ``j`` is its position ``j - row_starts[b, 0]`` and the slots before are its padding (a
+            sequence of their own); ``row_starts[b, l]`` is where the first new query's level-``l``
+            block starts in that row. Without it every row starts at slot 0.
 
     Returns:
         ``(B, H, t, Dv)`` in ``v``'s dtype; equal to the last ``t`` rows of
-        :func:`mlr_attention_reference` over the whole sequence (causal).
+        :func:`mlr_attention_reference` over the whole sequence (causal), row by row over each
+        row's own sequence when ``row_starts`` is given.
     """
-    ranks = check_mlr_cache_arguments(q, keys, key_starts, v, ranks, scale, depth_normalize, block_sizes)
-    return _cached_attention(q, keys, key_starts, v, ranks, scale, depth_normalize, block_sizes)
+    ranks = check_mlr_cache_arguments(q, keys, key_starts, v, ranks, scale, depth_normalize, block_sizes,
+                                      row_starts=row_starts)
+    return _cached_attention(q, keys, key_starts, v, ranks, scale, depth_normalize, block_sizes, row_starts)
 
 
 def _cached_attention(
@@ -219,35 +227,48 @@ def _cached_attention(
     scale: float,
     depth_normalize: bool,
     block_sizes: Sequence[int] | None,
+    row_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`mlr_prefill_reference` on checked arguments."""
     acc = compute_dtype(v.dtype)
     device = v.device
+    B = v.shape[0]
     t, end = q.shape[2], v.shape[2]
-    q_pos = torch.arange(end - t, end, device=device)
+    # Positions of the query and key slots, per row: (B, t) and (B, end); a row's padding slots
+    # (before its start) form a segment of their own.
+    offset = torch.zeros(B, 1, dtype=torch.long, device=device) if row_starts is None else row_starts[:, :1].long()
+    q_slot = torch.arange(end - t, end, device=device).expand(B, t)
+    k_slot = torch.arange(end, device=device).expand(B, end)
+    q_pos, k_pos = q_slot - offset, k_slot - offset
     q = q.to(v.dtype)  # the contract's dtype policy for the cache: queries take the cache's dtype
     scores = grouped_matmul(q[..., : ranks[0]].to(acc) * scale, keys[0].to(acc).transpose(-1, -2))
-    depth = torch.ones(t, end, dtype=acc, device=device) if depth_normalize else None
-    offset = ranks[0]
+    depth = torch.ones(B, 1, t, end, dtype=acc, device=device) if depth_normalize else None
+    offset_dims = ranks[0]
     for level in range(1, len(ranks)):
-        q_l = q[..., offset : offset + ranks[level]]
-        offset += ranks[level]
+        q_l = q[..., offset_dims : offset_dims + ranks[level]]
+        offset_dims += ranks[level]
         start = key_starts[level]
         part = grouped_matmul(q_l.to(acc) * scale, keys[level].to(acc).transpose(-1, -2))
+        kp = k_pos[:, start:]
         if t > 1:  # queries past a block boundary do not share the block of the keys before it
             s = block_sizes[level]
-            same = (q_pos[:, None] // s) == (torch.arange(start, end, device=device)[None, :] // s)
-            part = part * same
-        else:
-            same = torch.ones(1, end - start, dtype=torch.bool, device=device)
-        scores[..., start:] += part
+            same = (q_pos[:, :, None].div(s, rounding_mode="floor") == kp[:, None, :].div(s, rounding_mode="floor"))
+        else:  # every key held is in the query's block, from the row's own block start on
+            same = torch.ones(B, 1, end - start, dtype=torch.bool, device=device)
+            if row_starts is not None:
+                same = same & (k_slot[:, None, start:] >= row_starts[:, level, None, None])
+        same = same[:, None]  # (B, 1, t, n)
+        scores[..., start:] += part * same
         if depth is not None:
-            depth[:, start:] += same
+            depth[..., start:] += same
     if depth is not None:
         scores = scores / depth
-    if t > 1:
-        future = torch.arange(end, device=device)[None, :] > q_pos[:, None]
-        scores = scores.masked_fill(future, float("-inf"))
+    masked = (k_slot[:, None, :] > q_slot[:, :, None]) if t > 1 else None
+    if row_starts is not None:
+        other = (q_pos[:, :, None] >= 0) != (k_pos[:, None, :] >= 0)  # padding and sequence apart
+        masked = other if masked is None else masked | other
+    if masked is not None:
+        scores = scores.masked_fill(masked[:, None], float("-inf"))
     weights = torch.softmax(scores, dim=-1)
     return grouped_matmul(weights, v.to(acc)).to(v.dtype)
 
@@ -260,10 +281,12 @@ def mlr_decode_reference(
     ranks: Sequence[int],
     scale: float,
     depth_normalize: bool = False,
+    row_starts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One new query ``(B, H, 1, R)`` at position ``end - 1`` against the compressed MLR cache: the
     one-query case of :func:`mlr_prefill_reference` (same arguments, no block sizes needed).
     Returns ``(B, H, 1, Dv)`` in ``v``'s dtype, equal to the last row of
     :func:`mlr_attention_reference` over the whole sequence."""
-    check_mlr_cache_arguments(q, keys, key_starts, v, ranks, scale, depth_normalize, one_query=True)
-    return _cached_attention(q, keys, key_starts, v, ranks, scale, depth_normalize, None)
+    check_mlr_cache_arguments(q, keys, key_starts, v, ranks, scale, depth_normalize, one_query=True,
+                              row_starts=row_starts)
+    return _cached_attention(q, keys, key_starts, v, ranks, scale, depth_normalize, None, row_starts)

@@ -82,13 +82,13 @@ def _store_partials(ACC, M, L, pid_bk, split, N_SPLITS, g, g_ok, dv, m_i, l_i, a
 
 @triton.jit
 def _mlr_decode_split_kernel(
-    Q, K0, V, FINE_OFFS, FINE_STRIDES, FINE_STARTS, FINE_QOFF, FINE_RANK, ACC, M, L,
+    Q, K0, V, FINE_OFFS, FINE_STRIDES, FINE_STARTS, FINE_QOFF, FINE_RANK, ROW_STARTS, ACC, M, L,
     end, chunk, qk_scale, N_SPLITS,
     stride_qb, stride_qh, stride_k0b, stride_k0h, stride_vb, stride_vh, stride_vt,
     HK: tl.constexpr, G: tl.constexpr,
     R0: tl.constexpr, DV: tl.constexpr, N_FINE: tl.constexpr, DEPTH_NORMALIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, R0P: tl.constexpr, RFP: tl.constexpr, DVP: tl.constexpr, BLOCK_N: tl.constexpr,
-    ALIGN: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    ALIGN: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, HAS_ROW_STARTS: tl.constexpr,
 ):
     pid_bk, split, b, hk, g, g_ok, q_rows, d0, q0, k0_rows, v_rows = _program_rows(
         Q, K0, V, stride_qb, stride_qh, stride_k0b, stride_k0h, stride_vb, stride_vh, HK, G, R0, BLOCK_G, R0P)
@@ -101,13 +101,23 @@ def _mlr_decode_split_kernel(
     # first j fine levels, with no per-key test. The per-level tables are read as scalars (uniform
     # loads that stay in cache); ALIGN, which divides every fine level's offset and strides, lets
     # the compiler issue vector loads for their rows.
+    # Left-padded rows (ROW_STARTS, (B, N_FINE + 1)): the row attends from its own start on and
+    # its region boundaries move to its own block starts, which are nested too.
     for j in tl.static_range(N_FINE + 1):
         r_lo = lo
         r_hi = hi
         if j > 0:
-            r_lo = tl.maximum(lo, tl.load(FINE_STARTS + (j - 1)))
+            bound = tl.load(FINE_STARTS + (j - 1))
+            if HAS_ROW_STARTS:
+                bound = tl.maximum(bound, tl.load(ROW_STARTS + b * (N_FINE + 1) + j).to(tl.int32))
+            r_lo = tl.maximum(lo, bound)
+        elif HAS_ROW_STARTS:
+            r_lo = tl.maximum(lo, tl.load(ROW_STARTS + b * (N_FINE + 1)).to(tl.int32))
         if j < N_FINE:
-            r_hi = tl.minimum(hi, tl.load(FINE_STARTS + j))
+            bound = tl.load(FINE_STARTS + j)
+            if HAS_ROW_STARTS:
+                bound = tl.maximum(bound, tl.load(ROW_STARTS + b * (N_FINE + 1) + j + 1).to(tl.int32))
+            r_hi = tl.minimum(hi, bound)
         for n0 in range(r_lo, r_hi, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             n_ok = n < r_hi
@@ -167,6 +177,7 @@ def mlr_decode_triton(
     ranks: Sequence[int],
     scale: float,
     depth_normalize: bool = False,
+    row_starts: torch.Tensor | None = None,
     *,
     chunk: int | None = None,
     block_n: int = 128,
@@ -181,9 +192,10 @@ def mlr_decode_triton(
     an H200 at a 16k cache (docs/benchmarks.md): uncapped, the kernel takes 230 registers, so a
     multiprocessor holds two programs and the grid runs in two waves; at 128 registers and two
     stages it holds four, one wave."""
-    ranks = check_mlr_cache_arguments(q, keys, key_starts, v, ranks, scale, depth_normalize, one_query=True)
-    return decode(q, keys, key_starts, v, ranks, scale, depth_normalize, chunk=chunk, block_n=block_n,
-                  num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg)
+    ranks = check_mlr_cache_arguments(q, keys, key_starts, v, ranks, scale, depth_normalize, one_query=True,
+                                      row_starts=row_starts)
+    return decode(q, keys, key_starts, v, ranks, scale, depth_normalize, row_starts=row_starts, chunk=chunk,
+                  block_n=block_n, num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg)
 
 
 def decode(
@@ -195,6 +207,7 @@ def decode(
     scale: float,
     depth_normalize: bool,
     *,
+    row_starts: torch.Tensor | None = None,
     chunk: int | None = None,
     block_n: int = 128,
     num_warps: int = 4,
@@ -210,12 +223,13 @@ def decode(
     require(chunk is None or (isinstance(chunk, int) and chunk > 0 and chunk % block_n == 0), "chunk",
             f"a positive multiple of block_n={block_n} or None", chunk)
     return _decode_op(q.to(v.dtype).contiguous(), list(keys), list(key_starts), v, list(ranks), float(scale), depth_normalize,
-                      chunk, block_n, num_warps, num_stages, maxnreg)
+                      row_starts, chunk, block_n, num_warps, num_stages, maxnreg)
 
 
 @torch.library.custom_op("sattn::mlr_triton_decode", mutates_args=())
 def _decode_op(q: torch.Tensor, keys: list[torch.Tensor], key_starts: list[int], v: torch.Tensor, ranks: list[int],
-               scale: float, depth_normalize: bool, chunk: int | None, block_n: int, num_warps: int, num_stages: int,
+               scale: float, depth_normalize: bool, row_starts: torch.Tensor | None, chunk: int | None, block_n: int,
+               num_warps: int, num_stages: int,
                maxnreg: int | None) -> torch.Tensor:
     B, H = q.shape[:2]
     Hk, end, Dv = v.shape[1], v.shape[2], v.shape[3]
@@ -253,9 +267,11 @@ def _decode_op(q: torch.Tensor, keys: list[torch.Tensor], key_starts: list[int],
                q.stride(0), q.stride(1), k0.stride(0), k0.stride(1), v.stride(0), v.stride(1), v.stride(2))
     fine_ranks = tuple(ranks[1:])
     qoff, rank = _level_tables(ranks[0], fine_ranks, device)
+    rows = starts if row_starts is None else row_starts.contiguous()
     _mlr_decode_split_kernel[(B * Hk, n_splits)](
-        q, k0, v, offs_t, strides_t, starts, qoff, rank, part_acc, part_m, part_l, *scalars,
-        RFP=pow2(max(fine_ranks, default=1), 16), ALIGN=math.gcd(16 // size, *offs, *strides), **common,
+        q, k0, v, offs_t, strides_t, starts, qoff, rank, rows, part_acc, part_m, part_l, *scalars,
+        RFP=pow2(max(fine_ranks, default=1), 16), ALIGN=math.gcd(16 // size, *offs, *strides),
+        HAS_ROW_STARTS=row_starts is not None, **common,
     )
     out = torch.empty(B, H, 1, Dv, dtype=v.dtype, device=device)
     _mlr_decode_merge_kernel[(B * H,)](part_acc, part_m, part_l, out, n_splits, SP=pow2(n_splits),
@@ -264,5 +280,6 @@ def _decode_op(q: torch.Tensor, keys: list[torch.Tensor], key_starts: list[int],
 
 
 @_decode_op.register_fake
-def _(q, keys, key_starts, v, ranks, scale, depth_normalize, chunk, block_n, num_warps, num_stages, maxnreg):
+def _(q, keys, key_starts, v, ranks, scale, depth_normalize, row_starts, chunk, block_n, num_warps, num_stages,
+      maxnreg):
     return v.new_empty(q.shape[0], q.shape[1], 1, v.shape[-1])

@@ -57,32 +57,41 @@ _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @triton.jit
+def _segment(SEG, pid):
+    """Segment ``pid``'s batch row, first position and length (``SEG`` is ``(S, 3)`` int32)."""
+    return tl.load(SEG + 3 * pid), tl.load(SEG + 3 * pid + 1), tl.load(SEG + 3 * pid + 2)
+
+
+@triton.jit
 def _mlr_fwd_kernel(
-    Q, K, V, O, LSE, FOFF, FRANK, FSIZE,
+    Q, K, V, O, LSE, SEG, FOFF, FRANK, FSIZE,
     stride_qb, stride_qh, stride_qt,
     stride_kb, stride_kh, stride_kt,
     stride_vb, stride_vh, stride_vt,
     stride_ob, stride_oh, stride_ot,
-    H, G, T, R1, DV, S2, scale,
+    H, G, TFULL, R1, DV, S2, scale,
     CAUSAL: tl.constexpr, DEPTH_NORM: tl.constexpr, HAS_FINE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     R1P: tl.constexpr, RLP: tl.constexpr, LP: tl.constexpr, DVP: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
+    pid_sh = tl.program_id(1)
+    b, start, T = _segment(SEG, pid_sh // H)
+    h = pid_sh % H
     hk = h // G
     m0 = pid_m * BLOCK_M
+    if m0 >= T:  # the grid covers the longest segment
+        return
     offs_m = m0 + tl.arange(0, BLOCK_M)
     m_ok = offs_m < T
     m_last = tl.minimum(m0 + BLOCK_M, T) - 1
     d1 = tl.arange(0, R1P)
     dv = tl.arange(0, DVP)
-    q_base = Q + b * stride_qb + h * stride_qh
-    k_base = K + b * stride_kb + hk * stride_kh
-    v_base = V + b * stride_vb + hk * stride_vh
+    # Positions are the segment's own: its rows start at `start` in the batch row.
+    q_base = Q + b * stride_qb + h * stride_qh + start * stride_qt
+    k_base = K + b * stride_kb + hk * stride_kh + start * stride_kt
+    v_base = V + b * stride_vb + hk * stride_vh + start * stride_vt
 
     q1 = tl.load(q_base + offs_m[:, None] * stride_qt + d1[None, :],
                  mask=m_ok[:, None] & (d1 < R1)[None, :], other=0.0)
@@ -141,19 +150,19 @@ def _mlr_fwd_kernel(
         m_i = m_new
 
     acc = acc / l_i[:, None]
-    o_ptr = O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_ot + dv[None, :]
+    o_ptr = O + b * stride_ob + h * stride_oh + (start + offs_m)[:, None] * stride_ot + dv[None, :]
     tl.store(o_ptr, acc.to(O.dtype.element_ty), mask=m_ok[:, None] & (dv < DV)[None, :])
-    tl.store(LSE + pid_bh * T + offs_m, m_i + tl.log(l_i), mask=m_ok)
+    tl.store(LSE + (b * H + h) * TFULL + start + offs_m, m_i + tl.log(l_i), mask=m_ok)
 
 
 @triton.jit
 def _mlr_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV_, FOFF, FRANK, FSIZE,
+    Q, K, V, DO, LSE, DELTA, DK, DV_, SEG, FOFF, FRANK, FSIZE,
     stride_qb, stride_qh, stride_qt,
     stride_kb, stride_kh, stride_kt,
     stride_vb, stride_vh, stride_vt,
     stride_dob, stride_doh, stride_dot,
-    H, HK, G, T, R1, DV, S2, scale,
+    H, HK, G, TFULL, R1, DV, S2, scale,
     CAUSAL: tl.constexpr, DEPTH_NORM: tl.constexpr, HAS_FINE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     R1P: tl.constexpr, RLP: tl.constexpr, LP: tl.constexpr, DVP: tl.constexpr,
@@ -161,17 +170,19 @@ def _mlr_bwd_dkdv_kernel(
 ):
     # DK has k's strides and DV_ has v's strides (all contiguous, same shapes).
     pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // HK
-    hk = pid_bh % HK
+    pid_sh = tl.program_id(1)
+    b, start, T = _segment(SEG, pid_sh // HK)
+    hk = pid_sh % HK
     n0 = pid_n * BLOCK_N
+    if n0 >= T:  # the grid covers the longest segment
+        return
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < T
     n_last = tl.minimum(n0 + BLOCK_N, T) - 1
     d1 = tl.arange(0, R1P)
     dv = tl.arange(0, DVP)
-    k_off = b * stride_kb + hk * stride_kh
-    v_off = b * stride_vb + hk * stride_vh
+    k_off = b * stride_kb + hk * stride_kh + start * stride_kt
+    v_off = b * stride_vb + hk * stride_vh + start * stride_vt
 
     k1 = tl.load(K + k_off + offs_n[:, None] * stride_kt + d1[None, :],
                  mask=n_ok[:, None] & (d1 < R1)[None, :], other=0.0)
@@ -198,9 +209,9 @@ def _mlr_bwd_dkdv_kernel(
         lo = (n0 // BLOCK_M) * BLOCK_M
     for g in range(0, G):
         h = hk * G + g
-        q_base = Q + b * stride_qb + h * stride_qh
-        do_base = DO + b * stride_dob + h * stride_doh
-        row_base = (b * H + h) * T
+        q_base = Q + b * stride_qb + h * stride_qh + start * stride_qt
+        do_base = DO + b * stride_dob + h * stride_doh + start * stride_dot
+        row_base = (b * H + h) * TFULL + start
         for m0 in range(lo, T, BLOCK_M):
             offs_m = m0 + tl.arange(0, BLOCK_M)
             m_ok = offs_m < T
@@ -254,12 +265,12 @@ def _mlr_bwd_dkdv_kernel(
 
 @triton.jit
 def _mlr_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, FOFF, FRANK, FSIZE,
+    Q, K, V, DO, LSE, DELTA, DQ, SEG, FOFF, FRANK, FSIZE,
     stride_qb, stride_qh, stride_qt,
     stride_kb, stride_kh, stride_kt,
     stride_vb, stride_vh, stride_vt,
     stride_dob, stride_doh, stride_dot,
-    H, G, T, R1, DV, S2, scale,
+    H, G, TFULL, R1, DV, S2, scale,
     CAUSAL: tl.constexpr, DEPTH_NORM: tl.constexpr, HAS_FINE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     R1P: tl.constexpr, RLP: tl.constexpr, LP: tl.constexpr, DVP: tl.constexpr,
@@ -267,26 +278,29 @@ def _mlr_bwd_dq_kernel(
 ):
     # DQ has q's strides.
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
+    pid_sh = tl.program_id(1)
+    b, start, T = _segment(SEG, pid_sh // H)
+    h = pid_sh % H
     hk = h // G
     m0 = pid_m * BLOCK_M
+    if m0 >= T:  # the grid covers the longest segment
+        return
     offs_m = m0 + tl.arange(0, BLOCK_M)
     m_ok = offs_m < T
     m_last = tl.minimum(m0 + BLOCK_M, T) - 1
     d1 = tl.arange(0, R1P)
     dv = tl.arange(0, DVP)
-    q_base = Q + b * stride_qb + h * stride_qh
-    k_base = K + b * stride_kb + hk * stride_kh
-    v_base = V + b * stride_vb + hk * stride_vh
+    q_base = Q + b * stride_qb + h * stride_qh + start * stride_qt
+    k_base = K + b * stride_kb + hk * stride_kh + start * stride_kt
+    v_base = V + b * stride_vb + hk * stride_vh + start * stride_vt
 
     q1 = tl.load(q_base + offs_m[:, None] * stride_qt + d1[None, :],
                  mask=m_ok[:, None] & (d1 < R1)[None, :], other=0.0)
-    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dot + dv[None, :],
+    do = tl.load(DO + b * stride_dob + h * stride_doh + (start + offs_m)[:, None] * stride_dot + dv[None, :],
                  mask=m_ok[:, None] & (dv < DV)[None, :], other=0.0)
-    lse = tl.load(LSE + pid_bh * T + offs_m, mask=m_ok, other=0.0)
-    delta = tl.load(DELTA + pid_bh * T + offs_m, mask=m_ok, other=0.0)
+    row_base = (b * H + h) * TFULL + start
+    lse = tl.load(LSE + row_base + offs_m, mask=m_ok, other=0.0)
+    delta = tl.load(DELTA + row_base + offs_m, mask=m_ok, other=0.0)
     dq1 = tl.zeros([BLOCK_M, R1P], tl.float32)
     if HAS_FINE:
         lv = tl.arange(0, LP)
@@ -344,10 +358,10 @@ def _mlr_bwd_dq_kernel(
                 ds3 = tl.where(in3, ds[None, :, :], 0.0).to(k3.dtype)
                 dq3 += dot(ds3, k3, PREC, UPCAST)
 
-    tl.store(DQ + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qt + d1[None, :],
+    tl.store(DQ + b * stride_qb + h * stride_qh + (start + offs_m)[:, None] * stride_qt + d1[None, :],
              dq1.to(DQ.dtype.element_ty), mask=m_ok[:, None] & (d1 < R1)[None, :])
     if HAS_FINE:
-        tl.store(DQ + b * stride_qb + h * stride_qh + offs_m[None, :, None] * stride_qt + fcol,
+        tl.store(DQ + b * stride_qb + h * stride_qh + (start + offs_m)[None, :, None] * stride_qt + fcol,
                  dq3.to(DQ.dtype.element_ty), mask=m_ok[None, :, None] & fcol_ok)
 
 
@@ -393,14 +407,14 @@ class _Plan:
         )
 
 
-def _forward(q, k, v, plan: _Plan, causal: bool, scale: float, depth_normalize: bool):
+def _forward(q, k, v, segments, max_len: int, plan: _Plan, causal: bool, scale: float, depth_normalize: bool):
     B, H, T, _ = q.shape
     Hk = k.shape[1]
     o = torch.empty(B, H, T, plan.DV, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
-    grid = (cdiv(T, plan.block_m), B * H)
+    grid = (cdiv(max_len, plan.block_m), segments.shape[0] * H)
     _mlr_fwd_kernel[grid](
-        q, k, v, o, lse, plan.foff, plan.frank, plan.fsize,
+        q, k, v, o, lse, segments, plan.foff, plan.frank, plan.fsize,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
@@ -411,7 +425,8 @@ def _forward(q, k, v, plan: _Plan, causal: bool, scale: float, depth_normalize: 
     return o, lse
 
 
-def _backward(q, k, v, o, lse, do, plan: _Plan, causal: bool, scale: float, depth_normalize: bool):
+def _backward(q, k, v, o, lse, do, segments, max_len: int, plan: _Plan, causal: bool, scale: float,
+              depth_normalize: bool):
     B, H, T, _ = q.shape
     Hk = k.shape[1]
     G = H // Hk
@@ -427,14 +442,15 @@ def _backward(q, k, v, o, lse, do, plan: _Plan, causal: bool, scale: float, dept
         do.stride(0), do.stride(1), do.stride(2),
     )
     cx = plan.constexprs(causal, depth_normalize)
-    _mlr_bwd_dkdv_kernel[(cdiv(T, plan.block_n), B * Hk)](
-        q, k, v, do, lse, delta, dk, dv, plan.foff, plan.frank, plan.fsize,
+    n_segments = segments.shape[0]
+    _mlr_bwd_dkdv_kernel[(cdiv(max_len, plan.block_n), n_segments * Hk)](
+        q, k, v, do, lse, delta, dk, dv, segments, plan.foff, plan.frank, plan.fsize,
         *common_strides,
         H, Hk, G, T, plan.R1, plan.DV, plan.S2, float(scale),
         **cx,
     )
-    _mlr_bwd_dq_kernel[(cdiv(T, plan.block_m), B * H)](
-        q, k, v, do, lse, delta, dq, plan.foff, plan.frank, plan.fsize,
+    _mlr_bwd_dq_kernel[(cdiv(max_len, plan.block_m), n_segments * H)](
+        q, k, v, do, lse, delta, dq, segments, plan.foff, plan.frank, plan.fsize,
         *common_strides,
         H, G, T, plan.R1, plan.DV, plan.S2, float(scale),
         **cx,
@@ -442,34 +458,50 @@ def _backward(q, k, v, o, lse, do, plan: _Plan, causal: bool, scale: float, dept
     return dq, dk, dv
 
 
+# ``segments`` (S, 3) int32 rows of (batch row, start, length), each scored as a sequence of its own
+# (packed documents, varlen; one per batch row for whole rows); ``max_len`` the longest length.
 @torch.library.custom_op("sattn::mlr_triton_forward", mutates_args=())
-def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ranks: list[int], sizes: list[int],
-                causal: bool, scale: float, depth_normalize: bool, block_m: int,
+def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor, max_len: int,
+                ranks: list[int], sizes: list[int], causal: bool, scale: float, depth_normalize: bool, block_m: int,
                 block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
     plan = _Plan(q, v, tuple(ranks), tuple(sizes), block_m, block_n)
-    return _forward(q, k, v, plan, causal, scale, depth_normalize)
+    return _forward(q, k, v, segments, max_len, plan, causal, scale, depth_normalize)
 
 
 @_forward_op.register_fake
-def _(q, k, v, ranks, sizes, causal, scale, depth_normalize, block_m, block_n):
+def _(q, k, v, segments, max_len, ranks, sizes, causal, scale, depth_normalize, block_m, block_n):
     B, H, T, _ = q.shape
     return q.new_empty(B, H, T, v.shape[-1]), q.new_empty(B, H, T, dtype=torch.float32)
 
 
 @torch.library.custom_op("sattn::mlr_triton_backward", mutates_args=())
 def _backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                 lse: torch.Tensor, ranks: list[int], sizes: list[int], causal: bool, scale: float,
-                 depth_normalize: bool, block_m: int, block_n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 lse: torch.Tensor, segments: torch.Tensor, max_len: int, ranks: list[int], sizes: list[int],
+                 causal: bool, scale: float, depth_normalize: bool, block_m: int,
+                 block_n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     plan = _Plan(q, v, tuple(ranks), tuple(sizes), block_m, block_n)
-    return _backward(q, k, v, o, lse, do, plan, causal, scale, depth_normalize)
+    return _backward(q, k, v, o, lse, do, segments, max_len, plan, causal, scale, depth_normalize)
 
 
 @_backward_op.register_fake
-def _(do, q, k, v, o, lse, ranks, sizes, causal, scale, depth_normalize, block_m, block_n):
+def _(do, q, k, v, o, lse, segments, max_len, ranks, sizes, causal, scale, depth_normalize, block_m, block_n):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 attach_backward(_forward_op, _backward_op)
+
+
+def _segments(document_ids: torch.Tensor | None, B: int, T: int, device: torch.device) -> tuple[torch.Tensor, int]:
+    """The kernels' ``(S, 3)`` segment table and the longest segment: every document of every row
+    (read on the host: one device synchronisation), or each whole row without documents."""
+    if document_ids is None:
+        return device_table(tuple(x for b in range(B) for x in (b, 0, T)), torch.int32, device).view(B, 3), T
+    rows = []
+    for b, ids in enumerate(document_ids.tolist()):
+        starts = [0, *(t for t in range(1, T) if ids[t] != ids[t - 1])]
+        rows += [(b, start, end - start) for start, end in zip(starts, [*starts[1:], T])]
+    table = torch.tensor(rows, dtype=torch.int32).to(device)
+    return table, max(length for _, _, length in rows)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -486,6 +518,7 @@ def mlr_attention_triton(
     causal: bool = True,
     scale: float | None = None,
     depth_normalize: bool = False,
+    document_ids: torch.Tensor | None = None,
     *,
     block_m: int | None = None,
     block_n: int | None = None,
@@ -495,7 +528,8 @@ def mlr_attention_triton(
     Same contract as :func:`~.reference.mlr_attention_reference`: ``q (B, H, T, R)``,
     ``k (B, Hk, T, R)``, ``v (B, Hk, T, Dv)`` with ``Hk | H`` (GQA: query head ``h`` reads kv head
     ``h // (H // Hk)``), ``ranks`` summing to ``R``, nested ``block_sizes`` with ``s_1 >= T`` (default
-    ``T / 2^(l-1)``), ``scale`` default ``1 / sqrt(R)``, optional ``depth_normalize``.
+    ``T / 2^(l-1)``), ``scale`` default ``1 / sqrt(R)``, optional ``depth_normalize``, optional
+    packed ``document_ids`` (each document a segment of the general kernels' launch: varlen).
 
     Extra keyword-only arguments ``block_m`` / ``block_n`` set the query / key tile sizes (powers of
     two, ``>= 16`` for GPU ``tl.dot``; default 64 on CUDA, 16 in the interpreter); they are independent
@@ -508,7 +542,8 @@ def mlr_attention_triton(
     Raises:
         ValueError: naming the offending parameter.
     """
-    ranks, sizes, scale = check_mlr_arguments(q, k, v, ranks, block_sizes, causal, scale, depth_normalize)
+    ranks, sizes, scale = check_mlr_arguments(q, k, v, ranks, block_sizes, causal, scale, depth_normalize,
+                                              document_ids)
     require(q.dtype in _SUPPORTED_DTYPES, "q.dtype", "float32, float16 or bfloat16", q.dtype)
     require(q.device.type == "cuda" or INTERPRETED, "q.device",
             "a CUDA device (or CPU tensors with TRITON_INTERPRET=1 set before importing triton)", q.device)
@@ -521,10 +556,13 @@ def mlr_attention_triton(
 
     # Tiles of one depth each (every fine block a multiple of the tile) take the prefix-rank kernels;
     # smaller than 32 rows, a tile underuses the matrix units, so the general kernels keep their tiles.
-    tiles = square_tiles(sizes[1:], block_m) if block_m == block_n else None
+    # Packed documents take the general kernels, whose programs read their segment from a table.
+    tiles = square_tiles(sizes[1:], block_m) if block_m == block_n and document_ids is None else None
     if tiles is not None and (tiles.fwd_m == block_m or (not explicit and tiles.fwd_m >= min(block_m, 32))):
         return mlr_attention_prefix(q, k, v, ranks, sizes, causal, float(scale), depth_normalize, tiles)
 
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    out, _ = _forward_op(q, k, v, list(ranks), list(sizes), causal, float(scale), depth_normalize, block_m, block_n)
+    segments, max_len = _segments(document_ids, q.shape[0], q.shape[2], q.device)
+    out, _ = _forward_op(q, k, v, segments, max_len, list(ranks), list(sizes), causal, float(scale), depth_normalize,
+                         block_m, block_n)
     return out
