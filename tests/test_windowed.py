@@ -67,6 +67,22 @@ def test_flex_path_matches_dense(causal):
     torch.testing.assert_close(out, dense_band(q, k, v, 20, causal, 0.25), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_flex_path_with_documents_matches_dense(causal):
+    torch.manual_seed(1)
+    q, k, v = torch.randn(2, 4, 256, 16), torch.randn(2, 2, 256, 16), torch.randn(2, 2, 256, 16)
+    ids = torch.tensor([[0] * 100 + [1] * 156, [0] * 7 + [2] * 249])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = _flex_window(q, k, v, 20, causal, 0.25, ids)
+    i = torch.arange(256)
+    keep = ((i[:, None] - i[None, :]).abs() <= 20) & (ids[:, :, None] == ids[:, None, :])
+    if causal:
+        keep &= i[:, None] >= i[None, :]
+    scores = (q @ k.repeat_interleave(2, dim=1).transpose(-1, -2) * 0.25).masked_fill(~keep[:, None], float("-inf"))
+    torch.testing.assert_close(out, scores.softmax(-1) @ v.repeat_interleave(2, dim=1), rtol=1e-5, atol=1e-5)
+
+
 def test_bad_window_names_the_parameter():
     q = torch.randn(1, 1, 4, 2)
     with pytest.raises(ValueError, match="window"):

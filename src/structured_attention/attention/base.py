@@ -16,6 +16,7 @@ from ..functional import scaled_dot_product_attention, sliding_window_attention
 from .cache import KVCache, TokenBuffer, append_all
 from .config import AttentionConfig, config_from_spec, parse_attention_pattern
 from .rotary import Rotary
+from .segments import CachePadding, Segments, build_segments, left_padding
 
 
 @dataclass(frozen=True)
@@ -83,18 +84,24 @@ def attend(
     q_start: int = 0,
     k_start: int = 0,
     dropout: float = 0.0,
+    q_ids: torch.Tensor | None = None,
+    k_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Softmax attention of queries at positions ``q_start + [0, t_q)`` over keys at
-    ``k_start + [0, t_k)``; GQA when ``k``/``v`` have fewer heads than ``q``."""
+    """Softmax attention of queries at slots ``q_start + [0, t_q)`` over keys at slots
+    ``k_start + [0, t_k)``; GQA when ``k``/``v`` have fewer heads than ``q``. With segment ids
+    ``q_ids: (B, t_q)`` and ``k_ids: (B, t_k)`` (see :mod:`.segments`), a query sees only keys of
+    its own segment; causality and windows count in slots, which within a segment are positions."""
     t_q, t_k = q.shape[2], k.shape[2]
     # A branch, not the comparison itself: under torch.compile with dynamic shapes the comparison is
     # symbolic, which SDPA rejects, and a branch on it is resolved while tracing.
     gqa = True if k.shape[1] != q.shape[1] else False  # noqa: SIM210
-    if window is not None and q_start == k_start and t_q == t_k:
-        return sliding_window_attention(q, k, v, window, causal=causal, scale=scale, dropout_p=dropout)
+    aligned = q_start == k_start and t_q == t_k
+    if window is not None and aligned:
+        return sliding_window_attention(q, k, v, window, causal=causal, scale=scale, dropout_p=dropout,
+                                        document_ids=q_ids)
     decoding = sdpa_kernel(DECODE_BACKENDS) if q.is_cuda and t_q == 1 else contextlib.nullcontext()
     with decoding:
-        if window is None and (not causal or (q_start == k_start and t_q == t_k) or t_q == 1):
+        if q_ids is None and window is None and (not causal or aligned or t_q == 1):
             # The plain causal or full pattern: no explicit mask, so SDPA can take a fused kernel.
             is_causal = causal and t_q > 1
             return scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=is_causal, scale=scale,
@@ -102,7 +109,30 @@ def attend(
         q_pos = torch.arange(q_start, q_start + t_q, device=q.device)
         k_pos = torch.arange(k_start, k_start + t_k, device=q.device)
         mask = position_mask(q_pos, k_pos, causal, window)
+        if q_ids is not None and k_ids is not None:
+            mask = (mask & (q_ids[:, :, None] == k_ids[:, None, :])).unsqueeze(1)  # (B, 1, t_q, t_k)
         return scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scale, enable_gqa=gqa)
+
+
+def cached_segments(cache: KVCache, lo: int, hi: int) -> Segments | None:
+    """Segments of the cache slots ``[lo, hi)``; ``None`` when no row is padded."""
+    return None if cache.padding is None else cache.padding.segments(lo, hi)
+
+
+def bind_padding(caches: list[KVCache], attention_mask: torch.Tensor, batch: int, total: int, device: Any) -> None:
+    """Give ``caches`` the left padding of ``attention_mask`` ``(batch, total)``, which covers the
+    cached and the new tokens. A row's padding is fixed once the row has a real token; later calls
+    are checked against it."""
+    offsets = left_padding(attention_mask, batch, total, device)
+    for cache in caches:
+        held = cache.padding.offsets if cache.padding is not None else (0,) * batch
+        for new, old in zip(offsets, held):
+            # old < length: the row's sequence had started, so its padding is fixed
+            require(cache.length == 0 or new == old or (old >= cache.length and new >= old), "attention_mask",
+                    f"the left padding the cache was filled with ({list(held)} padding tokens per row)", offsets)
+    padding = CachePadding(offsets, device) if any(offsets) else None  # one for every layer
+    for cache in caches:
+        cache.padding = padding
 
 
 class Attention(nn.Module):
@@ -153,7 +183,24 @@ class Attention(nn.Module):
         return TokenBuffer(batch, heads, dim, self.config.max_seq_len, dtype, device)
 
     # -- interface --------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        cache: KVCache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+        *,
+        segments: Segments | None = None,
+    ) -> torch.Tensor:
+        """Outputs ``(B, T, D)`` of ``x: (B, T, D)``.
+
+        ``attention_mask`` ``(B, T)`` (1 or True for real tokens; left or right padding) and
+        ``document_ids`` ``(B, T)`` (packed documents, non-decreasing) split rows into sequences
+        that are each computed as if alone (see :mod:`.segments`); outputs at padding are zero.
+        ``segments`` passes them already checked (what a model does once for all its layers).
+        With a ``cache``, ``attention_mask`` covers the cached and the new tokens, ``(B, cached +
+        T)``, padded on the left; its padding is fixed by the first call.
+        """
         require(isinstance(x, torch.Tensor) and x.dim() == 3, "x", "a (batch, seq_len, d_model) tensor",
                 tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__)
         require(x.shape[-1] == self.d_model, "x", f"last dimension d_model={self.d_model}", tuple(x.shape))
@@ -164,10 +211,19 @@ class Attention(nn.Module):
         require(x.shape[1] >= 1 and start + x.shape[1] <= self.config.max_seq_len, "seq_len",
                 f"1 <= cached + new tokens <= max_seq_len={self.config.max_seq_len}", start + x.shape[1])
         if cache is None:
-            return self._forward(x)
+            if segments is None:
+                segments = build_segments(attention_mask, document_ids, x.shape[0], x.shape[1], x.device)
+            out = self._forward(x, segments)
+            return out if segments is None else segments.zero_padding(out)
         require(self.config.causal, "cache", "a causal layer (incremental decoding needs causal=True)", "causal=False")
+        require(document_ids is None and segments is None, "document_ids",
+                "None with a cache (a cache holds one sequence per row; pad rows with attention_mask)", "ids")
+        if attention_mask is not None:
+            bind_padding([cache], attention_mask, x.shape[0], start + x.shape[1], x.device)
         out = self._forward_cached(x, cache)
         cache.length += x.shape[1]
+        if cache.padding is not None and cache.padding.padded(start):
+            out = cache.padding.segments(start, cache.length).zero_padding(out)
         return out
 
     def new_cache(self, batch_size: int, dtype: torch.dtype | None = None, device: Any = None) -> KVCache:
@@ -190,10 +246,13 @@ class Attention(nn.Module):
         )
 
     # -- per kind ---------------------------------------------------------------------------
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, segments: Segments | None) -> torch.Tensor:
+        """Outputs of a whole batch; with ``segments``, each segment attends only within itself and
+        takes its positions from ``segments.positions`` (outputs at padding may be anything finite)."""
         raise NotImplementedError
 
     def _forward_cached(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Outputs of the next tokens of the cached rows (left-padded rows: ``cache.padding``)."""
         raise NotImplementedError
 
     def _cache_buffers(self, batch: int, dtype: torch.dtype, device: Any) -> dict[str, TokenBuffer]:
@@ -223,19 +282,26 @@ class FullScoreAttention(Attention):
     score_dims: int
     scale: float
 
-    def qk(self, x: torch.Tensor, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-head queries and keys of tokens at positions ``start + [0, T)``."""
+    def qk(self, x: torch.Tensor, positions: int | torch.Tensor = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head queries and keys of tokens at ``positions``: ``start + [0, T)`` for an int, else
+        a ``(B, T)`` tensor of positions."""
         raise NotImplementedError
 
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k = self.qk(x)
-        out = attend(q, k, self.values(x), self.scale, causal=self.config.causal, dropout=self.attn_dropout)
+    def _forward(self, x: torch.Tensor, segments: Segments | None) -> torch.Tensor:
+        ids = None if segments is None else segments.ids
+        q, k = self.qk(x, 0 if segments is None else segments.positions)
+        out = attend(q, k, self.values(x), self.scale, causal=self.config.causal, dropout=self.attn_dropout,
+                     q_ids=ids, k_ids=ids)
         return self.merge_heads(out)
 
     def _forward_cached(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        q, k = self.qk(x, cache.length)
+        start, end = cache.length, cache.length + x.shape[1]
+        new, held = cached_segments(cache, start, end), cached_segments(cache, 0, end)
+        q, k = self.qk(x, start if new is None else new.positions)
         k, v = append_all([cache["k"], cache["v"]], [k, self.values(x)])
-        return self.merge_heads(attend(q, k, v, self.scale, causal=True, q_start=cache.length))
+        return self.merge_heads(attend(q, k, v, self.scale, causal=True, q_start=start,
+                                       q_ids=None if new is None else new.ids,
+                                       k_ids=None if held is None else held.ids))
 
     def _cache_buffers(self, batch: int, dtype: torch.dtype, device: Any) -> dict[str, TokenBuffer]:
         return {

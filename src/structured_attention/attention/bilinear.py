@@ -46,7 +46,7 @@ class BilinearBTTAttention(FullScoreAttention):
         require(not config.rotary, "rotary", "False: bilinear_btt's queries are the inputs themselves (use learned positions)", config.rotary)
         _inputs_as_queries(self, config, BTT(config.d_model, self.n_heads * config.d_model, tt_rank=config.btt_rank))
 
-    def qk(self, x: torch.Tensor, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def qk(self, x: torch.Tensor, positions: int | torch.Tensor = 0) -> tuple[torch.Tensor, torch.Tensor]:
         return _inputs_as_queries_qk(self, x)
 
     def _structured_projection_flops(self) -> int:
@@ -91,7 +91,7 @@ class BilinearMLRAttention(FullScoreAttention):
             out.append(F.layer_norm(y, (p * r,)))
         return out
 
-    def qk(self, x: torch.Tensor, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def qk(self, x: torch.Tensor, positions: int | torch.Tensor = 0) -> tuple[torch.Tensor, torch.Tensor]:
         if self.config.key_map:
             return _inputs_as_queries_qk(self, x)
         q_levels = self._levels(self.q_maps, x, self.n_heads)

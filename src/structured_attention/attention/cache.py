@@ -13,6 +13,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .segments import CachePadding
+
 
 class TokenBuffer:
     """Vectors of shape ``(batch, heads, dim)`` for positions ``[start, end)``, stored contiguously."""
@@ -76,11 +78,25 @@ def append_all(buffers: Sequence[TokenBuffer], xs: Sequence[torch.Tensor]) -> li
 
 
 class KVCache:
-    """The named buffers of one attention layer and the number of tokens it has seen."""
+    """The named buffers of one attention layer and the number of slots it has filled.
+
+    Rows of different lengths are left-padded (``padding``, set from the ``attention_mask`` of the
+    first call): row ``b`` holds its sequence from slot ``padding.offsets[b]``, so every row
+    advances by one slot per decoding step while keeping its own positions.
+    """
 
     def __init__(self, buffers: dict[str, TokenBuffer]) -> None:
         self.buffers = buffers
         self.length = 0
+        self.padding: CachePadding | None = None
+
+    @property
+    def lengths(self) -> list[int]:
+        """Tokens of each row's own sequence held so far (``length`` minus its padding)."""
+        batch = next(iter(self.buffers.values())).data.shape[0]
+        if self.padding is None:
+            return [self.length] * batch
+        return [max(self.length - o, 0) for o in self.padding.offsets]
 
     def __getitem__(self, name: str) -> TokenBuffer:
         return self.buffers[name]

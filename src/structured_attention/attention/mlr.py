@@ -14,10 +14,11 @@ import torch
 from torch import nn
 
 from .._checks import require
-from ..ops.mlr import mlr_attention, mlr_block_sizes, mlr_prefill, mlr_score_flops
-from .base import Attention, register_attention
+from ..ops.mlr import mlr_attention, mlr_block_sizes, mlr_prefill, mlr_prefill_reference, mlr_score_flops
+from .base import Attention, cached_segments, register_attention
 from .cache import KVCache, TokenBuffer, append_all
 from .config import AttentionConfig, default_scale
+from .segments import Segments
 
 
 @register_attention("mlr")
@@ -50,36 +51,46 @@ class MLRAttention(Attention):
             return x
         return torch.cat([norm(part) for norm, part in zip(norms, x.split(self.ranks, dim=-1))], dim=-1)
 
-    def project(self, x: torch.Tensor, start: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project(
+        self, x: torch.Tensor, positions: int | torch.Tensor = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q = self._per_level_norm(self.split_heads(self.q_proj(x), self.n_heads), self.q_norms)
         k = self._per_level_norm(self.split_heads(self.k_proj(x), self.n_kv_heads), self.k_norms)
         if self.rotary is not None:
-            q, k = self.rotary(q, start), self.rotary(k, start)
+            q, k = self.rotary(q, positions), self.rotary(k, positions)
         q = q * self.level_scale[self._level_index]  # per-level scales folded into the queries
         return q, k, self.values(x)
 
-    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                   document_ids: torch.Tensor | None) -> torch.Tensor:
         out = mlr_attention(q, k, v, self.ranks, block_sizes=self.block_sizes, causal=causal, scale=self.scale,
-                            depth_normalize=self.config.depth_normalize)
+                            depth_normalize=self.config.depth_normalize, document_ids=document_ids)
         return torch.nn.functional.dropout(out, self.attn_dropout) if self.attn_dropout else out
 
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.project(x)
-        return self.merge_heads(self._attention(q, k, v, self.config.causal))
+    def _forward(self, x: torch.Tensor, segments: Segments | None) -> torch.Tensor:
+        if segments is None:
+            q, k, v = self.project(x)
+            return self.merge_heads(self._attention(q, k, v, self.config.causal, None))
+        # Each segment is its own sequence: its positions and its blocks start at its first token.
+        q, k, v = self.project(x, segments.positions)
+        return self.merge_heads(self._attention(q, k, v, self.config.causal, segments.ids))
 
     def _forward_cached(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        q, k, v = self.project(x, cache.length)
         start, t = cache.length, x.shape[1]
         end = start + t
+        new = cached_segments(cache, start, end)
+        q, k, v = self.project(x, start if new is None else new.positions)
         k_levels = k.split(self.ranks, dim=-1)
         if start == 0:
             # A prompt from position 0 is scored exactly as in training: block sizes are fixed.
-            out = self._attention(q, k, v, causal=True)
+            out = self._attention(q, k, v, True, None if new is None else new.ids)
             append_all(self._level_buffers(cache) + [cache["v"]], [*k_levels, v])
         else:
             out = self._attend_to_cache(q, k_levels, v, cache, start)
         for level, s in enumerate(self.block_sizes[1:], start=1):
-            cache[f"k{level}"].drop_before(end - end % s)  # the next token's level block starts here
+            # The next token's level block starts here (the earliest over the rows).
+            first = end - end % s if cache.padding is None else cache.padding.first_block_start(end, s)
+            cache[f"k{level}"].drop_before(first)
         return self.merge_heads(out)
 
     def _level_buffers(self, cache: KVCache) -> list[TokenBuffer]:
@@ -88,13 +99,22 @@ class MLRAttention(Attention):
     def _attend_to_cache(
         self, q: torch.Tensor, k_levels: tuple[torch.Tensor, ...], v: torch.Tensor, cache: KVCache, start: int,
     ) -> torch.Tensor:
-        """New queries at positions ``start + [0, t)`` against every cached key: level ``l`` scores
-        only the keys held for it (the current level-``l`` block), the compressed-cache read."""
+        """New queries at slots ``start + [0, t)`` against every cached key: level ``l`` scores
+        only the keys held for it (the current level-``l`` block), the compressed-cache read;
+        left-padded rows score from their own blocks (``row_starts``)."""
         buffers = self._level_buffers(cache)
         key_starts = [buffer.start for buffer in buffers]
         *keys, values = append_all(buffers + [cache["v"]], [*k_levels, v])
+        row_starts = None
+        if cache.padding is not None:
+            row_starts = cache.padding.block_start_table(start, start + q.shape[2], self.block_sizes)
+            if q.shape[2] == 1 and max(cache.padding.offsets) > start:
+                # A single token that is still padding in some row (a prompt prefilled in chunks):
+                # the decoding kernels take real queries only; the reference takes any.
+                return mlr_prefill_reference(q, keys, key_starts, values, self.ranks, self.scale,
+                                             self.config.depth_normalize, self.block_sizes, row_starts)
         return mlr_prefill(q, keys, key_starts, values, self.ranks, self.scale, self.config.depth_normalize,
-                           self.block_sizes)
+                           self.block_sizes, row_starts=row_starts)
 
     def _cache_buffers(self, batch: int, dtype: torch.dtype, device: Any) -> dict[str, TokenBuffer]:
         kv = self.n_kv_heads

@@ -25,10 +25,15 @@ class Rotary(nn.Module):
         self.register_buffer("cos", angles.cos().float(), persistent=False)
         self.register_buffer("sin", angles.sin().float(), persistent=False)
 
-    def forward(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:
-        """Rotate ``x: (..., T, dims)`` holding positions ``start + [0, T)``."""
-        t = x.shape[-2]
-        cos = self.cos[start : start + t].to(x.dtype)
-        sin = self.sin[start : start + t].to(x.dtype)
+    def forward(self, x: torch.Tensor, positions: int | torch.Tensor = 0) -> torch.Tensor:
+        """Rotate ``x: (B, H, T, dims)`` holding positions ``start + [0, T)`` (an int ``start``) or
+        per token (a ``(B, T)`` tensor)."""
+        if isinstance(positions, torch.Tensor):
+            cos = self.cos[positions].unsqueeze(1).to(x.dtype)  # (B, 1, T, dims / 2)
+            sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+        else:
+            t = x.shape[-2]
+            cos = self.cos[positions : positions + t].to(x.dtype)
+            sin = self.sin[positions : positions + t].to(x.dtype)
         x1, x2 = x[..., 0::2], x[..., 1::2]
         return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)

@@ -9,9 +9,18 @@ import torch
 from torch import nn
 
 from .._checks import require
-from .base import Attention, FullScoreAttention, attend, causal_pairs, register_attention, window_pairs
+from .base import (
+    Attention,
+    FullScoreAttention,
+    attend,
+    cached_segments,
+    causal_pairs,
+    register_attention,
+    window_pairs,
+)
 from .cache import KVCache, TokenBuffer, append_all
 from .config import AttentionConfig, default_scale
+from .segments import Segments
 
 
 class _QKAttention(Attention):
@@ -28,11 +37,11 @@ class _QKAttention(Attention):
     def rotary_segments(self) -> tuple[int, ...]:
         return (self.head_dim,)
 
-    def qk(self, x: torch.Tensor, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def qk(self, x: torch.Tensor, positions: int | torch.Tensor = 0) -> tuple[torch.Tensor, torch.Tensor]:
         q = self.q_norm(self.split_heads(self.q_proj(x), self.n_heads))
         k = self.k_norm(self.split_heads(self.k_proj(x), self.n_kv_heads))
         if self.rotary is not None:
-            q, k = self.rotary(q, start), self.rotary(k, start)
+            q, k = self.rotary(q, positions), self.rotary(k, positions)
         return q, k
 
 
@@ -56,16 +65,20 @@ class SlidingWindowAttention(_QKAttention):
         self.window = config.window
         self.scale = default_scale(config.attn_scale, self.head_dim)
 
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        (q, k), v = self.qk(x), self.values(x)
-        out = attend(q, k, v, self.scale, causal=self.config.causal, window=self.window, dropout=self.attn_dropout)
+    def _forward(self, x: torch.Tensor, segments: Segments | None) -> torch.Tensor:
+        ids = None if segments is None else segments.ids
+        (q, k), v = self.qk(x, 0 if segments is None else segments.positions), self.values(x)
+        out = attend(q, k, v, self.scale, causal=self.config.causal, window=self.window, dropout=self.attn_dropout,
+                     q_ids=ids, k_ids=ids)
         return self.merge_heads(out)
 
     def _forward_cached(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        (q, k), v = self.qk(x, cache.length), self.values(x)
         start, k_start = cache.length, cache["k"].start
+        new, held = cached_segments(cache, start, start + x.shape[1]), cached_segments(cache, k_start, start + x.shape[1])
+        (q, k), v = self.qk(x, start if new is None else new.positions), self.values(x)
         k, v = append_all([cache["k"], cache["v"]], [k, v])
-        out = attend(q, k, v, self.scale, causal=True, window=self.window, q_start=start, k_start=k_start)
+        out = attend(q, k, v, self.scale, causal=True, window=self.window, q_start=start, k_start=k_start,
+                     q_ids=None if new is None else new.ids, k_ids=None if held is None else held.ids)
         for name in ("k", "v"):
             cache[name].drop_before(start + x.shape[1] - self.window)
         return self.merge_heads(out)
@@ -110,26 +123,37 @@ class GlobalSlidingWindowAttention(_QKAttention):
     def _both_maps(
         self, q: torch.Tensor, k_global: torch.Tensor, k_window: torch.Tensor, v: torch.Tensor,
         v_window: torch.Tensor, q_start: int, k_window_start: int,
+        ids: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
     ) -> torch.Tensor:
+        """Both maps; ``ids``: the segment ids of the queries, of every key and of the windowed keys."""
         g = self.global_dims
         causal, dropout = self.config.causal, self.attn_dropout
-        full = attend(q[..., :g], k_global, v, self.global_scale, causal=causal, q_start=q_start, dropout=dropout)
+        q_ids, k_ids, window_ids = (None, None, None) if ids is None else ids
+        full = attend(q[..., :g], k_global, v, self.global_scale, causal=causal, q_start=q_start, dropout=dropout,
+                      q_ids=q_ids, k_ids=k_ids)
         local = attend(q[..., g:], k_window, v_window, self.window_scale, causal=causal, window=self.window,
-                       q_start=q_start, k_start=k_window_start, dropout=dropout)
+                       q_start=q_start, k_start=k_window_start, dropout=dropout, q_ids=q_ids, k_ids=window_ids)
         return self.merge_heads(full + local)
 
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        (q, k), v = self.qk(x), self.values(x)
+    def _forward(self, x: torch.Tensor, segments: Segments | None) -> torch.Tensor:
+        (q, k), v = self.qk(x, 0 if segments is None else segments.positions), self.values(x)
         g = self.global_dims
-        return self._both_maps(q, k[..., :g], k[..., g:], v, v, 0, 0)
+        ids = None if segments is None else (segments.ids,) * 3
+        return self._both_maps(q, k[..., :g], k[..., g:], v, v, 0, 0, ids)
 
     def _forward_cached(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        (q, k), v = self.qk(x, cache.length), self.values(x)
         g, start = self.global_dims, cache.length
+        end = start + x.shape[1]
         k_window_start = cache["k_window"].start
+        new = cached_segments(cache, start, end)
+        (q, k), v = self.qk(x, start if new is None else new.positions), self.values(x)
         k_window, k_global, v = append_all([cache["k_window"], cache["k_global"], cache["v"]], [k[..., g:], k[..., :g], v])
-        out = self._both_maps(q, k_global, k_window, v, v[:, :, k_window_start:], start, k_window_start)
-        cache["k_window"].drop_before(start + x.shape[1] - self.window)
+        ids = None
+        if new is not None:
+            held = cached_segments(cache, 0, end).ids
+            ids = (new.ids, held, held[:, k_window_start:])
+        out = self._both_maps(q, k_global, k_window, v, v[:, :, k_window_start:], start, k_window_start, ids)
+        cache["k_window"].drop_before(end - self.window)
         return out
 
     def _cache_buffers(self, batch: int, dtype: torch.dtype, device: Any) -> dict[str, TokenBuffer]:

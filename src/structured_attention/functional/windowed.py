@@ -28,9 +28,11 @@ def sliding_window_attention(
     scale: float | None = None,
     dropout_p: float = 0.0,
     tile: int = 64,
+    document_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Banded softmax attention. ``q: (B, H, T, E)``, ``k: (B, Hk, T, E)``, ``v: (B, Hk, T, Dv)``,
-    ``Hk`` dividing ``H`` (GQA); returns ``(B, H, T, Dv)``."""
+    ``Hk`` dividing ``H`` (GQA); returns ``(B, H, T, Dv)``. With ``document_ids`` ``(B, T)``
+    (non-decreasing), a query sees only keys with its own id."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(t, name, 4)
     check_same_dtype_device([("q", q), ("k", k), ("v", v)])
@@ -38,15 +40,18 @@ def sliding_window_attention(
     require(q.shape[1] % k.shape[1] == 0, "k", f"a head count dividing q's {q.shape[1]}", tuple(k.shape))
     require(isinstance(window, int) and window >= 0, "window", "a non-negative integer", window)
     require(isinstance(tile, int) and tile > 0, "tile", "a positive integer", tile)
+    if document_ids is not None:
+        require(isinstance(document_ids, torch.Tensor) and tuple(document_ids.shape) == (q.shape[0], q.shape[2]),
+                "document_ids", f"a (B={q.shape[0]}, T={q.shape[2]}) tensor", getattr(document_ids, "shape", document_ids))
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if q.is_cuda and dropout_p == 0.0:
-        return _flex_window(q, k, v, window, causal, scale)
-    return _tiled_window(q, k, v, window, causal, scale, dropout_p, tile)
+        return _flex_window(q, k, v, window, causal, scale, document_ids)
+    return _tiled_window(q, k, v, window, causal, scale, dropout_p, tile, document_ids)
 
 
 def _tiled_window(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, causal: bool, scale: float,
-    dropout_p: float, tile: int,
+    dropout_p: float, tile: int, document_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     b, h, t, _ = q.shape
     tile = min(tile, t)
@@ -67,8 +72,13 @@ def _tiled_window(
     i = torch.arange(n_tiles * tile, device=q.device).view(n_tiles, tile, 1)
     j = (torch.arange(n_tiles, device=q.device) * tile - left).view(n_tiles, 1, 1) + torch.arange(span, device=q.device)
     allowed = (j >= 0) & (j < t) & (i - j <= left) & (j - i <= right)
-    allowed |= i >= t  # padding queries (discarded) see everything, so no row is empty
-    mask = allowed.unsqueeze(1).expand(b, n_tiles, 1, tile, span)
+    if document_ids is not None:  # (B, n_tiles, tile, span): the same document too
+        ids = document_ids.long()
+        q_ids = F.pad(ids, (0, pad)).view(b, n_tiles, tile, 1)
+        k_ids = F.pad(ids, (left, pad + right)).unfold(1, span, tile).unsqueeze(2)  # (B, n_tiles, 1, span)
+        allowed = allowed & (q_ids == k_ids)
+    allowed = allowed | (i >= t)  # padding queries (discarded) see everything, so no row is empty
+    mask = allowed.unsqueeze(-3).expand(b, n_tiles, 1, tile, span)
     out = scaled_dot_product_attention(
         flat(q_tiles), flat(key_tiles(k)), flat(key_tiles(v)), attn_mask=flat(mask), dropout_p=dropout_p,
         scale=scale, enable_gqa=k.shape[1] != h,
@@ -88,6 +98,20 @@ def _window_block_mask(t: int, window: int, causal: bool, device: str) -> object
     return create_block_mask(in_band, None, None, t, t, device=device)
 
 
+def _document_window_block_mask(document_ids: torch.Tensor, window: int, causal: bool) -> object:
+    """The band of :func:`_window_block_mask` within each row's documents (built per call: the ids change)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    right = 0 if causal else window
+    ids = document_ids.long()
+
+    def in_band(b: torch.Tensor, h: torch.Tensor, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+        return (i - j <= window) & (j - i <= right) & (ids[b, i] == ids[b, j])
+
+    t = ids.shape[1]
+    return create_block_mask(in_band, ids.shape[0], None, t, t, device=str(ids.device))
+
+
 @functools.lru_cache(maxsize=1)
 def _compiled_flex() -> Callable[..., torch.Tensor]:
     from torch.nn.attention.flex_attention import flex_attention
@@ -95,8 +119,12 @@ def _compiled_flex() -> Callable[..., torch.Tensor]:
     return torch.compile(flex_attention, dynamic=False)
 
 
-def _flex_window(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, causal: bool, scale: float) -> torch.Tensor:
-    mask = _window_block_mask(q.shape[2], window, causal, str(q.device))
+def _flex_window(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, causal: bool, scale: float,
+                 document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    if document_ids is None:
+        mask = _window_block_mask(q.shape[2], window, causal, str(q.device))
+    else:
+        mask = _document_window_block_mask(document_ids, window, causal)
     flex = _compiled_flex() if q.is_cuda else _eager_flex()
     return flex(q, k, v, block_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
 

@@ -49,14 +49,25 @@ class GPT(nn.Module):
         return self.backbone.blocks
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None, caches: list[KVCache] | None = None,
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        caches: list[KVCache] | None = None,
+        attention_mask: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits ``(B, T, vocab)`` of tokens ``idx: (B, T)`` and, given ``targets``, the mean
-        cross-entropy in nats. With ``caches`` the tokens continue the cached sequence."""
+        cross-entropy in nats over the real tokens. With ``caches`` the tokens continue the cached
+        sequence. ``attention_mask`` (padding) and ``document_ids`` (packed documents): see
+        :meth:`Transformer.forward`; logits at padding are zero and padding targets are ignored."""
         require(idx.dim() == 2 and not idx.is_floating_point(), "idx", "a (batch, seq_len) integer tensor", tuple(idx.shape))
-        logits = self.head(self.backbone(self.tok_emb(idx), caches))
+        logits = self.head(self.backbone(self.tok_emb(idx), caches, attention_mask, document_ids))
         loss = None
         if targets is not None:
+            require(tuple(targets.shape) == tuple(idx.shape), "targets", f"shape {tuple(idx.shape)} (that of idx)",
+                    tuple(targets.shape))
+            if attention_mask is not None and caches is None:
+                targets = targets.masked_fill(~attention_mask.bool(), -100)  # cross_entropy's ignore_index
             loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
         return logits, loss
 
@@ -72,9 +83,14 @@ class GPT(nn.Module):
         top_k: int | None = None,
         on_token: Callable[[torch.Tensor], None] | None = None,
         generator: torch.Generator | None = None,
+        attention_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Sample ``max_new_tokens`` after the prompt ``idx: (B, T)`` with KV-cache decoding;
-        ``temperature`` 0 is greedy; ``on_token`` gets each new ``(B,)`` token (for streaming)."""
+        ``temperature`` 0 is greedy; ``on_token`` gets each new ``(B,)`` token (for streaming).
+
+        Prompts of different lengths go left-padded with ``attention_mask`` ``(B, T)`` (0 or False
+        at the padding): every row then generates what it generates alone, and the result is the
+        padded prompts followed by the new tokens."""
         require(idx.dim() == 2 and idx.shape[1] >= 1, "prompt", "at least one token", tuple(idx.shape))
         room = self.config.max_seq_len - idx.shape[1]
         require(0 <= max_new_tokens <= room, "max_new_tokens", f"0..{room} (max_seq_len minus the prompt)", max_new_tokens)
@@ -83,7 +99,7 @@ class GPT(nn.Module):
         was_training = self.training
         self.eval()
         caches = self.new_caches(idx.shape[0])
-        logits, _ = self(idx, caches=caches)
+        logits, _ = self(idx, caches=caches, attention_mask=attention_mask)
         out = [idx]
         for _ in range(max_new_tokens):
             step = logits[:, -1].float()

@@ -31,13 +31,23 @@ class RegressionTransformer(nn.Module):
         self.read_out = nn.Linear(config.d_model, 1)
         init_gpt2_(self, config)
 
-    def forward(self, xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
+    def forward(self, xs: torch.Tensor, ys: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Predictions ``(B, N)`` of ``ys`` for prompts ``xs: (B, N, n_dims)``, ``ys: (B, N)``; the
-        prediction of ``y_i`` sees ``(x_j, y_j)`` for ``j < i`` and ``x_i`` only."""
+        prediction of ``y_i`` sees ``(x_j, y_j)`` for ``j < i`` and ``x_i`` only. Prompts with
+        fewer points go padded (left or right) with ``attention_mask`` ``(B, N)``, 1 or True for
+        real points: each prompt is then predicted as if alone, and predictions at padding are 0."""
         require(xs.dim() == 3 and xs.shape[-1] == self.n_dims, "xs",
                 f"a (batch, n_points, n_dims={self.n_dims}) tensor", tuple(xs.shape))
-        features = self.backbone(self.read_in(interleave(xs, ys)))
-        return self.read_out(features[:, ::2])[..., 0]
+        tokens = interleave(xs, ys)
+        token_mask = None
+        if attention_mask is not None:
+            require(isinstance(attention_mask, torch.Tensor) and tuple(attention_mask.shape) == tuple(ys.shape),
+                    "attention_mask", f"shape (batch, n_points) = {tuple(ys.shape)}",
+                    getattr(attention_mask, "shape", attention_mask))
+            token_mask = attention_mask.repeat_interleave(2, dim=1)[:, :-1]  # a point's x and y tokens
+        features = self.backbone(self.read_in(tokens), attention_mask=token_mask)
+        predictions = self.read_out(features[:, ::2])[..., 0]
+        return predictions if attention_mask is None else predictions * attention_mask.to(predictions.dtype)
 
     # -- accounting ----------------------------------------------------------------------------
     def forward_flops_per_position(self, seq_len: int) -> float:

@@ -19,7 +19,8 @@ from torch import nn
 
 from .._checks import require
 from ..attention import Attention, AttentionConfig, KVCache, parse_attention_pattern
-from ..attention.base import build_attention
+from ..attention.base import bind_padding, build_attention
+from ..attention.segments import Segments, build_segments
 from ..matrices.base import Fan, StructuredMatrix
 
 __all__ = ["Block", "MLP", "TokenBatchNorm", "Transformer", "TransformerConfig", "build_norm", "init_gpt2_", "parameter_fans"]
@@ -125,11 +126,11 @@ class Block(nn.Module):
         self.mlp = MLP(config)
         self.drop = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None, segments: Segments | None = None) -> torch.Tensor:
         if self.prenorm:
-            x = x + self.drop(self.attn(self.ln_attn(x), cache))
+            x = x + self.drop(self.attn(self.ln_attn(x), cache, segments=segments))
             return x + self.drop(self.mlp(self.ln_mlp(x)))
-        x = self.ln_attn(x + self.drop(self.attn(x, cache)))
+        x = self.ln_attn(x + self.drop(self.attn(x, cache, segments=segments)))
         return self.ln_mlp(x + self.drop(self.mlp(x)))
 
 
@@ -145,20 +146,52 @@ class Transformer(nn.Module):
         self.blocks = nn.ModuleList(Block(config, a) for a in config.attention_configs())
         self.ln_f = build_norm(config) if config.final_norm else nn.Identity()
 
-    def forward(self, x: torch.Tensor, caches: list[KVCache] | None = None) -> torch.Tensor:
-        """Features of embeddings ``x: (B, T, D)``; with ``caches`` they continue the cached sequence."""
+    def forward(
+        self,
+        x: torch.Tensor,
+        caches: list[KVCache] | None = None,
+        attention_mask: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Features of embeddings ``x: (B, T, D)``; with ``caches`` they continue the cached sequence.
+
+        ``attention_mask`` ``(B, T)`` (1 or True for real tokens, left or right padding) and
+        ``document_ids`` ``(B, T)`` (packed documents, non-decreasing) make each sequence of a row
+        computed exactly as if it ran alone: it attends only within itself and its positions start
+        at its first token. Features at padding are zero. With ``caches``, ``attention_mask``
+        covers the cached and the new tokens ``(B, cached + T)``, left-padded; the first call
+        fixes the padding and later calls may leave it out.
+        """
         require(x.dim() == 3 and x.shape[-1] == self.config.d_model, "x",
                 f"a (batch, seq_len, d_model={self.config.d_model}) tensor", tuple(x.shape))
         start = caches[0].length if caches else 0
-        t = x.shape[1]
+        b, t = x.shape[:2]
         require(start + t <= self.config.max_seq_len, "seq_len",
                 f"cached + new positions <= max_seq_len={self.config.max_seq_len}", start + t)
+        segments = None
+        if caches:
+            require(document_ids is None, "document_ids",
+                    "None with caches (a cache holds one sequence per row; pad rows with attention_mask)", "ids")
+            if attention_mask is not None:
+                bind_padding(caches, attention_mask, b, start + t, x.device)
+            padding = caches[0].padding
+            if padding is not None:
+                segments = padding.segments(start, start + t)
+            positions = torch.arange(start, start + t, device=x.device) if segments is None else segments.positions
+        else:
+            segments = build_segments(attention_mask, document_ids, b, t, x.device)
+            positions = torch.arange(t, device=x.device) if segments is None else segments.positions
+        require(segments is None or self.config.norm == "layer", "attention_mask",
+                "None with norm='batch' (batch statistics mix the tokens of every sequence in the batch)", "a mask")
         if self.pos_emb is not None:
-            x = x + self.pos_emb(torch.arange(start, start + t, device=x.device))
+            x = x + self.pos_emb(positions)
         x = self.drop(x)
         for i, block in enumerate(self.blocks):
-            x = block(x, caches[i] if caches else None)
-        return self.ln_f(x)
+            x = block(x, caches[i] if caches else None, None if caches else segments)
+        x = self.ln_f(x)
+        if segments is None or (caches and not caches[0].padding.padded(start)):
+            return x
+        return segments.zero_padding(x)
 
     def new_caches(self, batch_size: int) -> list[KVCache]:
         return [block.attn.new_cache(batch_size) for block in self.blocks]
