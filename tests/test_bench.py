@@ -71,3 +71,44 @@ def test_bench_bad_arguments_exit_2_naming_the_option(tmp_path, capsys, extra, n
         args += ["--seq-lens", "16"]
     assert main(args) == 2
     assert needle in capsys.readouterr().err
+
+
+def test_bench_varlen_times_packed_against_per_document_and_padded(tmp_path):
+    args = ["bench", "varlen", "--seq-len", "64", "--min-doc", "8", "--max-doc", "24", "--n-heads", "2",
+            "--ranks", "4|2|2", "--v-dim", "8", "--repeats", "1", "--warmup", "0", "--out", str(tmp_path)]
+    assert main(args) == 0
+    [row] = json.loads((tmp_path / "varlen.json").read_text())["results"]
+    assert row["documents"] >= 2 * (64 // 24) and row["longest_document"] <= 24
+    assert row["packed_over_per_document"] == pytest.approx(row["packed_ms"] / row["per_document_sum_ms"])
+
+
+def test_document_lengths_fill_the_row():
+    from structured_attention.cli.bench_batches import document_lengths, prompt_lengths
+
+    lengths = document_lengths(100, 10, 30, seed=1)
+    assert sum(lengths) == 100 and all(1 <= n <= 30 for n in lengths) and all(n >= 10 for n in lengths[:-1])
+    assert prompt_lengths(8, 64, 1024) == [64, 201, 338, 475, 613, 750, 887, 1024]
+
+
+def test_bench_generate_compares_mixed_with_equal_prompts(tmp_path):
+    args = ["bench", "generate", "--kinds", "mha,mlr:4|4", "--d-model", "16", "--n-heads", "2", "--n-layers", "1",
+            "--batch", "3", "--min-len", "4", "--max-len", "12", "--new-tokens", "4", "--repeats", "1",
+            "--warmup", "0", "--out", str(tmp_path)]
+    assert main(args) == 0
+    rows = json.loads((tmp_path / "generate.json").read_text())["results"]
+    assert [r["case"] for r in rows] == ["mha", "mlr:4|4"] and rows[0]["prompt_lengths"] == [4, 8, 12]
+    assert all(r["mixed_over_equal"] == pytest.approx(r["mixed_tokens_per_s"] / r["equal_tokens_per_s"]) for r in rows)
+
+
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (["varlen", "--max-doc", "99", "--seq-len", "64"], "--max-doc"),
+        (["varlen", "--ranks", "4|0"], "--ranks"),
+        (["generate", "--min-len", "20", "--max-len", "10"], "--min-len"),
+        (["generate", "--kinds", "mlr:3|3", "--d-model", "16", "--n-heads", "2"], "ranks"),
+    ],
+)
+def test_bench_batches_bad_arguments_exit_2(tmp_path, capsys, extra, needle):
+    assert main(["bench", *extra, "--repeats", "1", "--out", str(tmp_path)]) == 2
+    assert needle in capsys.readouterr().err

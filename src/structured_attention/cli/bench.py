@@ -1,4 +1,5 @@
-"""``sattn bench attention|mlr|lm``: timings in one run, next to standard attention.
+"""``sattn bench attention|mlr|lm``: timings in one run, next to standard attention
+(``varlen`` and ``generate``, the costs of variable-length batches, live in :mod:`.bench_batches`).
 
 ``attention`` times whole layers of each kind (``mha`` runs PyTorch SDPA); ``mlr`` times the MLR
 primitive on ``(B, H, T, R)`` tensors against ``scaled_dot_product_attention`` at the same dims;
@@ -20,7 +21,6 @@ import contextlib
 import copy
 import json
 import multiprocessing
-import platform
 import statistics
 import threading
 import time
@@ -35,7 +35,8 @@ from ..attention import build_attention
 from ..ops.mlr import mlr_attention, mlr_attention_reference
 from ..ops.mlr.blocked import mlr_attention_blocked
 from ..models import GPT, GPTConfig
-from .common import pyplot
+from . import bench_batches
+from .common import add_timing_options, bench_environment, pyplot
 
 LAYER_KINDS = "mha,swa:128,global_swa:32|32:window=128,mlr:8|8|8|8|8|8|8|8"
 LM_KINDS = "mha,swa:128,global_swa:32|32:window=128,mlr:16|16|16|16,mlr:32|16|8|8"
@@ -72,14 +73,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        help="comma-separated sequence lengths (default 1024,2048,4096; lm: 1024)")
         p.add_argument("--n-heads", type=int, default=8 if p is not lm else 4, help="heads (default 8; lm: 4)")
         p.add_argument("--batch", type=int, default=1 if p is not lm else 4, help="batch size (default 1; lm: 4)")
-        p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
-        p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-        p.add_argument("--warmup", type=int, default=1, help="untimed rounds first (default 1)")
-        p.add_argument("--repeats", type=int, default=3, help="timed rounds; medians are reported (default 3)")
+        add_timing_options(p)
         p.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
         p.add_argument("--profile", action="store_true", help="also write <what>-profile.txt: torch.profiler's top operators of one forward+backward per case at the longest seq-len")
-        p.add_argument("--out", default="runs/bench", help="folder for the JSON and PNG (default runs/bench)")
         p.set_defaults(run=run)
+    bench_batches.add_parsers(what)
 
 
 # -- cases ------------------------------------------------------------------------------------------
@@ -262,25 +260,6 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 # -- output -----------------------------------------------------------------------------------------
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def environment(args: argparse.Namespace) -> dict[str, Any]:
-    device = torch.device(args.device)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
-    settings = {k: v for k, v in vars(args).items() if k not in ("run", "command", "out")}
-    return {"device": name, "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "python": platform.python_version(), "settings": settings}
-
-
 def plot(records: list[dict[str, Any]], path: Path, title: str) -> bool:
     plt = pyplot()
     if plt is None:
@@ -387,7 +366,7 @@ def profile(args: argparse.Namespace, path: Path) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _check_args(args)
-    env = environment(args)
+    env = bench_environment(args)
     print(f"sattn bench {args.what} on {env['device']} ({env['threads']} threads), torch {env['torch']}, {args.dtype}")
     records = measure(args)
     out = Path(args.out)

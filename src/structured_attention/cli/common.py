@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import json
 import os
+import platform
 import re
 import socket
 import sys
@@ -17,8 +18,8 @@ from typing import Any
 from .._files import atomic_write
 from ..training.checkpoint import find_checkpoints
 
-__all__ = ["add_sweep_parser", "add_train_parser", "best_per_kind_width", "claim_run", "number_list", "one_line_warnings", "print_plan",
-           "pyplot", "run_grid", "slug"]
+__all__ = ["add_sweep_parser", "add_timing_options", "add_train_parser", "bench_environment", "best_per_kind_width",
+           "claim_run", "number_list", "one_line_warnings", "print_plan", "pyplot", "run_grid", "slug"]
 
 
 @contextlib.contextmanager
@@ -48,6 +49,39 @@ def pyplot() -> Any | None:
         print("matplotlib is not installed (pip install 'structured-attention[bench]'): no PNG written")
         return None
     return plt
+
+
+def add_timing_options(p: argparse.ArgumentParser) -> None:
+    """The options every ``sattn bench`` benchmark takes: dtype, device, rounds and output folder."""
+    import torch
+
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--warmup", type=int, default=1, help="untimed rounds first (default 1)")
+    p.add_argument("--repeats", type=int, default=3, help="timed rounds; medians are reported (default 3)")
+    p.add_argument("--out", default="runs/bench", help="folder for the results (default runs/bench)")
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def bench_environment(args: argparse.Namespace) -> dict[str, Any]:
+    """What a benchmark ran on: the device's name, threads, versions and every setting."""
+    import torch
+
+    device = torch.device(args.device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
+    settings = {k: v for k, v in vars(args).items() if k not in ("run", "command", "out")}
+    return {"device": name, "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "python": platform.python_version(), "settings": settings}
 
 
 def add_train_parser(train: argparse._SubParsersAction, name: str, help: str, description: str,

@@ -1,0 +1,211 @@
+"""``sattn bench varlen`` and ``sattn bench generate``: what variable-length batches cost.
+
+- ``varlen``: MLR attention forward+backward over packed rows (``document_ids``, one call) against
+  the same documents run one call each (the sum of their times), and against the documents padded
+  to the longest one as a batch of their own.
+- ``generate``: ``GPT.generate`` tokens/s for a batch of prompts of mixed lengths (left-padded,
+  ``attention_mask``) against the same batch size of prompts that all have the longest length.
+
+Both write ``<out>/<what>.json`` (environment and records) and print a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ..models import GPT, GPTConfig
+from ..ops.mlr import mlr_attention
+from .common import add_timing_options, bench_environment
+
+VARLEN_RANKS = "8|8|8|8|8|8|8|8"
+GENERATE_KINDS = "mha,mlr:16|16|16|16"
+
+
+def add_parsers(what: argparse._SubParsersAction) -> None:
+    varlen = what.add_parser("varlen", help="time MLR attention over packed documents against one call per document")
+    varlen.add_argument("--seq-len", type=int, default=4096, help="tokens per packed row (default 4096)")
+    varlen.add_argument("--batch", type=int, default=2, help="packed rows (default 2)")
+    varlen.add_argument("--min-doc", type=int, default=64, help="shortest document (default 64)")
+    varlen.add_argument("--max-doc", type=int, default=1024, help="longest document (default 1024)")
+    varlen.add_argument("--n-heads", type=int, default=8, help="heads (default 8)")
+    varlen.add_argument("--ranks", default=VARLEN_RANKS, help=f"MLR ranks per level (default {VARLEN_RANKS})")
+    varlen.add_argument("--v-dim", type=int, default=64, help="value head dim (default 64)")
+    varlen.add_argument("--seed", type=int, default=0, help="seed of the document lengths (default 0)")
+    generate = what.add_parser("generate", help="GPT generation tokens/s: prompts of mixed lengths against equal ones")
+    generate.add_argument("--kinds", default=GENERATE_KINDS, help=f"comma-separated attention specs (default {GENERATE_KINDS})")
+    generate.add_argument("--batch", type=int, default=8, help="prompts (default 8)")
+    generate.add_argument("--min-len", type=int, default=64, help="shortest prompt of the mixed batch (default 64)")
+    generate.add_argument("--max-len", type=int, default=1024, help="longest prompt, and every equal prompt (default 1024)")
+    generate.add_argument("--new-tokens", type=int, default=64, help="tokens generated per prompt (default 64)")
+    generate.add_argument("--d-model", type=int, default=256, help="width (default 256)")
+    generate.add_argument("--n-layers", type=int, default=4, help="layers (default 4)")
+    generate.add_argument("--n-heads", type=int, default=4, help="heads (default 4)")
+    for p in (varlen, generate):
+        add_timing_options(p)
+        p.set_defaults(run=run)
+
+
+def _positive(args: argparse.Namespace, *names: str) -> None:
+    for name in names:
+        value = getattr(args, name)
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"--{name.replace('_', '-')}: expected a positive integer, got {value}")
+
+
+def _check(args: argparse.Namespace) -> None:
+    _positive(args, "batch", "n_heads", "repeats")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup: expected a non-negative integer, got {args.warmup}")
+    device = torch.device(args.device)
+    if device.type not in ("cpu", "cuda") or (device.type == "cuda" and not torch.cuda.is_available()):
+        raise ValueError(f"--device: expected 'cpu' or an available CUDA device, got {args.device!r}")
+    if args.what == "varlen":
+        _positive(args, "seq_len", "min_doc", "max_doc", "v_dim")
+        if not args.min_doc <= args.max_doc <= args.seq_len:
+            raise ValueError(f"--max-doc: expected min-doc <= max-doc <= seq-len, got {args.max_doc}")
+        try:
+            ranks = [int(r) for r in args.ranks.split("|")]
+        except ValueError:
+            ranks = []
+        if not ranks or min(ranks) <= 0:
+            raise ValueError(f"--ranks: expected positive integers separated by '|', got {args.ranks!r}")
+    else:
+        _positive(args, "min_len", "max_len", "new_tokens", "d_model", "n_layers")
+        if args.min_len > args.max_len:
+            raise ValueError(f"--min-len: expected at most --max-len={args.max_len}, got {args.min_len}")
+        for kind in args.kinds.split(","):
+            GPTConfig(d_model=args.d_model, n_heads=args.n_heads, n_layers=1, attention=kind,
+                      max_seq_len=args.max_len + args.new_tokens).check_attention()
+
+
+def _median_ms(fn: Callable[[], Any], args: argparse.Namespace) -> float:
+    device = torch.device(args.device)
+    times = []
+    for run in range(args.warmup + args.repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if run >= args.warmup:
+            times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def document_lengths(seq_len: int, min_doc: int, max_doc: int, seed: int) -> list[int]:
+    """Lengths drawn uniformly in ``[min_doc, max_doc]`` until ``seq_len`` is filled; the last
+    document takes the rest (at least one token)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths, left = [], seq_len
+    while left > 0:
+        n = int(torch.randint(min_doc, max_doc + 1, (1,), generator=g))
+        lengths.append(min(n, left))
+        left -= lengths[-1]
+    return lengths
+
+
+def measure_varlen(args: argparse.Namespace) -> list[dict[str, Any]]:
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    ranks = tuple(int(r) for r in args.ranks.split("|"))
+    rows = [document_lengths(args.seq_len, args.min_doc, args.max_doc, args.seed + b) for b in range(args.batch)]
+    torch.manual_seed(0)
+    shape = (args.batch, args.n_heads, args.seq_len)
+    q, k = (torch.randn(*shape, sum(ranks), device=device, dtype=dtype, requires_grad=True) for _ in range(2))
+    v = torch.randn(*shape, args.v_dim, device=device, dtype=dtype, requires_grad=True)
+    ids = torch.stack([torch.repeat_interleave(torch.arange(len(row)), torch.tensor(row)) for row in rows]).to(device)
+    # The call's block sizes are those of the packed row, for every way of running the documents.
+    sizes = tuple(args.seq_len // 2**level for level in range(len(ranks)))
+
+    def fwd_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor | None) -> None:
+        mlr_attention(q, k, v, ranks, sizes, document_ids=document_ids).float().sum().backward()
+
+    def leaf(x: torch.Tensor) -> torch.Tensor:
+        return x.detach().clone().requires_grad_()
+
+    packed_ms = _median_ms(lambda: fwd_bwd(q, k, v, ids), args)
+    per_document_ms = 0.0
+    documents = []
+    for b, row in enumerate(rows):
+        start = 0
+        for n in row:
+            documents.append((b, start, n))
+            start += n
+    for b, start, n in documents:
+        parts = [leaf(x[b : b + 1, :, start : start + n]) for x in (q, k, v)]
+        per_document_ms += _median_ms(lambda parts=parts: fwd_bwd(*parts, None), args)
+    longest = max(n for _, _, n in documents)
+    padded = [torch.zeros(len(documents), args.n_heads, longest, x.shape[-1], device=device, dtype=dtype)
+              for x in (q, k, v)]
+    for i, (b, start, n) in enumerate(documents):
+        for dst, src in zip(padded, (q, k, v)):
+            dst[i, :, :n] = src[b, :, start : start + n].detach()
+    padded = [leaf(x) for x in padded]
+    padded_ms = _median_ms(lambda: fwd_bwd(*padded, None), args)  # right padding: causal rows never see it
+    return [{
+        "seq_len": args.seq_len, "batch": args.batch, "documents": len(documents), "longest_document": longest,
+        "packed_ms": packed_ms, "per_document_sum_ms": per_document_ms, "padded_ms": padded_ms,
+        "packed_over_per_document": packed_ms / per_document_ms, "packed_over_padded": packed_ms / padded_ms,
+    }]
+
+
+def prompt_lengths(batch: int, min_len: int, max_len: int) -> list[int]:
+    """``batch`` lengths evenly spaced from ``min_len`` to ``max_len``."""
+    if batch == 1:
+        return [max_len]
+    return [round(min_len + (max_len - min_len) * i / (batch - 1)) for i in range(batch)]
+
+
+def measure_generate(args: argparse.Namespace) -> list[dict[str, Any]]:
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    lengths = prompt_lengths(args.batch, args.min_len, args.max_len)
+    mask = torch.zeros(args.batch, args.max_len, dtype=torch.long, device=device)
+    for row, n in enumerate(lengths):
+        mask[row, args.max_len - n :] = 1
+    records = []
+    for kind in args.kinds.split(","):
+        torch.manual_seed(0)
+        config = GPTConfig(vocab_size=256, n_layers=args.n_layers, d_model=args.d_model, n_heads=args.n_heads,
+                           max_seq_len=args.max_len + args.new_tokens, attention=kind)
+        model = GPT(config).to(device=device, dtype=dtype).eval()
+        prompts = torch.randint(0, 256, (args.batch, args.max_len), device=device)
+        equal_ms = _median_ms(lambda: model.generate(prompts, args.new_tokens, temperature=0), args)
+        mixed_ms = _median_ms(lambda: model.generate(prompts, args.new_tokens, temperature=0, attention_mask=mask), args)
+        tokens = args.batch * args.new_tokens
+        record = {
+            "case": kind, "prompt_lengths": lengths, "new_tokens": args.new_tokens,
+            "equal_tokens_per_s": tokens / (equal_ms / 1e3), "mixed_tokens_per_s": tokens / (mixed_ms / 1e3),
+        }
+        record["mixed_over_equal"] = record["mixed_tokens_per_s"] / record["equal_tokens_per_s"]
+        records.append(record)
+        print(f"  {kind:28s} equal {record['equal_tokens_per_s']:9.1f} tok/s  mixed "
+              f"{record['mixed_tokens_per_s']:9.1f} tok/s  ratio {record['mixed_over_equal']:.3f}", flush=True)
+    return records
+
+
+def markdown(records: list[dict[str, Any]]) -> str:
+    keys = [k for k in records[0] if k != "prompt_lengths"]
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    for r in records:
+        lines.append("| " + " | ".join(f"{r[k]:.3f}" if isinstance(r[k], float) else str(r[k]) for k in keys) + " |")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    _check(args)
+    env = bench_environment(args)
+    print(f"sattn bench {args.what} on {env['device']} ({env['threads']} threads), torch {env['torch']}, {args.dtype}")
+    records = measure_varlen(args) if args.what == "varlen" else measure_generate(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{args.what}.json").write_text(json.dumps({"environment": env, "results": records}, indent=2))
+    print(f"wrote {out / f'{args.what}.json'}")
+    print(markdown(records))
+    return 0
