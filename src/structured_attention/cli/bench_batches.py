@@ -4,7 +4,8 @@
   the same documents run one call each (the sum of their times), and against the documents padded
   to the longest one as a batch of their own.
 - ``generate``: ``GPT.generate`` tokens/s for a batch of prompts of mixed lengths (left-padded,
-  ``attention_mask``) against the same batch size of prompts that all have the longest length.
+  ``attention_mask``) against the same batch size of prompts that all have the longest length:
+  of the whole call, and of the decoding steps alone (the call minus a prefill timed on its own).
 
 Both write ``<out>/<what>.json`` (environment and records) and print a markdown table.
 """
@@ -176,17 +177,23 @@ def measure_generate(args: argparse.Namespace) -> list[dict[str, Any]]:
                            max_seq_len=args.max_len + args.new_tokens, attention=kind)
         model = GPT(config).to(device=device, dtype=dtype).eval()
         prompts = torch.randint(0, 256, (args.batch, args.max_len), device=device)
-        equal_ms = _median_ms(lambda: model.generate(prompts, args.new_tokens, temperature=0), args)
-        mixed_ms = _median_ms(lambda: model.generate(prompts, args.new_tokens, temperature=0, attention_mask=mask), args)
+        record: dict[str, Any] = {"case": kind, "prompt_lengths": lengths, "new_tokens": args.new_tokens}
         tokens = args.batch * args.new_tokens
-        record = {
-            "case": kind, "prompt_lengths": lengths, "new_tokens": args.new_tokens,
-            "equal_tokens_per_s": tokens / (equal_ms / 1e3), "mixed_tokens_per_s": tokens / (mixed_ms / 1e3),
-        }
+        for name, attention_mask in (("equal", None), ("mixed", mask)):
+            with torch.no_grad():
+                prefill_ms = _median_ms(lambda m=attention_mask: model(prompts, caches=model.new_caches(args.batch),
+                                                                       attention_mask=m), args)
+            total_ms = _median_ms(lambda m=attention_mask: model.generate(prompts, args.new_tokens, temperature=0,
+                                                                          attention_mask=m), args)
+            # tokens/s of the whole call (prefill included), and of the decoding steps alone
+            record[f"{name}_tokens_per_s"] = tokens / (total_ms / 1e3)
+            record[f"{name}_decode_tokens_per_s"] = tokens / (max(total_ms - prefill_ms, 1e-9) / 1e3)
         record["mixed_over_equal"] = record["mixed_tokens_per_s"] / record["equal_tokens_per_s"]
+        record["decode_mixed_over_equal"] = record["mixed_decode_tokens_per_s"] / record["equal_decode_tokens_per_s"]
         records.append(record)
-        print(f"  {kind:28s} equal {record['equal_tokens_per_s']:9.1f} tok/s  mixed "
-              f"{record['mixed_tokens_per_s']:9.1f} tok/s  ratio {record['mixed_over_equal']:.3f}", flush=True)
+        print(f"  {kind:28s} tok/s equal {record['equal_tokens_per_s']:9.1f} mixed {record['mixed_tokens_per_s']:9.1f} "
+              f"(ratio {record['mixed_over_equal']:.3f}; decoding alone {record['decode_mixed_over_equal']:.3f})",
+              flush=True)
     return records
 
 
