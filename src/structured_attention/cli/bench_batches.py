@@ -39,6 +39,9 @@ def add_parsers(what: argparse._SubParsersAction) -> None:
     varlen.add_argument("--ranks", default=VARLEN_RANKS, help=f"MLR ranks per level (default {VARLEN_RANKS})")
     varlen.add_argument("--v-dim", type=int, default=64, help="value head dim (default 64)")
     varlen.add_argument("--seed", type=int, default=0, help="seed of the document lengths (default 0)")
+    varlen.add_argument("--lengths", default=None,
+                        help="explicit document lengths instead of random ones: rows separated by ';', lengths by ',', "
+                             "'NxL' for N documents of L tokens, every row the same total (e.g. '4096;64x64')")
     generate = what.add_parser("generate", help="GPT generation tokens/s: prompts of mixed lengths against equal ones")
     generate.add_argument("--kinds", default=GENERATE_KINDS, help=f"comma-separated attention specs (default {GENERATE_KINDS})")
     generate.add_argument("--batch", type=int, default=8, help="prompts (default 8)")
@@ -60,6 +63,23 @@ def _positive(args: argparse.Namespace, *names: str) -> None:
             raise ValueError(f"--{name.replace('_', '-')}: expected a positive integer, got {value}")
 
 
+def parse_lengths(text: str) -> list[list[int]]:
+    """``'4096;64x64'`` -> ``[[4096], [64] * 64]``: rows of document lengths, equal totals."""
+    rows = []
+    for row in text.split(";"):
+        lengths = []
+        for item in row.split(","):
+            count, _, length = item.strip().rpartition("x")
+            try:
+                lengths += [int(length)] * (int(count) if count else 1)
+            except ValueError:
+                raise ValueError(f"--lengths: expected lengths such as '4096;64x64', got {text!r}") from None
+        rows.append(lengths)
+    if any(n <= 0 for row in rows for n in row) or len({sum(row) for row in rows}) != 1:
+        raise ValueError(f"--lengths: expected positive lengths with the same total in every row, got {text!r}")
+    return rows
+
+
 def _check(args: argparse.Namespace) -> None:
     _positive(args, "batch", "n_heads", "repeats")
     if args.warmup < 0:
@@ -68,8 +88,11 @@ def _check(args: argparse.Namespace) -> None:
     if device.type not in ("cpu", "cuda") or (device.type == "cuda" and not torch.cuda.is_available()):
         raise ValueError(f"--device: expected 'cpu' or an available CUDA device, got {args.device!r}")
     if args.what == "varlen":
+        if args.lengths is not None:
+            rows = parse_lengths(args.lengths)
+            args.batch, args.seq_len = len(rows), sum(rows[0])
         _positive(args, "seq_len", "min_doc", "max_doc", "v_dim")
-        if not args.min_doc <= args.max_doc <= args.seq_len:
+        if args.lengths is None and not args.min_doc <= args.max_doc <= args.seq_len:
             raise ValueError(f"--max-doc: expected min-doc <= max-doc <= seq-len, got {args.max_doc}")
         try:
             ranks = [int(r) for r in args.ranks.split("|")]
@@ -86,19 +109,20 @@ def _check(args: argparse.Namespace) -> None:
                       max_seq_len=args.max_len + args.new_tokens).check_attention()
 
 
+def _time_ms(fn: Callable[[], Any], device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - start) * 1e3
+
+
 def _median_ms(fn: Callable[[], Any], args: argparse.Namespace) -> float:
     device = torch.device(args.device)
-    times = []
-    for run in range(args.warmup + args.repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if run >= args.warmup:
-            times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    times = [_time_ms(fn, device) for _ in range(args.warmup + args.repeats)]
+    return statistics.median(times[args.warmup :])
 
 
 def document_lengths(seq_len: int, min_doc: int, max_doc: int, seed: int) -> list[int]:
@@ -116,7 +140,10 @@ def document_lengths(seq_len: int, min_doc: int, max_doc: int, seed: int) -> lis
 def measure_varlen(args: argparse.Namespace) -> list[dict[str, Any]]:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     ranks = tuple(int(r) for r in args.ranks.split("|"))
-    rows = [document_lengths(args.seq_len, args.min_doc, args.max_doc, args.seed + b) for b in range(args.batch)]
+    if args.lengths is not None:
+        rows = parse_lengths(args.lengths)
+    else:
+        rows = [document_lengths(args.seq_len, args.min_doc, args.max_doc, args.seed + b) for b in range(args.batch)]
     torch.manual_seed(0)
     shape = (args.batch, args.n_heads, args.seq_len)
     q, k = (torch.randn(*shape, sum(ranks), device=device, dtype=dtype, requires_grad=True) for _ in range(2))
@@ -131,17 +158,13 @@ def measure_varlen(args: argparse.Namespace) -> list[dict[str, Any]]:
     def leaf(x: torch.Tensor) -> torch.Tensor:
         return x.detach().clone().requires_grad_()
 
-    packed_ms = _median_ms(lambda: fwd_bwd(q, k, v, ids), args)
-    per_document_ms = 0.0
     documents = []
     for b, row in enumerate(rows):
         start = 0
         for n in row:
             documents.append((b, start, n))
             start += n
-    for b, start, n in documents:
-        parts = [leaf(x[b : b + 1, :, start : start + n]) for x in (q, k, v)]
-        per_document_ms += _median_ms(lambda parts=parts: fwd_bwd(*parts, None), args)
+    alone = [[leaf(x[b : b + 1, :, start : start + n]) for x in (q, k, v)] for b, start, n in documents]
     longest = max(n for _, _, n in documents)
     padded = [torch.zeros(len(documents), args.n_heads, longest, x.shape[-1], device=device, dtype=dtype)
               for x in (q, k, v)]
@@ -149,12 +172,25 @@ def measure_varlen(args: argparse.Namespace) -> list[dict[str, Any]]:
         for dst, src in zip(padded, (q, k, v)):
             dst[i, :, :n] = src[b, :, start : start + n].detach()
     padded = [leaf(x) for x in padded]
-    padded_ms = _median_ms(lambda: fwd_bwd(*padded, None), args)  # right padding: causal rows never see it
-    return [{
-        "seq_len": args.seq_len, "batch": args.batch, "documents": len(documents), "longest_document": longest,
-        "packed_ms": packed_ms, "per_document_sum_ms": per_document_ms, "padded_ms": padded_ms,
-        "packed_over_per_document": packed_ms / per_document_ms, "packed_over_padded": packed_ms / padded_ms,
-    }]
+    cases = {
+        "packed": lambda: fwd_bwd(q, k, v, ids),
+        "per_document_sum": lambda: [fwd_bwd(*parts, None) for parts in alone],
+        "padded": lambda: fwd_bwd(*padded, None),  # right padding: causal rows never see it
+    }
+    # Round after round, every case once; ratios are the medians of the per-round ratios, so a
+    # machine whose speed drifts still compares fairly.
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for run in range(args.warmup + args.repeats):
+        for name, fn in cases.items():
+            ms = _time_ms(fn, device)
+            if run >= args.warmup:
+                times[name].append(ms)
+    record: dict[str, Any] = {"seq_len": args.seq_len, "batch": args.batch, "documents": len(documents),
+                              "longest_document": longest}
+    record.update({f"{name}_ms": statistics.median(ms) for name, ms in times.items()})
+    for other in ("per_document_sum", "padded"):
+        record[f"packed_over_{other}"] = statistics.median(a / b for a, b in zip(times["packed"], times[other]))
+    return [record]
 
 
 def prompt_lengths(batch: int, min_len: int, max_len: int) -> list[int]:

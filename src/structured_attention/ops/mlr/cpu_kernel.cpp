@@ -276,9 +276,15 @@ void forward_kernel(const at::Tensor& q, const at::Tensor& kT, const at::Tensor&
   const scalar_t* vp = v.data_ptr<scalar_t>();
   scalar_t* op = out.data_ptr<scalar_t>();
   scalar_t* lp = lse.data_ptr<scalar_t>();
-  at::parallel_for(0, first_task.back(), 1, [&](int64_t begin, int64_t end) {
+  // Tasks go to threads cyclically (worker w takes tasks w, w + P, ...): a later tile of a segment
+  // has more keys than an earlier one, and segments differ in length, so contiguous ranges of
+  // tasks would leave one thread with most of the work.
+  const int64_t total = first_task.back();
+  const int64_t P = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), total));
+  at::parallel_for(0, P, 1, [&](int64_t wbegin, int64_t wend) {
     std::vector<scalar_t> S(bq * bk), G(bq * bk), acc(bq * Dv), mx(bq), sum(bq);
-    for (int64_t task = begin; task < end; ++task) {
+    for (int64_t w = wbegin; w < wend; ++w)
+    for (int64_t task = w; task < total; task += P) {
       const size_t x = std::upper_bound(first_task.begin(), first_task.end(), task) - first_task.begin() - 1;
       const Segment& g = segs[x];
       const int64_t Tl = g.len, i0 = (task - first_task[x]) * bq, i1 = std::min(i0 + bq, Tl), m = i1 - i0;
@@ -327,10 +333,17 @@ void backward_kernel(const at::Tensor& q, const at::Tensor& qT, const at::Tensor
                      int64_t bk) {
   const int64_t T = q.size(1), R = q.size(2), Dv = v.size(2);
   // One segment per task: a segment's dk and dv rows receive updates from every query tile of it.
-  at::parallel_for(0, static_cast<int64_t>(segs.size()), 1, [&](int64_t begin, int64_t end) {
+  // Segments cost about length^2: the longest first, dealt to the threads cyclically.
+  std::vector<size_t> order(segs.size());
+  for (size_t x = 0; x < order.size(); ++x) order[x] = x;
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return segs[a].len > segs[b].len; });
+  const int64_t total = static_cast<int64_t>(segs.size());
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), total));
+  at::parallel_for(0, workers, 1, [&](int64_t wbegin, int64_t wend) {
     std::vector<scalar_t> P(bk * bq), G(bk * bq), dS(bk * bq);
-    for (int64_t x = begin; x < end; ++x) {
-      const Segment& g = segs[x];
+    for (int64_t w = wbegin; w < wend; ++w)
+    for (int64_t x = w; x < total; x += workers) {
+      const Segment& g = segs[order[x]];
       const int64_t Tl = g.len, n_tiles = (Tl + bq - 1) / bq;
       // Row-major arrays from the segment's first row; transposed ones (leading dimension T)
       // from its first column.
