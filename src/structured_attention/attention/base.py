@@ -16,7 +16,7 @@ from ..functional import scaled_dot_product_attention, sliding_window_attention
 from .cache import KVCache, TokenBuffer, append_all
 from .config import AttentionConfig, config_from_spec, parse_attention_pattern
 from .rotary import Rotary
-from .segments import CachePadding, Segments, build_segments, left_padding
+from .segments import CachePadding, Segments, build_segments, left_padding, position_mask
 
 
 @dataclass(frozen=True)
@@ -58,15 +58,6 @@ def window_pairs(seq_len: int, window: int, causal: bool) -> int:
     return seq_len + one_side * (1 if causal else 2)
 
 
-def position_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, window: int | None) -> torch.Tensor:
-    """Boolean ``(t_q, t_k)`` mask of the pairs a query may attend to."""
-    diff = q_pos[:, None] - k_pos[None, :]
-    keep = diff >= 0 if causal else torch.ones_like(diff, dtype=torch.bool)
-    if window is not None:
-        keep &= diff.abs() <= window
-    return keep
-
-
 # A decoding step scores one query against a key length it has not seen before. PyTorch's cuDNN
 # attention builds a new plan for every new length (34 ms a step on an H200 with torch 2.11; see
 # pytorch/pytorch#155958), so one-query steps on CUDA leave it out.
@@ -84,13 +75,13 @@ def attend(
     q_start: int = 0,
     k_start: int = 0,
     dropout: float = 0.0,
-    q_ids: torch.Tensor | None = None,
-    k_ids: torch.Tensor | None = None,
+    queries: Segments | None = None,
+    keys: Segments | None = None,
 ) -> torch.Tensor:
     """Softmax attention of queries at slots ``q_start + [0, t_q)`` over keys at slots
-    ``k_start + [0, t_k)``; GQA when ``k``/``v`` have fewer heads than ``q``. With segment ids
-    ``q_ids: (B, t_q)`` and ``k_ids: (B, t_k)`` (see :mod:`.segments`), a query sees only keys of
-    its own segment; causality and windows count in slots, which within a segment are positions."""
+    ``k_start + [0, t_k)``; GQA when ``k``/``v`` have fewer heads than ``q``. With the segments of
+    the queries and of the keys (see :mod:`.segments`), a query sees only keys of its own segment;
+    causality and windows count in slots, which within a segment are positions."""
     t_q, t_k = q.shape[2], k.shape[2]
     # A branch, not the comparison itself: under torch.compile with dynamic shapes the comparison is
     # symbolic, which SDPA rejects, and a branch on it is resolved while tracing.
@@ -98,19 +89,26 @@ def attend(
     aligned = q_start == k_start and t_q == t_k
     if window is not None and aligned:
         return sliding_window_attention(q, k, v, window, causal=causal, scale=scale, dropout_p=dropout,
-                                        document_ids=q_ids)
+                                        document_ids=None if queries is None else queries.ids)
+    if queries is not None and queries is keys and queries.leading is not None and causal and window is None:
+        # Padding before or after one sequence per row, causal: roll the padding behind the
+        # sequence and take the fused causal kernel with no mask.
+        out = scaled_dot_product_attention(*(queries.trailing_padding(x) for x in (q, k, v)), dropout_p=dropout,
+                                           is_causal=True, scale=scale, enable_gqa=gqa)
+        return queries.trailing_padding(out, undo=True)
     decoding = sdpa_kernel(DECODE_BACKENDS) if q.is_cuda and t_q == 1 else contextlib.nullcontext()
     with decoding:
-        if q_ids is None and window is None and (not causal or aligned or t_q == 1):
+        if queries is None and window is None and (not causal or aligned or t_q == 1):
             # The plain causal or full pattern: no explicit mask, so SDPA can take a fused kernel.
             is_causal = causal and t_q > 1
             return scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=is_causal, scale=scale,
                                                 enable_gqa=gqa)
-        q_pos = torch.arange(q_start, q_start + t_q, device=q.device)
-        k_pos = torch.arange(k_start, k_start + t_k, device=q.device)
-        mask = position_mask(q_pos, k_pos, causal, window)
-        if q_ids is not None and k_ids is not None:
-            mask = (mask & (q_ids[:, :, None] == k_ids[:, None, :])).unsqueeze(1)  # (B, 1, t_q, t_k)
+        if queries is not None and keys is not None:
+            mask = queries.attention_bias(keys, q_start, k_start, causal, window, q.dtype)
+        else:
+            q_pos = torch.arange(q_start, q_start + t_q, device=q.device)
+            k_pos = torch.arange(k_start, k_start + t_k, device=q.device)
+            mask = position_mask(q_pos, k_pos, causal, window)
         return scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scale, enable_gqa=gqa)
 
 
@@ -288,10 +286,9 @@ class FullScoreAttention(Attention):
         raise NotImplementedError
 
     def _forward(self, x: torch.Tensor, segments: Segments | None) -> torch.Tensor:
-        ids = None if segments is None else segments.ids
         q, k = self.qk(x, 0 if segments is None else segments.positions)
         out = attend(q, k, self.values(x), self.scale, causal=self.config.causal, dropout=self.attn_dropout,
-                     q_ids=ids, k_ids=ids)
+                     queries=segments, keys=segments)
         return self.merge_heads(out)
 
     def _forward_cached(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -299,9 +296,7 @@ class FullScoreAttention(Attention):
         new, held = cached_segments(cache, start, end), cached_segments(cache, 0, end)
         q, k = self.qk(x, start if new is None else new.positions)
         k, v = append_all([cache["k"], cache["v"]], [k, self.values(x)])
-        return self.merge_heads(attend(q, k, v, self.scale, causal=True, q_start=start,
-                                       q_ids=None if new is None else new.ids,
-                                       k_ids=None if held is None else held.ids))
+        return self.merge_heads(attend(q, k, v, self.scale, causal=True, q_start=start, queries=new, keys=held))
 
     def _cache_buffers(self, batch: int, dtype: torch.dtype, device: Any) -> dict[str, TokenBuffer]:
         return {

@@ -19,13 +19,22 @@ under ``torch.compile`` they are left out, and only shapes and dtypes are checke
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from .._checks import require
 
-__all__ = ["CachePadding", "Segments", "build_segments", "left_padding"]
+__all__ = ["CachePadding", "Segments", "build_segments", "left_padding", "position_mask"]
+
+
+def position_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, window: int | None) -> torch.Tensor:
+    """Boolean ``(t_q, t_k)`` mask of the pairs a query may attend to."""
+    diff = q_pos[:, None] - k_pos[None, :]
+    keep = diff >= 0 if causal else torch.ones_like(diff, dtype=torch.bool)
+    if window is not None:
+        keep &= diff.abs() <= window
+    return keep
 
 
 @dataclass(frozen=True)
@@ -36,12 +45,53 @@ class Segments:
     ids: torch.Tensor
     positions: torch.Tensor
     real: torch.Tensor | None
+    # When every row is one sequence with padding before or after it (no packed documents): the
+    # leading padding tokens of each row, (B,); see trailing_padding.
+    leading: torch.Tensor | None = None
+    # attention biases made from these segments, shared by every layer (see attention_bias)
+    _biases: dict[tuple, tuple[Segments, torch.Tensor]] = field(default_factory=dict, repr=False, compare=False)
 
     def zero_padding(self, x: torch.Tensor) -> torch.Tensor:
         """``x: (B, T, ...)`` with the rows of padding tokens set to zero."""
         if self.real is None:
             return x
         return x * self.real.view(*self.real.shape, *(1,) * (x.dim() - 2)).to(x.dtype)
+
+    def trailing_padding(self, x: torch.Tensor, undo: bool = False) -> torch.Tensor:
+        """``x: (B, H, T, d)`` with each row rolled so that its padding trails its sequence (or
+        back, with ``undo``). Causal attention over the rolled rows keeps every sequence from its
+        padding with no mask at all, so the fused causal kernel applies (padding then sees the
+        sequence, which is harmless: outputs at padding are zeroed)."""
+        assert self.leading is not None
+        b, h, t, d = x.shape
+        shift = -self.leading if undo else self.leading
+        index = (torch.arange(t, device=x.device)[None, :] + shift[:, None]) % t
+        if x.transpose(1, 2).is_contiguous():  # heads split from a (B, T, H * d) projection: move whole rows
+            rows = (index + torch.arange(b, device=x.device)[:, None] * t).reshape(-1)
+            return x.transpose(1, 2).reshape(b * t, h * d).index_select(0, rows).view(b, t, h, d).transpose(1, 2)
+        return x.gather(2, index[:, None, :, None].expand(b, h, t, d))
+
+    def attention_bias(
+        self, keys: Segments, q_start: int, k_start: int, causal: bool, window: int | None, dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """The additive ``(B, 1, t_q, t_k)`` mask of these tokens as queries (at slots ``q_start +
+        [0, t_q)``) over ``keys`` (at ``k_start + [0, t_k)``): 0 where the pair shares a segment
+        and passes the causal and window tests (in slots, which within a segment are positions),
+        ``-inf`` elsewhere. Made once and shared by every layer that asks for the same one."""
+
+        def make() -> torch.Tensor:
+            device = self.ids.device
+            q_pos = torch.arange(q_start, q_start + self.ids.shape[1], device=device)
+            k_pos = torch.arange(k_start, k_start + keys.ids.shape[1], device=device)
+            keep = position_mask(q_pos, k_pos, causal, window) & (self.ids[:, :, None] == keys.ids[:, None, :])
+            return torch.zeros(keep.shape, dtype=dtype, device=device).masked_fill_(~keep, float("-inf")).unsqueeze(1)
+
+        if torch.compiler.is_compiling():
+            return make()
+        key = (id(keys), q_start, k_start, causal, window, dtype)
+        if key not in self._biases:  # the entry holds `keys`, so its id is not reused while it lives
+            self._biases[key] = (keys, make())
+        return self._biases[key][1]
 
 
 def _checking() -> bool:
@@ -124,7 +174,10 @@ def build_segments(
     first = new.clone()
     first[:, 0] = True
     start = torch.where(first, pos, torch.zeros_like(pos)).cummax(dim=1).values
-    return Segments(new.long().cumsum(dim=1), pos - start, real)
+    leading = None
+    if ids is None and real is not None:  # one sequence per row (the mask's real tokens are contiguous)
+        leading = real.long().argmax(dim=1)
+    return Segments(new.long().cumsum(dim=1), pos - start, real, leading)
 
 
 def left_padding(attention_mask: object, batch: int, seq_len: int, device: torch.device) -> list[int]:
@@ -174,7 +227,8 @@ class CachePadding:
             slot = torch.arange(lo, hi, device=self.offset_tensor.device)[None, :]
             off = self.offset_tensor[:, None]
             real = slot >= off
-            return Segments(real.long(), torch.where(real, slot - off, slot), real)
+            leading = self.offset_tensor.clamp(max=hi - 1) if lo == 0 else None
+            return Segments(real.long(), torch.where(real, slot - off, slot), real, leading)
 
         return self._remember(hi, ("segments", lo), make)  # type: ignore[return-value]
 

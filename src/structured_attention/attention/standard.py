@@ -66,10 +66,9 @@ class SlidingWindowAttention(_QKAttention):
         self.scale = default_scale(config.attn_scale, self.head_dim)
 
     def _forward(self, x: torch.Tensor, segments: Segments | None) -> torch.Tensor:
-        ids = None if segments is None else segments.ids
         (q, k), v = self.qk(x, 0 if segments is None else segments.positions), self.values(x)
         out = attend(q, k, v, self.scale, causal=self.config.causal, window=self.window, dropout=self.attn_dropout,
-                     q_ids=ids, k_ids=ids)
+                     queries=segments, keys=segments)
         return self.merge_heads(out)
 
     def _forward_cached(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -78,7 +77,7 @@ class SlidingWindowAttention(_QKAttention):
         (q, k), v = self.qk(x, start if new is None else new.positions), self.values(x)
         k, v = append_all([cache["k"], cache["v"]], [k, v])
         out = attend(q, k, v, self.scale, causal=True, window=self.window, q_start=start, k_start=k_start,
-                     q_ids=None if new is None else new.ids, k_ids=None if held is None else held.ids)
+                     queries=new, keys=held)
         for name in ("k", "v"):
             cache[name].drop_before(start + x.shape[1] - self.window)
         return self.merge_heads(out)
@@ -123,23 +122,22 @@ class GlobalSlidingWindowAttention(_QKAttention):
     def _both_maps(
         self, q: torch.Tensor, k_global: torch.Tensor, k_window: torch.Tensor, v: torch.Tensor,
         v_window: torch.Tensor, q_start: int, k_window_start: int,
-        ids: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+        segments: tuple[Segments, Segments, Segments] | None,
     ) -> torch.Tensor:
-        """Both maps; ``ids``: the segment ids of the queries, of every key and of the windowed keys."""
+        """Both maps; ``segments``: those of the queries, of every key and of the windowed keys."""
         g = self.global_dims
         causal, dropout = self.config.causal, self.attn_dropout
-        q_ids, k_ids, window_ids = (None, None, None) if ids is None else ids
+        queries, keys, window_keys = (None, None, None) if segments is None else segments
         full = attend(q[..., :g], k_global, v, self.global_scale, causal=causal, q_start=q_start, dropout=dropout,
-                      q_ids=q_ids, k_ids=k_ids)
+                      queries=queries, keys=keys)
         local = attend(q[..., g:], k_window, v_window, self.window_scale, causal=causal, window=self.window,
-                       q_start=q_start, k_start=k_window_start, dropout=dropout, q_ids=q_ids, k_ids=window_ids)
+                       q_start=q_start, k_start=k_window_start, dropout=dropout, queries=queries, keys=window_keys)
         return self.merge_heads(full + local)
 
     def _forward(self, x: torch.Tensor, segments: Segments | None) -> torch.Tensor:
         (q, k), v = self.qk(x, 0 if segments is None else segments.positions), self.values(x)
         g = self.global_dims
-        ids = None if segments is None else (segments.ids,) * 3
-        return self._both_maps(q, k[..., :g], k[..., g:], v, v, 0, 0, ids)
+        return self._both_maps(q, k[..., :g], k[..., g:], v, v, 0, 0, None if segments is None else (segments,) * 3)
 
     def _forward_cached(self, x: torch.Tensor, cache: KVCache) -> torch.Tensor:
         g, start = self.global_dims, cache.length
@@ -148,11 +146,10 @@ class GlobalSlidingWindowAttention(_QKAttention):
         new = cached_segments(cache, start, end)
         (q, k), v = self.qk(x, start if new is None else new.positions), self.values(x)
         k_window, k_global, v = append_all([cache["k_window"], cache["k_global"], cache["v"]], [k[..., g:], k[..., :g], v])
-        ids = None
+        segments = None
         if new is not None:
-            held = cached_segments(cache, 0, end).ids
-            ids = (new.ids, held, held[:, k_window_start:])
-        out = self._both_maps(q, k_global, k_window, v, v[:, :, k_window_start:], start, k_window_start, ids)
+            segments = (new, cached_segments(cache, 0, end), cached_segments(cache, k_window_start, end))
+        out = self._both_maps(q, k_global, k_window, v, v[:, :, k_window_start:], start, k_window_start, segments)
         cache["k_window"].drop_before(end - self.window)
         return out
 

@@ -119,12 +119,6 @@ def _time_ms(fn: Callable[[], Any], device: torch.device) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
-def _median_ms(fn: Callable[[], Any], args: argparse.Namespace) -> float:
-    device = torch.device(args.device)
-    times = [_time_ms(fn, device) for _ in range(args.warmup + args.repeats)]
-    return statistics.median(times[args.warmup :])
-
-
 def document_lengths(seq_len: int, min_doc: int, max_doc: int, seed: int) -> list[int]:
     """Lengths drawn uniformly in ``[min_doc, max_doc]`` until ``seq_len`` is filled; the last
     document takes the rest (at least one token)."""
@@ -213,19 +207,30 @@ def measure_generate(args: argparse.Namespace) -> list[dict[str, Any]]:
                            max_seq_len=args.max_len + args.new_tokens, attention=kind)
         model = GPT(config).to(device=device, dtype=dtype).eval()
         prompts = torch.randint(0, 256, (args.batch, args.max_len), device=device)
-        record: dict[str, Any] = {"case": kind, "prompt_lengths": lengths, "new_tokens": args.new_tokens}
         tokens = args.batch * args.new_tokens
+        cases = {}
         for name, attention_mask in (("equal", None), ("mixed", mask)):
-            with torch.no_grad():
-                prefill_ms = _median_ms(lambda m=attention_mask: model(prompts, caches=model.new_caches(args.batch),
-                                                                       attention_mask=m), args)
-            total_ms = _median_ms(lambda m=attention_mask: model.generate(prompts, args.new_tokens, temperature=0,
-                                                                          attention_mask=m), args)
-            # tokens/s of the whole call (prefill included), and of the decoding steps alone
-            record[f"{name}_tokens_per_s"] = tokens / (total_ms / 1e3)
-            record[f"{name}_decode_tokens_per_s"] = tokens / (max(total_ms - prefill_ms, 1e-9) / 1e3)
-        record["mixed_over_equal"] = record["mixed_tokens_per_s"] / record["equal_tokens_per_s"]
-        record["decode_mixed_over_equal"] = record["mixed_decode_tokens_per_s"] / record["equal_decode_tokens_per_s"]
+            cases[f"{name}_prefill"] = lambda m=attention_mask: model(prompts, caches=model.new_caches(args.batch),
+                                                                      attention_mask=m)
+            cases[name] = lambda m=attention_mask: model.generate(prompts, args.new_tokens, temperature=0,
+                                                                  attention_mask=m)
+        # Round after round, every case once; ratios are medians of the per-round ratios.
+        times: dict[str, list[float]] = {name: [] for name in cases}
+        with torch.no_grad():
+            for run in range(args.warmup + args.repeats):
+                for name, fn in cases.items():
+                    ms = _time_ms(fn, device)
+                    if run >= args.warmup:
+                        times[name].append(ms)
+        # tokens/s of the whole call (prefill included), and of the decoding steps alone (the call
+        # minus the prefill of the same round)
+        decode = {name: [t - p for t, p in zip(times[name], times[f"{name}_prefill"])] for name in ("equal", "mixed")}
+        record: dict[str, Any] = {"case": kind, "prompt_lengths": lengths, "new_tokens": args.new_tokens}
+        for name in ("equal", "mixed"):
+            record[f"{name}_tokens_per_s"] = tokens / (statistics.median(times[name]) / 1e3)
+            record[f"{name}_decode_tokens_per_s"] = tokens / (statistics.median(decode[name]) / 1e3)
+        record["mixed_over_equal"] = statistics.median(e / m for e, m in zip(times["equal"], times["mixed"]))
+        record["decode_mixed_over_equal"] = statistics.median(e / m for e, m in zip(decode["equal"], decode["mixed"]))
         records.append(record)
         print(f"  {kind:28s} tok/s equal {record['equal_tokens_per_s']:9.1f} mixed {record['mixed_tokens_per_s']:9.1f} "
               f"(ratio {record['mixed_over_equal']:.3f}; decoding alone {record['decode_mixed_over_equal']:.3f})",
