@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-from structured_attention.cli.common import claim_run, run_grid
+from structured_attention._files import claim, release
+from structured_attention.cli.common import run_grid
 
 
 def _dead_pid() -> int:
@@ -61,10 +62,16 @@ def test_a_failed_run_releases_its_claim_and_leaves_no_result(tmp_path):
     assert not (tmp_path / "x" / "claim").exists() and not (tmp_path / "x" / "result.json").exists()
 
 
-def test_claim_run_is_exclusive(tmp_path):
+def test_a_claim_is_exclusive_and_released_only_by_its_holder(tmp_path):
     path = tmp_path / "claim"
-    assert claim_run(path) is None
-    assert claim_run(path) == f"{socket.gethostname()} {os.getpid()}"  # held by this (live) process
+    assert claim(path) is None
+    assert claim(path).startswith(f"{socket.gethostname()} {os.getpid()} ")  # held by this (live) process
+    path.write_text(f"{socket.gethostname()} 999999999 someone")  # a process gone from this host
+    assert claim(path) is None  # taken over
+    path.write_text("another-host 1 someone")
+    assert claim(path) == "another-host 1 someone"  # respected: it cannot be checked from here
+    release(path)
+    assert path.exists()  # not ours to remove
 
 
 def test_resume_is_asked_for_exactly_when_the_run_holds_a_complete_checkpoint(tmp_path):

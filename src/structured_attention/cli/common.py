@@ -5,21 +5,19 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import platform
 import re
-import socket
 import sys
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from .._files import atomic_write
+from .._files import atomic_write, claim, release
 from ..training.checkpoint import find_checkpoints
 
 __all__ = ["add_sweep_parser", "add_timing_options", "add_train_parser", "bench_environment", "best_per_kind_width",
-           "claim_run", "number_list", "one_line_warnings", "print_plan", "pyplot", "run_grid", "slug"]
+           "number_list", "one_line_warnings", "print_plan", "pyplot", "run_grid", "slug"]
 
 
 @contextlib.contextmanager
@@ -151,37 +149,6 @@ def print_plan(out: Path, runs: list[dict[str, Any]]) -> None:
         print(f"  {r['name']:{width}s}{budget}".rstrip())
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # it exists but belongs to someone else
-        return True
-    return True
-
-
-def claim_run(path: Path) -> str | None:
-    """Create ``path`` as this process's claim on a run (``host pid``). Returns None once claimed,
-    else the holder's ``host pid``. A claim whose process is gone from this host is taken over, so
-    a killed sweep never blocks its own resume; a claim from another host is always respected."""
-    me = f"{socket.gethostname()} {os.getpid()}"
-    for _ in range(2):
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            holder = path.read_text().strip()
-            host, _, pid = holder.partition(" ")
-            if host == socket.gethostname() and pid.isdigit() and not _alive(int(pid)):
-                path.unlink(missing_ok=True)
-                continue
-            return holder or "a process that is writing its claim"
-        with os.fdopen(fd, "w") as f:
-            f.write(me)
-        return None
-    return "a process that took it over first"
-
-
 def run_grid(
     out: Path, experiment: str, runs: list[dict[str, Any]], train_one: Callable[[dict[str, Any], bool], dict[str, Any]],
 ) -> list[dict[str, Any]]:
@@ -200,11 +167,11 @@ def run_grid(
         done = out / r["name"] / "result.json"
         if not done.is_file():
             done.parent.mkdir(parents=True, exist_ok=True)
-            claim = done.parent / "claim"
-            holder = claim_run(claim)
+            claim_path = done.parent / "claim"
+            holder = claim(claim_path)
             if holder is not None:
                 print(f"skip {r['name']}: another sweep process is training it ({holder}; "
-                      f"delete {claim} if that process is gone)", flush=True)
+                      f"delete {claim_path} if that process is gone)", flush=True)
                 continue
             try:
                 if not done.is_file():  # finished by another process since the check above
@@ -212,7 +179,7 @@ def run_grid(
                     text = json.dumps(result, indent=2)
                     atomic_write(done, lambda tmp: Path(tmp).write_text(text))
             finally:
-                claim.unlink(missing_ok=True)
+                release(claim_path)
         results.append(json.loads(done.read_text()))
         print(f"done {r['name']}", flush=True)
     return results

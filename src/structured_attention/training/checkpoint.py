@@ -49,6 +49,7 @@ __all__ = [
     "flatten_optimizer_state",
     "get_rng_state",
     "load_checkpoint",
+    "remove_checkpoints",
     "save_checkpoint",
     "set_rng_state",
     "tied_aliases",
@@ -251,6 +252,28 @@ class LoadedCheckpoint:
 def _step_dirs(root: Path) -> list[Path]:
     dirs = [p for p in root.glob("step-*") if p.is_dir() and p.name[5:].isdigit()]
     return sorted(dirs, key=lambda p: int(p.name[5:]), reverse=True)
+
+
+def remove_checkpoints(root: str | Path) -> int:
+    """Delete the checkpoints this package wrote in ``root``: ``step-*`` folders whose
+    ``state.json`` names this checkpoint format, and the temporary folders of killed saves.
+    Anything else there (other files, folders, ``root`` itself) is left alone. Returns how many
+    checkpoints were deleted."""
+    root = Path(root)
+    if not root.is_dir():
+        return 0
+    removed = 0
+    for folder in _step_dirs(root):
+        try:
+            ours = json.loads((folder / STATE_FILE).read_text(encoding="utf-8")).get("format") == CHECKPOINT_FORMAT
+        except (OSError, ValueError, AttributeError):
+            ours = False
+        if ours:
+            shutil.rmtree(folder)
+            removed += 1
+    for stale in root.glob(".tmp-step-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    return removed
 
 
 def find_checkpoints(path: str | Path, complete_only: bool = True) -> list[Path]:

@@ -4,6 +4,11 @@ An experiment (language modelling, in-context regression, forecasting) describes
 :class:`Task` -- its model, its batches, its loss and its validation metrics -- and the loop does
 the rest, nanoGPT style, in one readable function:
 
+0. claim ``run.out_dir`` (``<out_dir>/run.lock``: host, pid, user), before anything there is
+   touched, and release it at exit: a second run on a folder in use stops with one line and
+   changes nothing (a lock whose process is gone from this host is taken over; one from another
+   host is respected). A fresh run deletes an earlier run's checkpoints (only checkpoint folders
+   this package wrote) once every check has passed;
 1. seed torch, numpy and Python ``random`` from ``run.seed``; set up DDP/FSDP if launched by
    ``torchrun``;
 2. build the model and AdamW (decoupled weight decay on matrices only and, with ``optim.mup``,
@@ -30,7 +35,6 @@ import json
 import math
 import os
 import random
-import shutil
 import signal
 import sys
 import threading
@@ -44,11 +48,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from .._files import claim, release
 from .checkpoint import (
     check_compatible,
-    find_checkpoints,
     get_rng_state,
     load_checkpoint,
+    remove_checkpoints,
     save_checkpoint,
     set_rng_state,
     tied_aliases,
@@ -56,6 +61,9 @@ from .checkpoint import (
 from .config import OptimConfig, RunConfig, config_to_dict
 from .distributed import DistInfo, all_reduce_mean, barrier, cleanup_distributed, setup_distributed, wrap_model
 from .optim import build_optimizer, lr_at
+
+# ``<out_dir>/run.lock``: the claim of the run that is using out_dir (host, pid, user).
+RUN_LOCK = "run.lock"
 
 __all__ = [
     "FitResult",
@@ -272,11 +280,7 @@ class MetricsLogger:
         self.wandb = None
         if not enabled:
             return
-        self.path = out_dir / "metrics.jsonl"
-        # Rewrite from the history so a resumed run drops lines logged after its checkpoint.
-        with open(self.path, "w", encoding="utf-8") as f:
-            for r in self.records:
-                f.write(json.dumps(r) + "\n")
+        # The optional loggers' packages are checked before anything in out_dir is written.
         if run.tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -284,12 +288,19 @@ class MetricsLogger:
                 raise ValueError(
                     "run.tensorboard: true needs the 'tensorboard' package (pip install tensorboard)"
                 ) from None
-            self.tb = SummaryWriter(str(out_dir / "tensorboard"))
         if run.wandb:
             try:
                 import wandb  # type: ignore[import-not-found]
             except ImportError:
                 raise ValueError("run.wandb: true needs the 'wandb' package (pip install wandb)") from None
+        self.path = out_dir / "metrics.jsonl"
+        # Rewrite from the history so a resumed run drops lines logged after its checkpoint.
+        with open(self.path, "w", encoding="utf-8") as f:
+            for r in self.records:
+                f.write(json.dumps(r) + "\n")
+        if run.tensorboard:
+            self.tb = SummaryWriter(str(out_dir / "tensorboard"))
+        if run.wandb:
             self.wandb = wandb.init(project=run.wandb_project, config=config, dir=str(out_dir))
 
     def log(self, record: dict[str, Any]) -> None:
@@ -351,8 +362,20 @@ def fit(task: Task, *, resume: bool = False, stream: TextIO | None = None) -> Fi
     continues from the newest valid checkpoint in ``<run.out_dir>/ckpt`` (``FileNotFoundError`` if
     there is none), whose ``model`` config section must equal this one's."""
     info = setup_distributed(task.config.run.device)
+    lock = Path(task.config.run.out_dir) / RUN_LOCK
     try:
-        return _fit(task, resume, info, stream)
+        if info.is_main:  # before anything in out_dir is touched
+            lock.parent.mkdir(parents=True, exist_ok=True)
+            holder = claim(lock)
+            if holder is not None:
+                raise ValueError(f"run.out_dir: expected a folder no other run is using, got "
+                                 f"{task.config.run.out_dir!r}, in use by {holder} (its lock: {lock})")
+        barrier(info)
+        try:
+            return _fit(task, resume, info, stream)
+        finally:
+            if info.is_main:
+                release(lock)
     finally:
         cleanup_distributed(info)
 
@@ -421,20 +444,17 @@ def _fit(task: Task, resume: bool, info: DistInfo, stream: TextIO | None) -> Fit
         if start_step >= run.steps:
             say(f"checkpoint step {start_step} >= run.steps={run.steps}: nothing to train")
 
+    logger = MetricsLogger(out_dir, run, config_dict, history, enabled=info.is_main)
     if not resume and info.is_main:
-        # A fresh run owns its out_dir: checkpoints of an earlier run there would otherwise
-        # outrank (by step number) the ones this run writes.
-        old = find_checkpoints(ckpt_dir, complete_only=False) if ckpt_dir.is_dir() else []
-        if old:
-            say(f"fresh run: removing {len(old)} checkpoint(s) of an earlier run in {ckpt_dir} (use --resume to continue it)")
-            for folder in old:
-                shutil.rmtree(folder, ignore_errors=True)
-        shutil.rmtree(best_dir, ignore_errors=True)
+        # Every check has passed (data, model, optimiser, loggers). A fresh run owns its out_dir:
+        # checkpoints of an earlier run there would otherwise outrank (by step number) the ones
+        # this run writes. Only checkpoints this package wrote are deleted.
+        removed = remove_checkpoints(ckpt_dir) + remove_checkpoints(best_dir)
+        if removed:
+            say(f"fresh run: removed {removed} checkpoint(s) of an earlier run in {out_dir} (use --resume to continue it)")
     barrier(info)
     if info.is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.json").write_text(json.dumps(config_dict, indent=2) + "\n", encoding="utf-8")
-    logger = MetricsLogger(out_dir, run, config_dict, history, enabled=info.is_main)
     step_fn_model = torch.compile(model) if run.compile else model
 
     def save(step: int, root: Path, keep: int) -> Path | None:
