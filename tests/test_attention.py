@@ -383,3 +383,26 @@ def test_rotary_scores_depend_on_relative_position_only():
     freq = torch.tensor([1.0, 10000 ** -0.5, 1.0, 1.0], dtype=torch.float64)
     expect = torch.view_as_real(z * torch.polar(torch.ones(64, 4, dtype=torch.float64), torch.arange(64.0)[:, None] * freq)).flatten(-2)
     torch.testing.assert_close(rot(x), expect.to(rot.cos.dtype).double(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "spec, needle",
+    [
+        ("mha:head_dim=abc", r"^head_dim: expected an integer, got 'abc'$"),
+        ("mha:dropout=abc", r"^dropout: expected a number"),
+        ("mha:causal=maybe", r"^causal: expected a boolean \(true/false/1/0\), got 'maybe'$"),
+        ("mha:qk_norm=yes", r"^qk_norm: expected a boolean"),
+        ("mlr:", r"^ranks: expected positive integers separated by '\|'"),
+        ("mlr:4|x", r"^ranks: expected positive integers"),
+        ("global_swa:split=0|4", r"^split: expected positive integers"),
+        ("mha:rotary_base=0", r"^rotary_base: expected a finite number above 1"),
+    ],
+)
+def test_spec_values_are_parsed_by_their_declared_type(spec, needle):
+    with pytest.raises(ValueError, match=needle):
+        build_attention(spec, d_model=16, n_heads=2, max_seq_len=8)
+
+
+def test_spec_booleans_take_1_and_0():
+    assert parse_attention_spec("mha:rotary=1:bias=0:dropout=0.5") == {"kind": "mha", "rotary": True, "bias": False,
+                                                                       "dropout": 0.5}

@@ -6,7 +6,11 @@ what was given, so a user (or the CLI, which prints the line) knows what to fix.
 
 from __future__ import annotations
 
+import math
+import types
+import typing
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -52,3 +56,51 @@ def check_same_dtype_device(tensors: Sequence[tuple[str, torch.Tensor]]) -> None
     for name, t in tensors[1:]:
         require(t.dtype == first.dtype, f"{name}.dtype", f"{first.dtype} (the dtype of {first_name})", t.dtype)
         require(t.device == first.device, f"{name}.device", f"{first.device} (the device of {first_name})", t.device)
+
+
+def parse_typed(raw: Any, tp: Any, key: str) -> Any:
+    """Coerce ``raw`` (a string from the command line or a spec, or a YAML scalar) to the type ``tp``
+    (``bool``, ``int``, ``float``, ``str`` or one of them ``| None``); booleans are true/false/1/0
+    only. Raises one-line ``ValueError``\ s naming ``key``."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if raw is None or (isinstance(raw, str) and raw.strip().lower() in ("none", "null", "~", "")):
+            return None
+        require(len(args) == 1, key, "a supported type", tp)
+        return parse_typed(raw, args[0], key)
+    if tp is bool:
+        if isinstance(raw, bool):
+            return raw
+        if isinstance(raw, int) and raw in (0, 1):
+            return bool(raw)
+        if isinstance(raw, str) and raw.strip().lower() in ("true", "1"):
+            return True
+        if isinstance(raw, str) and raw.strip().lower() in ("false", "0"):
+            return False
+        raise ValueError(f"{key}: expected a boolean (true/false/1/0), got {raw!r}")
+    if tp is int:
+        if isinstance(raw, bool):
+            raise ValueError(f"{key}: expected an integer, got {raw!r}")
+        if isinstance(raw, int):
+            return raw
+        if isinstance(raw, float) and raw.is_integer():
+            return int(raw)
+        try:
+            return int(str(raw).strip().replace("_", ""))
+        except ValueError:
+            raise ValueError(f"{key}: expected an integer, got {raw!r}") from None
+    if tp is float:
+        if isinstance(raw, bool):
+            raise ValueError(f"{key}: expected a number, got {raw!r}")
+        try:
+            value = float(raw)
+        except (TypeError, ValueError):
+            raise ValueError(f"{key}: expected a number, got {raw!r}") from None
+        if not math.isfinite(value):  # no setting means inf or nan; both would only corrupt a run
+            raise ValueError(f"{key}: expected a finite number, got {raw!r}")
+        return value
+    if tp is str:
+        require(isinstance(raw, (str, int, float)) and not isinstance(raw, bool), key, "a string", raw)
+        return str(raw)
+    raise ValueError(f"{key}: unsupported field type {tp!r}")  # pragma: no cover

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import typing
 from dataclasses import dataclass
 from typing import Any
 
-from .._checks import require
+from .._checks import parse_typed, require
 
 # The main (positional) argument of each kind's spec string.
 _POSITIONAL_FIELD = {
@@ -65,6 +66,8 @@ class AttentionConfig:
             require(isinstance(value, int) and value > 0, name, "a positive integer", value)
         require(self.attn_scale in ("sp", "mup"), "attn_scale", "'sp' (1/sqrt(d)) or 'mup' (1/d)", self.attn_scale)
         require(0.0 <= self.dropout < 1.0, "dropout", "a probability in [0, 1)", self.dropout)
+        require(math.isfinite(self.rotary_base) and self.rotary_base > 1, "rotary_base",
+                "a finite number above 1 (the rotary frequencies are its powers)", self.rotary_base)
         if self.head_dim is None:
             require(
                 self.d_model % self.n_heads == 0,
@@ -99,27 +102,23 @@ def default_scale(convention: str, dims: int) -> float:
     return 1.0 / dims if convention == "mup" else 1.0 / math.sqrt(dims)
 
 
-def _parse_value(text: str) -> Any:
-    if "|" in text:
-        try:
-            return tuple(int(t) for t in text.split("|"))
-        except ValueError:
-            raise ValueError(f"attention spec: expected integers separated by '|', got {text!r}") from None
-    lowered = text.lower()
-    if lowered in ("true", "yes", "on"):
-        return True
-    if lowered in ("false", "no", "off"):
-        return False
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return text
-
-
 _TUPLE_FIELDS = {"split", "ranks", "block_sizes", "n_blocks"}
 _FIELDS = {f.name for f in dataclasses.fields(AttentionConfig)}
+_SHARED = ("d_model", "n_heads", "max_seq_len", "kind")  # set by the model, not by a spec
+
+
+def _parse_field(key: str, text: str, spec: str) -> Any:
+    """A spec value parsed by its field's declared type: positive integers separated by ``|`` for
+    the per-level fields, else bool (true/false/1/0), int, float or str."""
+    if key in _TUPLE_FIELDS:
+        try:
+            values = tuple(int(t) for t in text.split("|"))
+        except ValueError:
+            values = ()
+        require(bool(values) and all(v > 0 for v in values), key,
+                f"positive integers separated by '|' (in the attention spec {spec!r})", text)
+        return values
+    return parse_typed(text, typing.get_type_hints(AttentionConfig)[key], key)
 
 
 def parse_attention_spec(spec: str) -> dict[str, Any]:
@@ -136,12 +135,9 @@ def parse_attention_spec(spec: str) -> dict[str, Any]:
             key, text = _POSITIONAL_FIELD[kind], arg
         else:
             raise ValueError(f"attention spec: expected key=value after the first ':' in {spec!r}, got {arg!r}")
-        require(key in _FIELDS and key not in ("d_model", "n_heads", "max_seq_len", "kind"), "attention spec key",
-                f"one of {sorted(_FIELDS - {'d_model', 'n_heads', 'max_seq_len', 'kind'})}", key)
-        value = _parse_value(text.strip())
-        if key in _TUPLE_FIELDS and isinstance(value, int):
-            value = (value,)
-        out[key] = value
+        require(key in _FIELDS and key not in _SHARED, "attention spec key", f"one of {sorted(_FIELDS - set(_SHARED))}",
+                key)
+        out[key] = _parse_field(key, text.strip(), spec)
     return out
 
 

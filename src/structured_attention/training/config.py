@@ -20,14 +20,12 @@ type (``int``, ``float``, ``bool``, ``str``, optionally ``| None`` where ``none`
 from __future__ import annotations
 
 import dataclasses
-import math
-import types
 import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from .._checks import require
+from .._checks import parse_typed, require
 
 __all__ = [
     "OptimConfig",
@@ -110,50 +108,6 @@ def _field_types(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def _parse_value(raw: Any, tp: Any, key: str) -> Any:
-    """Coerce ``raw`` (a string from the command line, or a YAML scalar) to the type ``tp``."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if raw is None or (isinstance(raw, str) and raw.strip().lower() in ("none", "null", "~", "")):
-            return None
-        require(len(args) == 1, key, "a supported type", tp)
-        return _parse_value(raw, args[0], key)
-    if tp is bool:
-        if isinstance(raw, bool):
-            return raw
-        if isinstance(raw, str) and raw.strip().lower() in ("true", "yes", "on", "1"):
-            return True
-        if isinstance(raw, str) and raw.strip().lower() in ("false", "no", "off", "0"):
-            return False
-        raise ValueError(f"{key}: expected a boolean (true/false), got {raw!r}")
-    if tp is int:
-        if isinstance(raw, bool):
-            raise ValueError(f"{key}: expected an integer, got {raw!r}")
-        if isinstance(raw, int):
-            return raw
-        if isinstance(raw, float) and raw.is_integer():
-            return int(raw)
-        try:
-            return int(str(raw).strip().replace("_", ""))
-        except ValueError:
-            raise ValueError(f"{key}: expected an integer, got {raw!r}") from None
-    if tp is float:
-        if isinstance(raw, bool):
-            raise ValueError(f"{key}: expected a number, got {raw!r}")
-        try:
-            value = float(raw)
-        except (TypeError, ValueError):
-            raise ValueError(f"{key}: expected a number, got {raw!r}") from None
-        if not math.isfinite(value):  # no setting means inf or nan; both would only corrupt a run
-            raise ValueError(f"{key}: expected a finite number, got {raw!r}")
-        return value
-    if tp is str:
-        require(isinstance(raw, (str, int, float)) and not isinstance(raw, bool), key, "a string", raw)
-        return str(raw)
-    raise ValueError(f"{key}: unsupported field type {tp!r}")  # pragma: no cover
-
-
 def _section_updates(section: str, cls: type, values: Any) -> dict[str, Any]:
     require(isinstance(values, dict), section, "a mapping of keys to values", type(values).__name__)
     hints = _field_types(cls)
@@ -164,7 +118,7 @@ def _section_updates(section: str, cls: type, values: Any) -> dict[str, Any]:
             raise ValueError(
                 f"unknown config key {section}.{shown}; valid keys in '{section}': {', '.join(sorted(hints))}"
             )
-        out[key] = _parse_value(raw, hints[key], f"{section}.{key}")
+        out[key] = parse_typed(raw, hints[key], f"{section}.{key}")
     return out
 
 
