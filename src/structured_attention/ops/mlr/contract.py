@@ -240,6 +240,16 @@ def check_mlr_arguments(
     return ranks, sizes, float(scale)
 
 
+def document_bounds(document_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
+    """Per row, the ``(start, end)`` of each document of non-decreasing ``document_ids`` ``(B, T)``,
+    read on the host with one ``.tolist()`` (a device synchronisation on an accelerator)."""
+    bounds = []
+    for ids in document_ids.tolist():
+        starts = [0, *(t for t in range(1, len(ids)) if ids[t] != ids[t - 1])]
+        bounds.append(list(zip(starts, [*starts[1:], len(ids)])))
+    return bounds
+
+
 def check_document_ids(
     document_ids: object, B: int, T: int, device: torch.device | str | None = None
 ) -> torch.Tensor | None:

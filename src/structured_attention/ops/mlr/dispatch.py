@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 
 from . import blocked, cpu
-from .contract import check_mlr_arguments, check_mlr_cache_arguments
+from .contract import check_mlr_arguments, check_mlr_cache_arguments, document_bounds
 from .reference import mlr_attention_reference, mlr_decode_reference, mlr_prefill_reference
 
 __all__ = ["has_triton", "mlr_attention", "mlr_decode", "mlr_prefill"]
@@ -89,10 +89,7 @@ def mlr_attention(
         return cpu.mlr_attention_cpu(q, k, v, ranks, sizes, causal, resolved_scale, depth_normalize, document_ids)
     # The boundaries are read on the host with one .tolist(): a device synchronisation, and a graph
     # break (data-dependent shapes) under torch.compile.
-    boundaries = []  # per row, the (start, end) of each document
-    for ids in document_ids.tolist():
-        starts = [0, *(t for t in range(1, len(ids)) if ids[t] != ids[t - 1])]
-        boundaries.append(list(zip(starts, [*starts[1:], len(ids)])))
+    boundaries = document_bounds(document_ids)
     if all(len(row) == 1 for row in boundaries):  # one document per row: the plain call
         return _mlr_attention(q, k, v, ranks, sizes, causal, resolved_scale, depth_normalize)
     # Each segment is checked again as a sequence of its own; the call's sizes are valid for it

@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from ..._checks import require
-from .contract import attach_backward, check_mlr_arguments
+from .contract import attach_backward, check_mlr_arguments, document_bounds
 from .triton_common import INTERPRETED, cdiv, device_table, dot, pow2
 from .triton_prefix import mlr_attention_prefix, square_tiles
 
@@ -496,10 +496,7 @@ def _segments(document_ids: torch.Tensor | None, B: int, T: int, device: torch.d
     (read on the host: one device synchronisation), or each whole row without documents."""
     if document_ids is None:
         return device_table(tuple(x for b in range(B) for x in (b, 0, T)), torch.int32, device).view(B, 3), T
-    rows = []
-    for b, ids in enumerate(document_ids.tolist()):
-        starts = [0, *(t for t in range(1, T) if ids[t] != ids[t - 1])]
-        rows += [(b, start, end - start) for start, end in zip(starts, [*starts[1:], T])]
+    rows = [(b, start, end - start) for b, row in enumerate(document_bounds(document_ids)) for start, end in row]
     table = torch.tensor(rows, dtype=torch.int32).to(device)
     return table, max(length for _, _, length in rows)
 
