@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The GPU check of the kernels, for a machine with one CUDA GPU: the Triton and compile tests on the GPU, the
 # tile-setting and decoding timings, and the issue-3 benchmarks in bfloat16.
-#   scripts/gpu-check.sh [OUT_DIR] [tests|tune|decode|ncu|bench|all]
+#   scripts/gpu-check.sh [OUT_DIR] [tests|tune|decode|varlen|ncu|bench|all]
 # (default OUT_DIR runs/gpu-check, or $OUT on the lent device machine; default all). On an H100 the
 # tests take about 5 minutes (most of it compiling), tune about 4 and bench about 3, so a machine
 # that stops a command after 10 minutes needs two calls. decode is the short one for a small
 # budget (about 5 minutes): the decoding kernel's timings and tests, the per-kernel profile of a
-# whole decoding step, and the layers' decoding benchmark. ncu (about 2 minutes, not part of all)
+# whole decoding step, and the layers' decoding benchmark. varlen (about 8 minutes, not part of all)
+# runs the padded/packed/ragged tests and the kernels' document and row-start tests on the GPU, then
+# times packed documents against one call per document and mixed-length generation. ncu (about 2 minutes, not part of all)
 # writes Nsight Compute's profile of the decoding and prefill kernels beside flash attention's.
 # Needs python3 with torch (CUDA), triton, numpy, pyyaml, safetensors, pytest, matplotlib; the
 # package is used from src/ without installing it.
@@ -45,6 +47,16 @@ fi
 if [[ $step == decode ]]; then
     sattn bench attention --device cuda --dtype bfloat16 --seq-lens 16384 --decode-cache 16368 --batch 16 \
         --kinds "mha,mlr:8|8|8|8|8|8|8|8,mlr:16|16|16|16" --repeats 5 --no-memory --out "$out/decode-b16" || status=1
+fi
+if [[ $step == varlen ]]; then
+    timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_varlen.py tests/test_mlr_documents.py \
+        tests/test_mlr_decode.py 2>&1 | tee "$out/varlen-tests.log" | tail -n 15 || status=1
+    for bench in "varlen --seq-len 16384 --batch 4 --repeats 10 --out $out/varlen-random" \
+                 "varlen --lengths 16384;64x256 --repeats 10 --out $out/varlen-short" \
+                 "generate --repeats 5 --out $out/generate"; do
+        # shellcheck disable=SC2086  # the words of each benchmark's command line
+        timeout 75 python3 -m structured_attention.cli.main bench $bench --device cuda --dtype bfloat16 2>&1 | tee -a "$out/varlen-bench.log" || status=1
+    done
 fi
 if [[ $step == ncu ]]; then  # Nsight Compute's profile of the decoding and prefill kernels against flash
     for case in decode prefill; do

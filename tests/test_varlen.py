@@ -28,13 +28,16 @@ KINDS = [
     ("bilinear_mlr:4|2", "learned"),
 ]
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
+# On a GPU machine the models run there: the Triton kernels, FlexAttention's band and SDPA's CUDA
+# kernels then meet the same checks as the CPU paths do elsewhere.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _gpt(spec: str, positions: str, dtype: torch.dtype, max_seq_len: int = 32) -> GPT:
     torch.manual_seed(0)
     config = GPTConfig(n_layers=2, d_model=32, n_heads=2, max_seq_len=max_seq_len, attention=spec,
                        positions=positions, vocab_size=40)
-    return GPT(config).to(dtype).eval()
+    return GPT(config).to(DEVICE, dtype).eval()
 
 
 def _padding_mask(lengths: list[int], total: int, side: str) -> torch.Tensor:
@@ -42,7 +45,7 @@ def _padding_mask(lengths: list[int], total: int, side: str) -> torch.Tensor:
     for row, n in enumerate(lengths):
         mask[row, total - n:] = 1 if side == "left" else 0
         mask[row, :n] = 1 if side == "right" else mask[row, :n]
-    return mask
+    return mask.to(DEVICE)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
@@ -51,7 +54,7 @@ def _padding_mask(lengths: list[int], total: int, side: str) -> torch.Tensor:
 def test_padded_batch_equals_each_sequence_alone(spec: str, positions: str, side: str, dtype: torch.dtype) -> None:
     model = _gpt(spec, positions, dtype)
     lengths, total = [5, 13, 20], 20
-    idx = torch.randint(0, 40, (3, total), generator=torch.Generator().manual_seed(1))
+    idx = torch.randint(0, 40, (3, total), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     mask = _padding_mask(lengths, total, side)
     tokens = model.tok_emb(idx).detach().requires_grad_(True)
     features = model.backbone(tokens, attention_mask=mask)
@@ -71,8 +74,8 @@ def test_padded_batch_equals_each_sequence_alone(spec: str, positions: str, side
 @pytest.mark.parametrize("spec,positions", KINDS)
 def test_packed_documents_equal_each_document_alone(spec: str, positions: str) -> None:
     model = _gpt(spec, positions, torch.float64)
-    ids = torch.tensor([[0] * 7 + [1] * 3 + [2] * 14, [5] * 24])
-    idx = torch.randint(0, 40, (2, 24), generator=torch.Generator().manual_seed(2))
+    ids = torch.tensor([[0] * 7 + [1] * 3 + [2] * 14, [5] * 24], device=DEVICE)
+    idx = torch.randint(0, 40, (2, 24), generator=torch.Generator().manual_seed(2)).to(DEVICE)
     logits, _ = model(idx, document_ids=ids)
     for row in range(2):
         for doc in ids[row].unique():
@@ -87,10 +90,10 @@ def test_attention_layer_takes_masks_and_documents(spec: str, positions: str) ->
     kind_spec = spec.split(":")
     torch.manual_seed(0)
     layer = build_attention(spec, d_model=32, n_heads=2, max_seq_len=32, rotary=positions == "rotary")
-    layer = layer.double()
-    x = torch.randn(2, 12, 32, dtype=torch.float64)
-    mask = torch.tensor([[1] * 9 + [0] * 3, [1] * 12])
-    ids = torch.tensor([[0] * 12, [0] * 4 + [1] * 8])
+    layer = layer.to(DEVICE, torch.float64)
+    x = torch.randn(2, 12, 32, dtype=torch.float64, device=DEVICE)
+    mask = torch.tensor([[1] * 9 + [0] * 3, [1] * 12], device=DEVICE)
+    ids = torch.tensor([[0] * 12, [0] * 4 + [1] * 8], device=DEVICE)
     out = layer(x, attention_mask=mask, document_ids=ids)
     assert out[0, 9:].abs().max() == 0, kind_spec
     torch.testing.assert_close(out[0, :9], layer(x[:1, :9])[0], atol=1e-10, rtol=0)
@@ -103,7 +106,7 @@ def test_attention_layer_takes_masks_and_documents(spec: str, positions: str) ->
 def test_ragged_generation_equals_each_row_alone(spec: str, positions: str, dtype: torch.dtype) -> None:
     model = _gpt(spec, positions, dtype)
     lengths, total, new = [3, 9, 16], 16, 8
-    prompts = torch.randint(0, 40, (3, total), generator=torch.Generator().manual_seed(3))
+    prompts = torch.randint(0, 40, (3, total), generator=torch.Generator().manual_seed(3)).to(DEVICE)
     mask = _padding_mask(lengths, total, "left")
     out = model.generate(prompts, new, temperature=0, attention_mask=mask)
     assert torch.equal(out[:, :total], prompts)
@@ -117,8 +120,8 @@ def test_left_padded_prompt_prefilled_in_chunks(spec: str, positions: str) -> No
     """Chunks that are all padding in some rows, a one-token chunk, then decoding: the logits of
     every real token equal those of the whole padded batch at once."""
     model = _gpt(spec, positions, torch.float64, max_seq_len=24)
-    idx = torch.randint(0, 40, (3, 22), generator=torch.Generator().manual_seed(4))
-    mask = torch.cat([_padding_mask([3, 11, 20], 20, "left"), torch.ones(3, 2, dtype=torch.long)], dim=1)
+    idx = torch.randint(0, 40, (3, 22), generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    mask = torch.cat([_padding_mask([3, 11, 20], 20, "left"), torch.ones(3, 2, dtype=torch.long, device=DEVICE)], dim=1)
     caches = model.new_caches(3)
     pieces = []
     for lo, hi in [(0, 5), (5, 12), (12, 13), (13, 20), (20, 21), (21, 22)]:
@@ -131,8 +134,8 @@ def test_left_padded_prompt_prefilled_in_chunks(spec: str, positions: str) -> No
 
 def test_loss_ignores_padding_targets() -> None:
     model = _gpt("mlr:8|4|4", "rotary", torch.float64)
-    idx = torch.randint(0, 40, (2, 10), generator=torch.Generator().manual_seed(5))
-    targets = torch.randint(0, 40, (2, 10), generator=torch.Generator().manual_seed(6))
+    idx = torch.randint(0, 40, (2, 10), generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    targets = torch.randint(0, 40, (2, 10), generator=torch.Generator().manual_seed(6)).to(DEVICE)
     mask = _padding_mask([4, 10], 10, "left")
     _, loss = model(idx, targets, attention_mask=mask)
     _, short = model(idx[:1, 6:], targets[:1, 6:])
@@ -152,17 +155,19 @@ def test_regression_model_with_padded_prompts() -> None:
 
 
 def test_sliding_window_with_documents_matches_dense() -> None:
+    """The tiled band on the CPU, FlexAttention's block mask on a GPU."""
     torch.manual_seed(0)
-    q, k, v = (torch.randn(2, 2, 70, 8, dtype=torch.float64) for _ in range(3))
-    ids = torch.tensor([[0] * 30 + [1] * 40, [3] * 5 + [4] * 65])
+    dtype, tol = (torch.float64, 1e-12) if DEVICE == "cpu" else (torch.float32, 1e-5)
+    q, k, v = (torch.randn(2, 2, 70, 8, dtype=dtype, device=DEVICE) for _ in range(3))
+    ids = torch.tensor([[0] * 30 + [1] * 40, [3] * 5 + [4] * 65], device=DEVICE)
     for causal in (True, False):
         out = sliding_window_attention(q, k, v, 6, causal=causal, tile=16, document_ids=ids)
-        i = torch.arange(70)
+        i = torch.arange(70, device=DEVICE)
         keep = ((i[:, None] - i[None, :]).abs() <= 6) & (ids[:, :, None] == ids[:, None, :])
         if causal:
             keep &= i[:, None] >= i[None, :]
         scores = (q @ k.transpose(-1, -2) / 8**0.5).masked_fill(~keep[:, None], float("-inf"))
-        torch.testing.assert_close(out, scores.softmax(-1) @ v, atol=1e-12, rtol=0)
+        torch.testing.assert_close(out, scores.softmax(-1) @ v, atol=tol, rtol=0)
 
 
 def _compressed_cache(k: torch.Tensor, offsets: list[int], ranks: tuple[int, ...], sizes: tuple[int, ...]):
@@ -200,9 +205,10 @@ def test_decoding_with_row_starts_equals_each_row_alone(depth_normalize: bool) -
                                                           ranks, 0.3, depth_normalize, rows),
                                    expected.float(), atol=1e-5, rtol=0)
     triton_decode = pytest.importorskip("structured_attention.ops.mlr.triton_decode")
-    got = triton_decode.mlr_decode_triton(q.float(), [x.float() for x in keys], starts, v.float(), ranks, 0.3,
-                                          depth_normalize, rows, block_n=16)
-    torch.testing.assert_close(got, expected.float(), atol=1e-5, rtol=0)
+    got = triton_decode.mlr_decode_triton(q.float().to(DEVICE), [x.float().to(DEVICE) for x in keys], starts,
+                                          v.float().to(DEVICE), ranks, 0.3, depth_normalize, rows.to(DEVICE),
+                                          block_n=16)
+    torch.testing.assert_close(got.cpu(), expected.float(), atol=1e-5, rtol=0)
 
 
 def test_prefill_with_row_starts_equals_each_row_alone() -> None:
@@ -233,7 +239,7 @@ def _bad(call, match: str) -> None:
 
 
 def test_bad_masks_and_document_ids() -> None:
-    model = _gpt("mlr:8|4|4", "rotary", torch.float32)
+    model = _gpt("mlr:8|4|4", "rotary", torch.float32).cpu()
     idx = torch.randint(0, 40, (2, 6))
     ones = torch.ones(2, 6, dtype=torch.long)
     _bad(lambda: model(idx, attention_mask=ones[:, :5]), r"^attention_mask: expected shape \(batch=2, seq_len=6\)")
@@ -274,8 +280,8 @@ def test_compiled_model_takes_a_padded_batch() -> None:
     """torch.compile of a GPT fed a padded batch equals eager (MLR's segment table is read on the
     host: a graph break, not an error)."""
     model = _gpt("mlr:8|4|4", "rotary", torch.float32)
-    idx = torch.randint(0, 40, (2, 12), generator=torch.Generator().manual_seed(7))
-    mask = torch.tensor([[0] * 7 + [1] * 5, [1] * 10 + [0] * 2])
+    idx = torch.randint(0, 40, (2, 12), generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    mask = torch.tensor([[0] * 7 + [1] * 5, [1] * 10 + [0] * 2], device=DEVICE)
     compiled, _ = torch.compile(model)(idx, attention_mask=mask)
     eager, _ = model(idx, attention_mask=mask)
     torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=0)

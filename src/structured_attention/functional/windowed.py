@@ -1,7 +1,8 @@
 """Sliding-window attention that never forms the ``T x T`` score matrix.
 
 Query ``i`` sees keys ``i - window <= j <= i`` (``|i - j| <= window`` when bidirectional). On
-CUDA the pattern goes to FlexAttention with a block mask, which skips the blocks outside the band;
+CUDA the pattern goes to FlexAttention with a block mask, which skips the blocks outside the band
+(where its fused kernel takes the inputs: 16- or 32-bit floats, head dims of at least 16);
 elsewhere queries are cut into tiles of ``tile`` rows, each scored against the ``tile + window``
 keys (``+ window`` more when bidirectional) around it, so memory grows as ``T * (tile + window)``.
 """
@@ -44,9 +45,18 @@ def sliding_window_attention(
         require(isinstance(document_ids, torch.Tensor) and tuple(document_ids.shape) == (q.shape[0], q.shape[2]),
                 "document_ids", f"a (B={q.shape[0]}, T={q.shape[2]}) tensor", getattr(document_ids, "shape", document_ids))
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    if q.is_cuda and dropout_p == 0.0:
+    if q.is_cuda and dropout_p == 0.0 and _flex_fits(q, v):
         return _flex_window(q, k, v, window, causal, scale, document_ids)
     return _tiled_window(q, k, v, window, causal, scale, dropout_p, tile, document_ids)
+
+
+# What FlexAttention's fused CUDA kernel compiles for; float64 or a head dim under 16 fails inside
+# inductor's lowering, so those inputs take the tiled band instead.
+_FLEX_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _flex_fits(q: torch.Tensor, v: torch.Tensor) -> bool:
+    return q.dtype in _FLEX_DTYPES and min(q.shape[-1], v.shape[-1]) >= 16
 
 
 def _tiled_window(
