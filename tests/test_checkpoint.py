@@ -128,3 +128,93 @@ def test_no_pickle_in_checkpoint(tmp_path):
     for f in folder.iterdir():
         head = f.read_bytes()[:2]
         assert head != b"\x80\x02" and not f.name.endswith((".pt", ".pkl", ".bin"))
+
+
+def _edit_state(folder, edit, *, reseal: bool = False):
+    """Change state.json as valid JSON; with ``reseal`` also recompute its checksum (a forged or
+    buggy writer), so only the field checks can catch it."""
+    import hashlib
+
+    path = folder / "state.json"
+    state = json.loads(path.read_text())
+    edit(state)
+    if reseal:
+        body = {k: v for k, v in state.items() if k != "state_sha256"}
+        state["state_sha256"] = hashlib.sha256(json.dumps(body, indent=1).encode()).hexdigest()
+    path.write_text(json.dumps(state, indent=1))
+
+
+@pytest.mark.parametrize("edit", [
+    lambda s: s.update(step=7),
+    lambda s: s["losses"].__setitem__(0, 0.5),
+    lambda s: s["rng"]["numpy"].update(pos=3),
+], ids=["step", "loss", "rng"])
+def test_an_edited_state_falls_back_to_the_previous_checkpoint(tmp_path, edit):
+    model, opt = trained()
+    root = tmp_path / "ckpt"
+    for step in (1, 2):
+        save(model, opt, root, step)
+    _edit_state(root / "step-00000002", edit)
+    with pytest.warns(UserWarning, match=r"step-00000002.*state_sha256.*falling back") as caught:
+        assert load_checkpoint(root).step == 1
+    assert all("\n" not in str(w.message) for w in caught)
+
+
+@pytest.mark.parametrize("field,edit", [
+    ("step", lambda s: s.update(step="2")),
+    ("step", lambda s: s.update(step=5)),
+    ("rng.numpy.key", lambda s: s["rng"]["numpy"].update(key=[1, 2])),
+    ("rng.torch", lambda s: s["rng"].update(torch="not base64!")),
+    ("rng.python.internal", lambda s: s["rng"]["python"].update(internal="x")),
+    ("losses", lambda s: s.update(losses=["a"])),
+    ("sha256", lambda s: s.update(sha256=None)),
+    ("aliases", lambda s: s.update(aliases=[1])),
+    ("optimizer.param_groups", lambda s: s.update(optimizer={"param_groups": 3})),
+    ("data", lambda s: s.update(data={"seed": 0, "next_step": 9})),
+    ("metrics", lambda s: s.update(metrics=[{"step": 99}])),
+    ("tracker", lambda s: s.update(tracker={"best_val_loss": "low"})),
+])
+def test_malformed_fields_are_named_and_fall_back(tmp_path, field, edit):
+    model, opt = trained()
+    root = tmp_path / "ckpt"
+    for step in (1, 2):
+        save(model, opt, root, step, data={"seed": 0, "next_step": step}, metrics=[],
+             tracker={"best_val_loss": float("inf"), "best_step": 0, "bad_evals": 0, "best": {}})
+    _edit_state(root / "step-00000002", edit, reseal=True)
+    with pytest.warns(UserWarning, match=rf"field '{field}': expected"):
+        assert load_checkpoint(root).step == 1
+    with pytest.raises(ValueError, match=rf"field '{field}'"):
+        load_checkpoint(root / "step-00000002")
+
+
+def test_keep_two_counts_only_checkpoints_that_verify(tmp_path):
+    """A corrupt newest checkpoint is not one of the two kept: after the next save the last good
+    one is still there, and a second fault still leaves one to resume from."""
+    model, opt = trained()
+    root = tmp_path / "ckpt"
+    for step in (1, 2):
+        save(model, opt, root, step)
+    f = root / "step-00000002" / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-1] ^= 0xFF
+    f.write_bytes(bytes(data))
+    save(model, opt, root, 3)
+    assert [p.name for p in find_checkpoints(root)] == ["step-00000003", "step-00000001"]
+    (root / "step-00000003" / "optimizer.safetensors").unlink()  # a second fault
+    with pytest.warns(UserWarning, match="falling back"):
+        assert load_checkpoint(root).step == 1
+
+
+def test_a_checkpoint_of_another_dtype_is_refused(tmp_path):
+    model, opt = trained()
+    folder = save(model, opt, tmp_path / "ckpt", 1)
+    loaded = load_checkpoint(folder)
+    with pytest.raises(ValueError, match=r"tok_emb.weight is torch.float32, the model needs torch.float64"):
+        check_compatible(GPT(CFG).double(), loaded.model_state, str(folder))
+
+
+def test_a_checkpoint_of_the_first_format_still_loads(tmp_path):
+    model, opt = trained()
+    folder = save(model, opt, tmp_path / "ckpt", 1)
+    _edit_state(folder, lambda s: (s.pop("state_sha256"), s.update(format="structured-attention-checkpoint-v1")))
+    assert load_checkpoint(folder).step == 1

@@ -376,6 +376,12 @@ def test_atomic_write_leaves_no_temp_files(tmp_path, monkeypatch):
     (folder / "train.bin").write_bytes(b"xx")
     rebuilt = load_corpus(path, cache_dir=cache)
     assert len(rebuilt.train) == corpus.meta["train_tokens"]
+    # So is a shard of the right size with one byte changed (its checksum fails).
+    expected = np.array(rebuilt.train)
+    damaged = bytearray((folder / "train.bin").read_bytes())
+    damaged[5] ^= 0x01
+    (folder / "train.bin").write_bytes(bytes(damaged))
+    assert np.array_equal(np.array(load_corpus(path, cache_dir=cache).train), expected)
     assert not [p for p in folder.iterdir() if p.name.startswith(".tmp")]
 
 

@@ -17,6 +17,7 @@ import torch
 from structured_attention.cli.main import main
 from structured_attention.models import GPT, GPTConfig
 from structured_attention.training import OptimConfig, build_optimizer, load_checkpoint, save_checkpoint
+from structured_attention.training.checkpoint import get_rng_state
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "structured_attention"
 
@@ -32,7 +33,7 @@ class _Payload:
 def _checkpoint(tmp_path: Path) -> Path:
     model = GPT(GPTConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, max_seq_len=8, tie_embeddings=False))
     opt = build_optimizer(model, OptimConfig())
-    state = {"config": {}, "rng": {}, "losses": [], "metrics": []}
+    state = {"config": {}, "rng": get_rng_state(), "losses": [], "metrics": []}
     return save_checkpoint(tmp_path / "ckpt", 1, model.state_dict(), opt.state_dict(), state)
 
 
@@ -43,6 +44,8 @@ def test_a_pickle_in_place_of_the_weights_is_refused_even_with_a_matching_checks
     weights.write_bytes(pickle.dumps({"weight": _Payload(marker)}))
     state = json.loads((folder / "state.json").read_text())
     state["sha256"]["model.safetensors"] = hashlib.sha256(weights.read_bytes()).hexdigest()
+    body = {k: v for k, v in state.items() if k != "state_sha256"}  # and state.json's own checksum
+    state["state_sha256"] = hashlib.sha256(json.dumps(body, indent=1).encode()).hexdigest()
     (folder / "state.json").write_text(json.dumps(state))
     with pytest.raises(ValueError, match="cannot read tensors"):
         load_checkpoint(folder)

@@ -17,6 +17,7 @@ from structured_attention.training import (
     apply_overrides,
     config_from_dict,
     config_to_dict,
+    load_checkpoint,
     lr_at,
     mup_lr_multipliers,
     param_groups,
@@ -179,13 +180,66 @@ def test_resume_other_architecture(tmp_path):
         train_lm(load_lm_config(None, base + [f"run.out_dir={tmp_path / 'nothing'}"]), resume=True)
 
 
+def _checkpoint_loss(folder) -> float:
+    """The training loss of a checkpoint's weights on one batch, computed here from the files."""
+    ckpt = load_checkpoint(folder)
+    model = GPT(GPTConfig(**ckpt.state["config"]["model"]))
+    model.load_state_dict(ckpt.model_state)
+    idx = torch.randint(0, 256, (4, 33), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return float(model(idx[:, :-1], idx[:, 1:])[1])
+
+
 def test_nonfinite_loss_stops(tmp_path):
+    """lr=1e30: step 1's update leaves finite but huge weights whose loss is NaN. The run stops at
+    step 2 and names no checkpoint: the only one it wrote gives a NaN itself."""
     from structured_attention.training import NonFiniteLossError
 
     cfg = load_lm_config(None, tiny_overrides(tmp_path, steps=6, checkpoint_every=1) + ["optim.warmup_steps=0"] + ["optim.lr=1e30", "optim.grad_clip=0"])
-    with pytest.raises(NonFiniteLossError, match=r"at step [2-6]; the last good checkpoint is .*step-0000000[1-5]"):
+    with pytest.raises(NonFiniteLossError, match=r"the loss is nan at step 2; no checkpoint of this run has given a finite loss"):
         train_lm(cfg)
-    assert (tmp_path / "run" / "ckpt" / "step-00000001" / "state.json").is_file()
+    assert not math.isfinite(_checkpoint_loss(tmp_path / "run" / "ckpt" / "step-00000001"))
+
+
+def test_nonfinite_weights_are_never_checkpointed(tmp_path, monkeypatch):
+    """An update that leaves an infinite weight (injected) stops the run before the checkpoint."""
+    from structured_attention.training import NonFiniteLossError
+
+    real_step = torch.optim.AdamW.step
+
+    def step(self, *args, **kwargs):
+        out = real_step(self, *args, **kwargs)
+        with torch.no_grad():
+            self.param_groups[0]["params"][0].view(-1)[0] = float("inf")
+        return out
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    cfg = load_lm_config(None, tiny_overrides(tmp_path, steps=6, checkpoint_every=1))
+    with pytest.raises(NonFiniteLossError, match=r"the weights are not finite after step 1 \(its loss was finite\)"):
+        train_lm(cfg)
+    assert not (tmp_path / "run" / "ckpt" / "step-00000001").exists()
+
+
+def test_nonfinite_loss_names_a_checkpoint_that_gives_a_finite_loss(tmp_path, monkeypatch):
+    """A NaN at step 4 (injected): the checkpoint after step 3 holds the weights that gave it, so
+    the run names step 2's, whose own loss (computed here from its files) is finite."""
+    from structured_attention.experiments.lm import LMTask
+    from structured_attention.training import NonFiniteLossError
+
+    calls = []
+    real_loss = LMTask.loss
+
+    def loss(self, model, batch):
+        calls.append(1)
+        out = real_loss(self, model, batch)
+        return out * float("nan") if len(calls) == 4 else out
+
+    monkeypatch.setattr(LMTask, "loss", loss)
+    cfg = load_lm_config(None, tiny_overrides(tmp_path, steps=6, checkpoint_every=1))
+    with pytest.raises(NonFiniteLossError, match=r"at step 4; the last good checkpoint is .*step-00000002") as err:
+        train_lm(cfg)
+    named = str(err.value).split("the last good checkpoint is ")[1].split(" (")[0]
+    assert math.isfinite(_checkpoint_loss(named))
 
 
 def test_grad_accum_matches_bigger_batch(tmp_path):

@@ -16,9 +16,16 @@ import torch
 
 
 def require(condition: bool, name: str, expected: str, got: object) -> None:
-    """Raise ``ValueError("<name>: expected <expected>, got <got>")`` unless ``condition``."""
+    """Raise ``ValueError("<name>: expected <expected>, got <got>")`` unless ``condition``; a long
+    ``got`` is cut to 200 characters, so the message stays one readable line."""
     if not condition:
-        raise ValueError(f"{name}: expected {expected}, got {got!r}")
+        raise ValueError(f"{name}: expected {expected}, got {quote(got)}")
+
+
+def quote(value: object, limit: int = 200) -> str:
+    """``repr(value)``, cut to ``limit`` characters with ``...``."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def check_positive_int(value: object, name: str) -> int:
@@ -61,7 +68,7 @@ def check_same_dtype_device(tensors: Sequence[tuple[str, torch.Tensor]]) -> None
 def parse_typed(raw: Any, tp: Any, key: str) -> Any:
     """Coerce ``raw`` (a string from the command line or a spec, or a YAML scalar) to the type ``tp``
     (``bool``, ``int``, ``float``, ``str`` or one of them ``| None``); booleans are true/false/1/0
-    only. Raises one-line ``ValueError``\ s naming ``key``."""
+    only. Raises a one-line ``ValueError`` naming ``key``."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]

@@ -1,16 +1,17 @@
-"""File helpers shared by the package: atomic writes (checkpoints, data caches, downloads) and
-claims on a folder (a run's out_dir, a sweep's run)."""
+"""File helpers shared by the package: atomic writes (checkpoints, data caches, downloads), file
+checksums, and claims on a folder (a run's out_dir, a sweep's run)."""
 
 from __future__ import annotations
 
 import getpass
+import hashlib
 import os
 import socket
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["atomic_write", "claim", "release"]
+__all__ = ["atomic_write", "claim", "file_sha256", "release"]
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
@@ -30,6 +31,15 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """The SHA-256 of a file's bytes, read in 1 MiB pieces."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def _alive(pid: int) -> bool:

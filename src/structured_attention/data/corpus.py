@@ -49,12 +49,13 @@ the UTF-8 train text, the UTF-8 validation text), each length-prefixed: ``train.
 ``val.bin`` (raw ``np.uint8`` ids for ``byte``, ``np.uint16`` for ``char`` with a vocabulary up to
 65536, else ``np.uint32``), ``train_docs.bin`` and ``val_docs.bin`` (the document starts, raw
 ``np.int64``, one per document name in ``meta.json``) and ``meta.json`` (format tag, tokenizer
-json, token counts, byte counts, dtype, source description, document names). Every file is
-written to a temporary file in the same folder and moved into place with ``os.replace``;
-``meta.json`` is written last and is the commit marker, so an interrupted write never yields a
-shard that is read. A folder whose ``meta.json`` names another format (e.g. one written before
-document starts were recorded), or whose shards or document starts are missing or truncated, is
-rebuilt. A second call with the same content (same split, same tokenizer) reads the shards
+json, token counts, byte counts, dtype, source description, document names, and the SHA-256 of
+the four other files). Every file is written to a temporary file in the same folder and moved
+into place with ``os.replace``; ``meta.json`` is written last and is the commit marker, so an
+interrupted write never yields a shard that is read. A folder whose ``meta.json`` names another
+format (e.g. one written before document starts were recorded), or whose shards or document
+starts are missing, truncated or fail their checksum, is rebuilt (hashing costs one read of the
+shards per load, about a second per GB). A second call with the same content (same split, same tokenizer) reads the shards
 without tokenising. The default ``cache_dir`` is ``$SATTN_CACHE_DIR`` or
 ``~/.cache/structured-attention``.
 """
@@ -75,7 +76,7 @@ from typing import Any
 import numpy as np
 
 from .._checks import require
-from .._files import atomic_write
+from .._files import atomic_write, file_sha256
 from .tokenizers import TOKENIZERS, ByteTokenizer, CharTokenizer, Tokenizer, tokenizer_from_json
 
 __all__ = [
@@ -91,7 +92,8 @@ __all__ = [
 DOC_SEPARATOR = "\n\n"
 #: Folder names excluded from the stdlib corpus (besides any ``config-*`` folder).
 STDLIB_EXCLUDED_DIRS = frozenset({"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"})
-_FORMAT = "structured-attention-corpus-v2"  # v2: document starts (train_docs.bin, val_docs.bin)
+_FORMAT = "structured-attention-corpus-v3"  # v2: document starts; v3: the files' SHA-256 in meta.json
+_SHARDS = ("train.bin", "val.bin", "train_docs.bin", "val_docs.bin")
 _HF_EXTRA = "pip install 'structured-attention[hf]'"
 
 
@@ -344,6 +346,8 @@ def _open_shards(folder: Path) -> tuple[dict[str, Any], dict[str, np.ndarray], d
         meta = json.loads((folder / "meta.json").read_text(encoding="utf-8"))
         if meta.get("format") != _FORMAT:
             return None
+        if any(file_sha256(folder / name) != meta["sha256"][name] for name in _SHARDS):
+            return None
         dtype = np.dtype(meta["dtype"])
         for split in ("train", "val"):
             n = int(meta[f"{split}_tokens"])
@@ -427,10 +431,10 @@ def load_corpus(
             "val_documents": val_names,
         }
         folder.mkdir(parents=True, exist_ok=True)
-        atomic_write(folder / "train.bin", lambda p: Path(p).write_bytes(train_ids.tobytes()))
-        atomic_write(folder / "val.bin", lambda p: Path(p).write_bytes(val_ids.tobytes()))
-        atomic_write(folder / "train_docs.bin", lambda p: Path(p).write_bytes(train_starts.tobytes()))
-        atomic_write(folder / "val_docs.bin", lambda p: Path(p).write_bytes(val_starts.tobytes()))
+        contents = dict(zip(_SHARDS, (train_ids, val_ids, train_starts, val_starts)))
+        for name, array in contents.items():
+            atomic_write(folder / name, lambda p, a=array: Path(p).write_bytes(a.tobytes()))
+        meta["sha256"] = {name: hashlib.sha256(array.tobytes()).hexdigest() for name, array in contents.items()}
         atomic_write(folder / "meta.json", lambda p: Path(p).write_text(json.dumps(meta, ensure_ascii=False), encoding="utf-8"))
         cached = _open_shards(folder)
         if cached is None:  # pragma: no cover - only if the filesystem lost what was just written

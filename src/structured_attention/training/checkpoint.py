@@ -12,14 +12,18 @@ Layout of one checkpoint, a folder ``<out_dir>/ckpt/step-00000600/``:
   tokenizer JSON, RNG states (torch/CUDA as base64 of their byte tensors, numpy's MT19937 key as a
   list, Python's ``random`` state as lists), the data position (batches are drawn from
   ``(seed, step)`` so the position is the next step), the per-step losses and metrics so far, the
-  optimizer's param groups (hyper-parameters and parameter names), and the SHA-256 of both tensor
-  files.
+  optimizer's param groups (hyper-parameters and parameter names), the SHA-256 of both tensor
+  files, and last ``state_sha256``, the SHA-256 of the rest of the file as written (so an edit to
+  the step, the losses or the RNG state is caught like a flipped bit in a tensor file).
 
 Each file is written to a temporary file in the same folder, flushed, fsynced and moved into place
 with ``os.replace``; the folder itself is built under a temporary name and renamed when complete.
-The two newest complete checkpoints are kept (``latest`` and ``previous``). :func:`load_checkpoint`
-verifies the checksums and, when the newest checkpoint is missing a file, unreadable or corrupt,
-warns and falls back to the previous one.
+The two newest checkpoints that verify are kept (``latest`` and ``previous``); one that fails
+verification is never counted, so a corrupt newest checkpoint cannot push out the last good one.
+:func:`load_checkpoint` verifies the checksums and every field of ``state.json`` (its type and
+range) and, when the newest checkpoint is missing a file, unreadable, corrupt or malformed, warns
+in one line and falls back to the previous one. Checkpoints of the format before ``state_sha256``
+(``...-v1``) still load, with their fields validated.
 """
 
 from __future__ import annotations
@@ -40,11 +44,13 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from .._files import atomic_write
+from .._checks import quote
+from .._files import atomic_write, file_sha256
 
 __all__ = [
     "CHECKPOINT_FORMAT",
     "LoadedCheckpoint",
+    "checkpoint_verifies",
     "find_checkpoints",
     "flatten_optimizer_state",
     "get_rng_state",
@@ -56,7 +62,8 @@ __all__ = [
     "unflatten_optimizer_state",
 ]
 
-CHECKPOINT_FORMAT = "structured-attention-checkpoint-v1"
+CHECKPOINT_FORMAT = "structured-attention-checkpoint-v2"
+_FORMATS = ("structured-attention-checkpoint-v1", CHECKPOINT_FORMAT)  # readable; v1 has no state_sha256
 MODEL_FILE = "model.safetensors"
 OPTIM_FILE = "optimizer.safetensors"
 STATE_FILE = "state.json"
@@ -65,13 +72,6 @@ _SEP = "/"
 
 # -- small helpers ---------------------------------------------------------------------------------
 
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -85,6 +85,12 @@ def _fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def _state_text(state: dict[str, Any]) -> str:
+    """``state.json``'s text without its own checksum: written as is, and re-made on load from the
+    parsed file (Python's JSON round-trips its own floats and key order exactly)."""
+    return json.dumps({k: v for k, v in state.items() if k != "state_sha256"}, indent=1, allow_nan=True)
 
 
 def _b64(t: torch.Tensor) -> str:
@@ -209,8 +215,9 @@ def save_checkpoint(
             "step": step,
             "aliases": aliases,
             "optimizer": {"param_groups": groups},
-            "sha256": {MODEL_FILE: _sha256(tmp_dir / MODEL_FILE), OPTIM_FILE: _sha256(tmp_dir / OPTIM_FILE)},
+            "sha256": {MODEL_FILE: file_sha256(tmp_dir / MODEL_FILE), OPTIM_FILE: file_sha256(tmp_dir / OPTIM_FILE)},
         }
+        payload["state_sha256"] = hashlib.sha256(_state_text(payload).encode("utf-8")).hexdigest()
         text = json.dumps(payload, indent=1, allow_nan=True)
 
         def write_json(p: str) -> None:
@@ -226,8 +233,14 @@ def save_checkpoint(
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
-    for old in find_checkpoints(root, complete_only=False)[keep:]:
-        shutil.rmtree(old, ignore_errors=True)
+    # Keep the new checkpoint and the newest ones before it that verify, ``keep`` in all; the rest
+    # (older, or corrupt) go, but only folders this package wrote.
+    kept = 0
+    for old in find_checkpoints(root, complete_only=False):
+        if old == final or (kept < keep and checkpoint_verifies(old)):
+            kept += 1
+        elif _ours(old):
+            shutil.rmtree(old, ignore_errors=True)
     return final
 
 
@@ -254,21 +267,29 @@ def _step_dirs(root: Path) -> list[Path]:
     return sorted(dirs, key=lambda p: int(p.name[5:]), reverse=True)
 
 
+def _ours(folder: Path) -> bool:
+    """A ``step-*`` folder this package wrote: its ``state.json`` names one of our formats, or it
+    holds nothing but our three file names (a checkpoint whose deletion was killed half-way)."""
+    try:
+        return json.loads((folder / STATE_FILE).read_text(encoding="utf-8")).get("format") in _FORMATS
+    except (OSError, ValueError, AttributeError):
+        pass
+    try:
+        return {p.name for p in folder.iterdir()} <= {MODEL_FILE, OPTIM_FILE, STATE_FILE}
+    except OSError:
+        return False
+
+
 def remove_checkpoints(root: str | Path) -> int:
-    """Delete the checkpoints this package wrote in ``root``: ``step-*`` folders whose
-    ``state.json`` names this checkpoint format, and the temporary folders of killed saves.
-    Anything else there (other files, folders, ``root`` itself) is left alone. Returns how many
-    checkpoints were deleted."""
+    """Delete the checkpoints this package wrote in ``root`` (see :func:`_ours`) and the temporary
+    folders of killed saves. Anything else there (other files, folders, ``root`` itself) is left
+    alone. Returns how many checkpoints were deleted."""
     root = Path(root)
     if not root.is_dir():
         return 0
     removed = 0
     for folder in _step_dirs(root):
-        try:
-            ours = json.loads((folder / STATE_FILE).read_text(encoding="utf-8")).get("format") == CHECKPOINT_FORMAT
-        except (OSError, ValueError, AttributeError):
-            ours = False
-        if ours:
+        if _ours(folder):
             shutil.rmtree(folder)
             removed += 1
     for stale in root.glob(".tmp-step-*"):
@@ -290,25 +311,149 @@ def find_checkpoints(path: str | Path, complete_only: bool = True) -> list[Path]
     return []
 
 
-def _load_one(folder: Path, map_location: str = "cpu") -> LoadedCheckpoint:
+def _require_field(ok: bool, folder: Path, field: str, expected: str, got: Any) -> None:
+    if not ok:
+        raise ValueError(f"{folder / STATE_FILE}: field {field!r}: expected {expected}, got {quote(got, 60)}")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _check_rng(folder: Path, rng: Any) -> None:
+    """The structure :func:`get_rng_state` writes, so :func:`set_rng_state` cannot fail half-way."""
+    def b64_ok(x: Any) -> bool:
+        try:
+            return isinstance(x, str) and len(base64.b64decode(x, validate=True)) > 0
+        except ValueError:
+            return False
+
+    _require_field(isinstance(rng, dict), folder, "rng", "an object", rng)
+    _require_field(b64_ok(rng.get("torch")), folder, "rng.torch", "a base64 generator state", rng.get("torch"))
+    cuda = rng.get("cuda", [])
+    _require_field(isinstance(cuda, list) and all(map(b64_ok, cuda)), folder, "rng.cuda", "a list of base64 states", cuda)
+    n = rng.get("numpy")
+    _require_field(isinstance(n, dict), folder, "rng.numpy", "an object", n)
+    key = n.get("key")
+    _require_field(isinstance(key, list) and len(key) == 624 and all(_is_int(v) and 0 <= v < 2**32 for v in key),
+                   folder, "rng.numpy.key", "624 integers in [0, 2^32)", key)
+    _require_field(n.get("kind") == "MT19937", folder, "rng.numpy.kind", "'MT19937'", n.get("kind"))
+    _require_field(_is_int(n.get("pos")) and 0 <= n["pos"] <= 624, folder, "rng.numpy.pos", "0..624", n.get("pos"))
+    _require_field(n.get("has_gauss") in (0, 1), folder, "rng.numpy.has_gauss", "0 or 1", n.get("has_gauss"))
+    _require_field(_is_number(n.get("cached_gaussian")), folder, "rng.numpy.cached_gaussian", "a number",
+                   n.get("cached_gaussian"))
+    p = rng.get("python")
+    _require_field(isinstance(p, dict), folder, "rng.python", "an object", p)
+    internal = p.get("internal")
+    _require_field(_is_int(p.get("version")), folder, "rng.python.version", "an integer", p.get("version"))
+    _require_field(isinstance(internal, list) and len(internal) == 625 and all(_is_int(v) and 0 <= v < 2**32
+                                                                             for v in internal[:624])
+                   and _is_int(internal[624]) and 0 <= internal[624] <= 624,
+                   folder, "rng.python.internal", "624 integers in [0, 2^32) and a position", internal)
+    _require_field(p.get("gauss_next") is None or _is_number(p.get("gauss_next")), folder, "rng.python.gauss_next",
+                   "null or a number", p.get("gauss_next"))
+
+
+def _check_state(folder: Path, state: dict[str, Any]) -> None:
+    """Every field of ``state.json`` that this package reads, by type and range: one line naming
+    the field otherwise. Optional fields (written by the training loop) are checked when present."""
+    if state["format"] == CHECKPOINT_FORMAT:
+        digest = hashlib.sha256(_state_text(state).encode("utf-8")).hexdigest()
+        _require_field(state.get("state_sha256") == digest, folder, "state_sha256",
+                       "the SHA-256 of the rest of state.json (the file was edited or damaged)", state.get("state_sha256"))
+    step = state.get("step")
+    _require_field(_is_int(step) and step >= 0, folder, "step", "a non-negative integer", step)
+    if folder.name.startswith("step-") and folder.name[5:].isdigit():
+        _require_field(step == int(folder.name[5:]), folder, "step", f"{int(folder.name[5:])} (the folder's step)", step)
+    sha = state.get("sha256")
+    _require_field(isinstance(sha, dict) and all(isinstance(sha.get(n), str) and len(sha[n]) == 64
+                                                 for n in (MODEL_FILE, OPTIM_FILE)),
+                   folder, "sha256", "the SHA-256 of both tensor files", sha)
+    aliases = state.get("aliases", {})
+    _require_field(isinstance(aliases, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in aliases.items()),
+                   folder, "aliases", "an object of parameter names", aliases)
+    groups = (state.get("optimizer") or {}).get("param_groups") if isinstance(state.get("optimizer"), dict) else None
+    _require_field(isinstance(groups, list) and all(isinstance(g, dict) and isinstance(g.get("params"), list)
+                                                    for g in groups),
+                   folder, "optimizer.param_groups", "a list of parameter groups", groups)
+    if "config" in state:
+        _require_field(isinstance(state["config"], dict), folder, "config", "an object", state["config"])
+    if "rng" in state:
+        _check_rng(folder, state["rng"])
+    if "data" in state:
+        data = state["data"]
+        _require_field(isinstance(data, dict) and _is_int(data.get("seed")) and data.get("next_step") == step,
+                       folder, "data", f"the seed and next_step={step}", data)
+    if "losses" in state:
+        losses = state["losses"]
+        _require_field(isinstance(losses, list) and all(map(_is_number, losses)), folder, "losses",
+                       "a list of numbers", losses)
+    if "metrics" in state:
+        metrics = state["metrics"]
+        _require_field(isinstance(metrics, list) and all(isinstance(r, dict) and _is_int(r.get("step"))
+                                                         and 0 < r["step"] <= step for r in metrics),
+                       folder, "metrics", f"a list of records of steps 1..{step}", metrics)
+    if "tracker" in state:
+        tracker = state["tracker"]
+        _require_field(isinstance(tracker, dict) and _is_number(tracker.get("best_val_loss"))
+                       and _is_int(tracker.get("best_step")) and 0 <= tracker["best_step"] <= step
+                       and _is_int(tracker.get("bad_evals")) and tracker["bad_evals"] >= 0
+                       and isinstance(tracker.get("best"), dict),
+                       folder, "tracker", "best_val_loss, best_step, bad_evals and best", tracker)
+
+
+# The files' (size, mtime) when they last verified: keep-N checks the kept checkpoints at every
+# save without hashing unchanged files again.
+_VERIFIED: dict[Path, tuple[tuple[int, int], ...]] = {}
+
+
+def _verify(folder: Path) -> dict[str, Any]:
+    """``folder``'s state after checking it field by field and both tensor files against their
+    checksums; ``ValueError`` naming what is wrong otherwise."""
     try:
         state = json.loads((folder / STATE_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise ValueError(f"{folder / STATE_FILE} is unreadable: {e}") from None
-    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+    if not isinstance(state, dict) or state.get("format") not in _FORMATS:
         raise ValueError(f"{folder} is not a {CHECKPOINT_FORMAT} checkpoint")
-    for name in (MODEL_FILE, OPTIM_FILE):
-        f = folder / name
-        if not f.is_file():
-            raise ValueError(f"{f} is missing")
-        if _sha256(f) != state.get("sha256", {}).get(name):
-            raise ValueError(f"{f} does not match its stored SHA-256 checksum (corrupt or truncated)")
+    _check_state(folder, state)
+    try:
+        stamp = tuple((st.st_size, st.st_mtime_ns) for st in (os.stat(folder / n) for n in (STATE_FILE, MODEL_FILE, OPTIM_FILE)))
+    except OSError as e:
+        raise ValueError(f"{folder}: {e.filename} is missing") from None
+    if _VERIFIED.get(folder) != stamp:
+        for name in (MODEL_FILE, OPTIM_FILE):
+            if file_sha256(folder / name) != state["sha256"][name]:
+                raise ValueError(f"{folder / name} does not match its stored SHA-256 checksum (corrupt or truncated)")
+        _VERIFIED[folder] = stamp
+    return state
+
+
+def checkpoint_verifies(folder: str | Path) -> bool:
+    """Whether one checkpoint folder verifies (its ``state.json`` field by field, both tensor files
+    against their checksums), without loading its tensors."""
+    try:
+        _verify(Path(folder))
+    except ValueError:
+        return False
+    return True
+
+
+def _load_one(folder: Path, map_location: str = "cpu") -> LoadedCheckpoint:
+    state = _verify(folder)
     try:
         model_state = load_file(folder / MODEL_FILE, device=map_location)
         optim_tensors = load_file(folder / OPTIM_FILE, device=map_location)
     except Exception as e:  # safetensors raises its own error types for malformed files
         raise ValueError(f"{folder}: cannot read tensors: {e}") from None
-    for alias, name in state.get("aliases", {}).items():
+    missing = [name for name in state["aliases"].values() if name not in model_state]
+    if missing:
+        raise ValueError(f"{folder / STATE_FILE}: field 'aliases': names {missing[0]!r}, which the model file lacks")
+    for alias, name in state["aliases"].items():
         model_state[alias] = model_state[name]
     return LoadedCheckpoint(folder, state, model_state, optim_tensors)
 
@@ -337,15 +482,20 @@ def load_checkpoint(path: str | Path, map_location: str = "cpu") -> LoadedCheckp
 
 
 def check_compatible(model: torch.nn.Module, model_state: dict[str, torch.Tensor], where: str) -> None:
-    """Raise one-line ``ValueError`` unless ``model_state`` has exactly the model's keys and shapes."""
-    own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    theirs = {k: tuple(v.shape) for k, v in model_state.items()}
-    missing = sorted(set(own) - set(theirs))
-    extra = sorted(set(theirs) - set(own))
-    shapes = [k for k in own if k in theirs and own[k] != theirs[k]]
+    """Raise one-line ``ValueError`` unless ``model_state`` has exactly the model's keys, shapes and
+    dtypes (loading would otherwise cast a tensor silently)."""
+    own = model.state_dict()
+    missing = sorted(set(own) - set(model_state))
+    extra = sorted(set(model_state) - set(own))
+    shapes = [k for k in own if k in model_state and own[k].shape != model_state[k].shape]
     if missing or extra or shapes:
         detail = (
             f"missing {missing[:3]}" if missing else f"unexpected {extra[:3]}" if extra
-            else f"{shapes[0]} has shape {theirs[shapes[0]]}, the model needs {own[shapes[0]]}"
+            else f"{shapes[0]} has shape {tuple(model_state[shapes[0]].shape)}, the model needs {tuple(own[shapes[0]].shape)}"
         )
         raise ValueError(f"checkpoint {where} is from another architecture ({detail})")
+    dtypes = [k for k in own if own[k].dtype != model_state[k].dtype]
+    if dtypes:
+        k = dtypes[0]
+        raise ValueError(f"checkpoint {where}: {k} is {model_state[k].dtype}, the model needs {own[k].dtype} "
+                         f"({len(dtypes)} tensor(s) differ)")

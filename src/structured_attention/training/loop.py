@@ -17,7 +17,9 @@ the rest, nanoGPT style, in one readable function:
    batch ``s * grad_accum + m`` from ``task.batch`` -- a pure function of ``(run.seed, index)``, so
    ``--resume`` continues exactly;
 4. warmup + cosine/constant learning rate, bfloat16 autocast on CUDA (``run.autocast='auto'``),
-   gradient clipping; a NaN/inf loss stops the run (:class:`NonFiniteLossError`) before the update;
+   gradient clipping; a NaN/inf loss stops the run (:class:`NonFiniteLossError`) before the update,
+   and so do non-finite weights before a checkpoint would store them; the error names the newest
+   checkpoint that verifies and whose weights gave a finite loss at the step after it;
 5. every ``eval_every`` steps and at the end: ``task.evaluate`` (``val_loss`` and the task's own
    metrics); the best validation loss is tracked, saved to ``<out_dir>/best/`` with
    ``run.keep_best``, and ``run.patience`` evaluations without improvement stop the run early;
@@ -51,6 +53,7 @@ from torch import nn
 from .._files import claim, release
 from .checkpoint import (
     check_compatible,
+    checkpoint_verifies,
     get_rng_state,
     load_checkpoint,
     remove_checkpoints,
@@ -357,6 +360,13 @@ def _format_metrics(metrics: dict[str, float]) -> str:
 # -- the loop ------------------------------------------------------------------------------------------
 
 
+def _finite_weights(model: nn.Module, info: DistInfo) -> bool:
+    """Whether every weight is finite, on every rank (a shard's local part under FSDP)."""
+    params = [getattr(p, "to_local", lambda p=p: p)() for p in model.parameters()]
+    bad = sum((~torch.isfinite(p.detach())).sum().float() for p in params if p.numel())
+    return float(all_reduce_mean(torch.as_tensor(bad, device=params[0].device), info)) == 0
+
+
 def fit(task: Task, *, resume: bool = False, stream: TextIO | None = None) -> FitResult:
     """Train ``task``'s model as ``task.config`` says; see the module docstring. With ``resume`` it
     continues from the newest valid checkpoint in ``<run.out_dir>/ckpt`` (``FileNotFoundError`` if
@@ -476,6 +486,17 @@ def _fit(task: Task, resume: bool, info: DistInfo, stream: TextIO | None) -> Fit
     t_start = time.perf_counter()
     tokens_this_run = 0
     last_ckpt: Path | None = None
+    # A checkpoint is *good* once the step after it gave a finite loss with its weights; the newest
+    # saved one waits in ``untried`` until then (the one resumed from too).
+    good: Path | None = None
+    untried: Path | None = ckpt.path if resume else None
+
+    def stop_nonfinite(what: str) -> NonFiniteLossError:
+        where = "; no checkpoint of this run has given a finite loss yet"
+        if good is not None and checkpoint_verifies(good):
+            where = f"; the last good checkpoint is {good}"
+        return NonFiniteLossError(f"training stopped: {what}{where} (try a lower optim.lr, or optim.grad_clip > 0)")
+
     final: dict[str, float] = next((dict(r) for r in reversed(history) if "val_loss" in r), {})
     stopped_early = False
     done = start_step
@@ -501,11 +522,9 @@ def _fit(task: Task, resume: bool, info: DistInfo, stream: TextIO | None) -> Fit
                     loss_sum += loss.detach().float()
                 step_loss = float(all_reduce_mean(loss_sum / run.grad_accum, info))
                 if not math.isfinite(step_loss):
-                    where = f"; the last good checkpoint is {last_ckpt}" if last_ckpt else ""
-                    raise NonFiniteLossError(
-                        f"training stopped: the loss is {step_loss} at step {step + 1}{where} "
-                        f"(try a lower optim.lr, or optim.grad_clip > 0)"
-                    )
+                    raise stop_nonfinite(f"the loss is {step_loss} at step {step + 1}")
+                if untried is not None:
+                    good, untried = untried, None
                 if optim_cfg.grad_clip > 0:
                     torch.nn.utils.clip_grad_norm_(model.parameters(), optim_cfg.grad_clip)
                 optimizer.step()
@@ -538,7 +557,7 @@ def _fit(task: Task, resume: bool, info: DistInfo, stream: TextIO | None) -> Fit
                     if info.is_main:
                         progress.line(done, step_loss, lr, timing["tokens_per_s"], extra)
                     progress.mark()
-                if improved and run.keep_best:
+                if improved and run.keep_best and _finite_weights(model, info):
                     save(done, best_dir, keep=1)
                 early = run.patience > 0 and tracker["bad_evals"] >= run.patience
                 if early:
@@ -547,7 +566,10 @@ def _fit(task: Task, resume: bool, info: DistInfo, stream: TextIO | None) -> Fit
                         f"(best {tracker['best_val_loss']:.4f} at step {tracker['best_step']})")
                 interrupt = _agreed_signal(signals["signal"], info)
                 if interrupt or early or done == run.steps or (run.checkpoint_every > 0 and done % run.checkpoint_every == 0):
+                    if not _finite_weights(model, info):
+                        raise stop_nonfinite(f"the weights are not finite after step {done} (its loss was finite)")
                     last_ckpt = save(done, ckpt_dir, keep=2) or last_ckpt
+                    untried = last_ckpt
                 if interrupt:
                     name = signal.Signals(interrupt).name
                     raise TrainingInterrupted(
