@@ -1,4 +1,6 @@
-"""The ``sattn`` command. Errors in what the user gave end with one line and exit status 2.
+"""The ``sattn`` command. Errors in what the user gave end with one line and exit status 2; what
+the machine refuses (a full disk, a read-only or forbidden folder, memory) with one line naming
+the path and exit status 1; Ctrl-C before training starts with one line and exit status 130.
 
 Each experiment's CLI module (``cli/lm.py``, ...) adds its own ``sattn train <experiment>`` and
 ``sattn sweep <experiment>`` subcommands and knows how to plot its sweeps (``plot(results, out)``).
@@ -97,12 +99,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"sattn {args.command}: error: {err}", file=sys.stderr)
+    except (ValueError, FileNotFoundError, ImportError) as err:
+        print(f"sattn {args.command}: error: {_one_line(err)}", file=sys.stderr)
         return 2
     except TrainingStopped as err:  # a NaN loss, or SIGTERM / Ctrl-C after saving a checkpoint
         print(f"sattn {args.command}: {err}", file=sys.stderr)
         return err.exit_code
+    except OSError as err:  # files written before this were written atomically: none is half-written
+        where = f": {err.filename}" if err.filename else ""
+        print(f"sattn {args.command}: error: {err.strerror or _one_line(err)}{where}", file=sys.stderr)
+        return 1
+    except MemoryError:
+        print(f"sattn {args.command}: error: out of memory (try smaller model, batch or sequence sizes)", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # during training, Ctrl-C saves a checkpoint first (TrainingStopped)
+        print(f"sattn {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _one_line(err: BaseException) -> str:
+    """The first line of an error's message, cut at 300 characters (a library's message can be long)."""
+    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
 
 
 if __name__ == "__main__":

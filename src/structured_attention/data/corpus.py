@@ -300,7 +300,11 @@ def _read_source(source: Any, text_column: str) -> tuple[str, list[str], list[st
         name = parts[0]
         config = parts[1] if len(parts) > 1 and parts[1] else None
         split = parts[2] if len(parts) > 2 and parts[2] else "train"
-        dataset = datasets.load_dataset(name, config, split=split)
+        try:
+            dataset = datasets.load_dataset(name, config, split=split)
+        except Exception as e:  # offline, unknown name, bad config or split: the hub's many error types
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise ValueError(f"source: could not load {source!r}: {type(e).__name__}: {first[:200]}") from None
         names, texts = _hf_documents(dataset, text_column)
         return f"hf:{name}:{config or ''}:{split}", names, texts
     if _is_hf_dataset(source):
@@ -320,6 +324,8 @@ def _read_source(source: Any, text_column: str) -> tuple[str, list[str], list[st
     if path.is_dir():
         names, texts = _read_files(path, _folder_files(path))
         return f"folder:{path.resolve().as_posix()}", names, texts
+    # A FIFO would block the read forever and a device such as /dev/zero never end it.
+    require(path.is_file(), "source", "a regular file or a folder (not a FIFO or a device)", str(path))
     text = _read_text(path)
     texts = [text] if text else []
     return f"file:{path.resolve().as_posix()}", [path.name] * len(texts), texts
