@@ -113,3 +113,22 @@ def test_too_long_inputs_name_the_parameter():
         model(torch.zeros(1, 33, dtype=torch.long))
     with pytest.raises(ValueError, match="max_new_tokens"):
         model.generate(torch.zeros(1, 30, dtype=torch.long), 5)
+
+
+@pytest.mark.parametrize("kind", ["mha", "mlr:8|4|4", "swa:4", "bilinear_btt:1"])
+def test_cache_misuse_is_one_line_naming_the_cache(kind):
+    model = GPT(GPTConfig(vocab_size=40, d_model=32, n_layers=2, n_heads=2, max_seq_len=16, attention=kind)).eval()
+    other = GPT(GPTConfig(vocab_size=40, d_model=32, n_layers=2, n_heads=2, max_seq_len=16, attention="mlr:8|8")).eval()
+    idx = torch.randint(0, 40, (2, 4))
+    cases = [
+        (lambda: model(idx[:1], caches=model.new_caches(2)), r"^cache: expected a batch of 2 rows .*, got 1$"),
+        (lambda: model(idx, caches=model.new_caches(2)[:1]), r"^caches: expected a list of 2 caches .*, got 1$"),
+        (lambda: model(idx, caches=[]), r"^caches: expected a list of 2 caches"),
+        (lambda: model(idx, caches=5), r"^caches: expected a list of 2 caches .*, got 'int'$"),
+        (lambda: model(idx, caches=other.new_caches(2)), r"^cache: expected the cache this layer's new_cache\(\) made"),
+        (lambda: model.blocks[0].attn(torch.randn(2, 4, 32), cache={"k": 1}), r"^cache: expected a KVCache"),
+    ]
+    for call, match in cases:
+        with torch.no_grad(), pytest.raises(ValueError, match=match) as err:
+            call()
+        assert "\n" not in str(err.value)

@@ -90,6 +90,36 @@ def test_unknown_yaml_key(tmp_path):
         load_lm_config(tmp_path / "missing.yaml")
 
 
+@pytest.mark.parametrize("value", ["0", "[]", "''", "false", "3"])
+def test_a_section_set_to_a_non_mapping_is_an_error(tmp_path, value):
+    f = tmp_path / "c.yaml"
+    f.write_text(f"run: {value}\n")
+    with pytest.raises(ValueError, match=r"^run: expected a mapping of keys to values"):
+        load_lm_config(f)
+    f.write_text("run:\nmodel: {d_model: 32}\n")  # an empty section is no change
+    assert load_lm_config(f).model.d_model == 32
+
+
+def test_a_config_that_is_not_utf8_names_the_file(tmp_path):
+    f = tmp_path / "latin1.yaml"
+    f.write_bytes("run: {out_dir: caf\xe9}\n".encode("latin-1"))
+    with pytest.raises(ValueError) as err:
+        load_lm_config(f)
+    assert str(err.value) == f"config: {str(f)!r} is not UTF-8 text (byte 18 is 0xe9)"
+
+
+def test_a_yaml_alias_bomb_is_refused_quickly(tmp_path):
+    """Nine levels of ten aliases stand for 10^9 values; loading stops at the limit, not at a
+    MemoryError (time it by hand: well under a second)."""
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    for i in range(1, 10):
+        lines.append(f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]")
+    f = tmp_path / "bomb.yaml"
+    f.write_text("\n".join(lines) + "\nrun: {steps: 1}\n")
+    with pytest.raises(ValueError, match=r"expands to more than 10,000 values"):
+        load_lm_config(f)
+
+
 def test_shipped_configs_load():
     from pathlib import Path
 

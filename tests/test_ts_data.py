@@ -149,6 +149,20 @@ def test_ragged_row_and_unknown_target_and_too_few_rows(tmp_path):
         load_series(write_csv(tmp_path / "ETTh1.csv", series(1000)), lookback=8, horizon=4)
 
 
+def test_a_csv_without_a_date_column_or_not_utf8_is_one_line(tmp_path):
+    path = tmp_path / "nodate.csv"
+    path.write_text("HUFL,HULL,OT\n" + "".join(f"{i},{i + 1},{i + 2}\n" for i in range(50)))
+    with pytest.raises(ValueError) as err:
+        load_series(path, lookback=4, horizon=2)
+    assert one_line(err) == (f"source: {str(path)!r} has no date column (expected a column named 'date', or dates "
+                             f"in the first column; its first column 'HUFL' holds numbers)")
+    latin = tmp_path / "latin1.csv"
+    latin.write_bytes("date,t\u00e9mp\n2020-01-01,1\n".encode("latin-1"))
+    with pytest.raises(ValueError) as err:
+        load_series(latin, lookback=4, horizon=2)
+    assert one_line(err) == f"source: {str(latin)!r} is not UTF-8 text (byte 6 is 0xe9)"
+
+
 def test_missing_file_and_uncached_ett_never_download_by_default(tmp_path, monkeypatch):
     def no_network(*args, **kwargs):
         raise AssertionError("the loader must not touch the network unless asked")

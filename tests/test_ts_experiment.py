@@ -309,3 +309,16 @@ def test_the_table_compares_the_published_windows_with_the_published_figures():
     mha, mlr = 0.375, 0.365
     assert (f"| 96 | 2688 | 0.375 ± 0.007 ({100 * (mha - patchtst) / patchtst:+.1f}%) | "
             f"0.365 ± 0.007 ({100 * (mlr - patchtst) / patchtst:+.1f}%) | {patchtst:.3f} |") in text
+
+
+def test_generate_and_the_lm_loader_refuse_a_forecaster_checkpoint(tmp_path, capsys):
+    from structured_attention.experiments.lm import load_lm
+
+    train_ts(small_config(tmp_path, "run.steps=2", "run.eval_every=0"))
+    capsys.readouterr()
+    assert main(["generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "hi"]) == 2
+    folder = tmp_path / "run" / "ckpt" / "step-00000002"
+    assert capsys.readouterr().err.strip() == (f"sattn generate: error: checkpoint {folder}: expected a language "
+                                               f"model's checkpoint, it holds a forecaster")
+    with pytest.raises(ValueError, match="expected a language model's checkpoint, it holds a forecaster"):
+        load_lm(tmp_path / "run")

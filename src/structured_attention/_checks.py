@@ -85,27 +85,31 @@ def parse_typed(raw: Any, tp: Any, key: str) -> Any:
             return True
         if isinstance(raw, str) and raw.strip().lower() in ("false", "0"):
             return False
-        raise ValueError(f"{key}: expected a boolean (true/false/1/0), got {raw!r}")
+        raise ValueError(f"{key}: expected a boolean (true/false/1/0), got {quote(raw)}")
     if tp is int:
         if isinstance(raw, bool):
-            raise ValueError(f"{key}: expected an integer, got {raw!r}")
+            raise ValueError(f"{key}: expected an integer, got {quote(raw)}")
         if isinstance(raw, int):
-            return raw
-        if isinstance(raw, float) and raw.is_integer():
-            return int(raw)
-        try:
-            return int(str(raw).strip().replace("_", ""))
-        except ValueError:
-            raise ValueError(f"{key}: expected an integer, got {raw!r}") from None
+            value = raw
+        elif isinstance(raw, float) and raw.is_integer():
+            value = int(raw)
+        else:
+            try:
+                value = int(str(raw).strip().replace("_", ""))
+            except ValueError:
+                raise ValueError(f"{key}: expected an integer, got {quote(raw)}") from None
+        # every integer setting ends up in a tensor, a seed or a size: beyond 64 bits none fits
+        require(-(2**63) <= value < 2**63, key, "an integer in the 64-bit range", value)
+        return value
     if tp is float:
         if isinstance(raw, bool):
-            raise ValueError(f"{key}: expected a number, got {raw!r}")
+            raise ValueError(f"{key}: expected a number, got {quote(raw)}")
         try:
             value = float(raw)
-        except (TypeError, ValueError):
-            raise ValueError(f"{key}: expected a number, got {raw!r}") from None
+        except (TypeError, ValueError, OverflowError):
+            raise ValueError(f"{key}: expected a number, got {quote(raw)}") from None
         if not math.isfinite(value):  # no setting means inf or nan; both would only corrupt a run
-            raise ValueError(f"{key}: expected a finite number, got {raw!r}")
+            raise ValueError(f"{key}: expected a finite number, got {quote(raw)}")
         return value
     if tp is str:
         require(isinstance(raw, (str, int, float)) and not isinstance(raw, bool), key, "a string", raw)

@@ -205,6 +205,9 @@ class Attention(nn.Module):
         weight = self.out_proj.weight
         require(x.dtype == weight.dtype, "x.dtype", f"{weight.dtype} (the dtype of the layer's parameters)", x.dtype)
         require(x.device == weight.device, "x.device", f"{weight.device} (the device of the layer's parameters)", x.device)
+        if cache is not None:
+            require(isinstance(cache, KVCache), "cache", "a KVCache from new_cache() or None", type(cache).__name__)
+            cache.check_use(self, x.shape[0])
         start = 0 if cache is None else cache.length
         require(x.shape[1] >= 1 and start + x.shape[1] <= self.config.max_seq_len, "seq_len",
                 f"1 <= cached + new tokens <= max_seq_len={self.config.max_seq_len}", start + x.shape[1])
@@ -228,7 +231,7 @@ class Attention(nn.Module):
         """An empty cache for this layer; dtype and device default to the layer's parameters'."""
         dtype = dtype or self.out_proj.weight.dtype
         device = device or self.out_proj.weight.device
-        return KVCache(self._cache_buffers(batch_size, dtype, device))
+        return KVCache(self._cache_buffers(batch_size, dtype, device), owner=self)
 
     def cost(self, seq_len: int) -> AttentionCost:
         """Parameters, FLOPs and cache size for a ``seq_len``-token sequence (see AttentionCost)."""

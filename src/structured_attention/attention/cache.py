@@ -9,10 +9,12 @@ returned by :meth:`TokenBuffer.append` is a view that trimming overwrites.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import torch
 
+from .._checks import require
 from .segments import CachePadding
 
 
@@ -85,17 +87,30 @@ class KVCache:
     advances by one slot per decoding step while keeping its own positions.
     """
 
-    def __init__(self, buffers: dict[str, TokenBuffer]) -> None:
+    def __init__(self, buffers: dict[str, TokenBuffer], owner: object = None) -> None:
         self.buffers = buffers
         self.length = 0
         self.padding: CachePadding | None = None
+        # The layer that made it: another layer's buffers have other names and shapes, which
+        # would otherwise surface as a KeyError or a reshape error deep inside the layer.
+        self._owner = None if owner is None else weakref.ref(owner)
+
+    @property
+    def batch_size(self) -> int:
+        return next(iter(self.buffers.values())).data.shape[0]
+
+    def check_use(self, layer: object, batch: int) -> None:
+        """One-line ``ValueError`` unless ``layer`` made this cache and ``batch`` rows feed it."""
+        require(self._owner is not None and self._owner() is layer, "cache",
+                "the cache this layer's new_cache() made (a model's new_caches() for a model)", "another layer's")
+        require(batch == self.batch_size, "cache", f"a batch of {self.batch_size} rows (the batch it was made for)",
+                batch)
 
     @property
     def lengths(self) -> list[int]:
         """Tokens of each row's own sequence held so far (``length`` minus its padding)."""
-        batch = next(iter(self.buffers.values())).data.shape[0]
         if self.padding is None:
-            return [self.length] * batch
+            return [self.length] * self.batch_size
         return [max(self.length - o, 0) for o in self.padding.offsets]
 
     def __getitem__(self, name: str) -> TokenBuffer:

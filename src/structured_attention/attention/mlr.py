@@ -44,7 +44,10 @@ class MLRAttention(Attention):
         self.k_norms = nn.ModuleList(nn.LayerNorm(r) for r in self.ranks) if config.qk_norm else None
         self.scale = default_scale(config.attn_scale, hd)
         self.rotary = self._rotary(self.ranks)  # each level rotated on its own
-        self.register_buffer("_level_index", torch.repeat_interleave(torch.arange(len(self.ranks)), torch.tensor(self.ranks)), persistent=False)
+        # output_size lets the layer be built on the meta device (sizes counted, nothing allocated)
+        level_index = torch.repeat_interleave(torch.arange(len(self.ranks)), torch.tensor(self.ranks),
+                                              output_size=sum(self.ranks))
+        self.register_buffer("_level_index", level_index, persistent=False)
 
     def _per_level_norm(self, x: torch.Tensor, norms: nn.ModuleList | None) -> torch.Tensor:
         if norms is None:

@@ -36,7 +36,7 @@ from ..ops.mlr import mlr_attention, mlr_attention_reference
 from ..ops.mlr.blocked import mlr_attention_blocked
 from ..models import GPT, GPTConfig
 from . import bench_batches
-from .common import add_timing_options, bench_environment, pyplot
+from .common import add_timing_options, bench_environment, check_bench_memory, pyplot
 
 LAYER_KINDS = "mha,swa:128,global_swa:32|32:window=128,mlr:8|8|8|8|8|8|8|8"
 LM_KINDS = "mha,swa:128,global_swa:32|32:window=128,mlr:16|16|16|16,mlr:32|16|8|8"
@@ -315,8 +315,12 @@ def _check_args(args: argparse.Namespace) -> None:
     if device.type not in ("cpu", "cuda") or (device.type == "cuda" and not torch.cuda.is_available()):
         raise ValueError(f"--device: expected 'cpu' or an available CUDA device, got {args.device!r}")
     if args.what in ("attention", "lm"):
-        for kind in _case_names(args):  # a malformed spec or one that does not fit the width fails here
-            build_attention(kind.removesuffix(COMPILED), d_model=args.d_model, n_heads=args.n_heads, max_seq_len=max(seq_lens))
+        with torch.device("meta"):  # a malformed spec or one that does not fit the width fails here
+            for kind in _case_names(args):
+                build_attention(kind.removesuffix(COMPILED), d_model=args.d_model, n_heads=args.n_heads,
+                                max_seq_len=max(seq_lens))
+        # the input, queries, keys and values of the longest length
+        check_bench_memory("--seq-lens", args.seq_lens, 4 * args.batch * max(seq_lens) * args.d_model, args)
     if args.what == "lm" and args.n_layers <= 0:
         raise ValueError(f"--n-layers: expected a positive integer, got {args.n_layers}")
     if args.what == "attention":
@@ -331,6 +335,8 @@ def _check_args(args: argparse.Namespace) -> None:
             ranks = []
         if not ranks or min(ranks) <= 0:
             raise ValueError(f"--ranks: expected positive integers separated by '|', got {args.ranks!r}")
+        check_bench_memory("--seq-lens", args.seq_lens,
+                           args.batch * args.n_heads * max(seq_lens) * (2 * sum(ranks) + args.v_dim), args)
         unknown = [p for p in _case_names(args) if p not in _SDPA_BACKENDS and p not in _MLR_FUNCTIONS]
         if unknown:
             raise ValueError(f"--paths: expected names among {', '.join([*_SDPA_BACKENDS, *_MLR_FUNCTIONS])}, "

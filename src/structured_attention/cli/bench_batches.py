@@ -23,7 +23,7 @@ import torch
 
 from ..models import GPT, GPTConfig
 from ..ops.mlr import mlr_attention
-from .common import add_timing_options, bench_environment
+from .common import add_timing_options, bench_environment, check_bench_memory
 
 VARLEN_RANKS = "8|8|8|8|8|8|8|8"
 GENERATE_KINDS = "mha,mlr:16|16|16|16"
@@ -100,10 +100,16 @@ def _check(args: argparse.Namespace) -> None:
             ranks = []
         if not ranks or min(ranks) <= 0:
             raise ValueError(f"--ranks: expected positive integers separated by '|', got {args.ranks!r}")
+        # packed, per-document and padded copies of q, k and v: three sets at least
+        check_bench_memory("--seq-len", args.seq_len,
+                           3 * args.batch * args.n_heads * args.seq_len * (2 * sum(ranks) + args.v_dim), args)
     else:
         _positive(args, "min_len", "max_len", "new_tokens", "d_model", "n_layers")
         if args.min_len > args.max_len:
             raise ValueError(f"--min-len: expected at most --max-len={args.max_len}, got {args.min_len}")
+        # the prompts' input, queries, keys and values in every layer's prefill
+        check_bench_memory("--max-len", args.max_len,
+                           4 * args.batch * (args.max_len + args.new_tokens) * args.d_model * args.n_layers, args)
         for kind in args.kinds.split(","):
             GPTConfig(d_model=args.d_model, n_heads=args.n_heads, n_layers=1, attention=kind,
                       max_seq_len=args.max_len + args.new_tokens).check_attention()

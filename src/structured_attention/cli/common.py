@@ -71,6 +71,21 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def check_bench_memory(option: str, value: object, floats: int, args: argparse.Namespace) -> None:
+    """One-line ``ValueError`` naming ``option`` when a benchmark's inputs and their gradients,
+    ``floats`` numbers of ``args.dtype``, alone exceed the memory available on the device."""
+    import torch
+
+    from ..training.memory import available_memory, format_bytes
+
+    device = torch.device(args.device)
+    need, have = 2 * floats * getattr(torch, args.dtype).itemsize, available_memory(device)
+    if need > have:
+        raise ValueError(f"{option}: expected sizes that fit the memory available on the {device.type} device "
+                         f"({format_bytes(have)}), "
+                         f"got {value}, whose inputs and their gradients alone take {format_bytes(need)}")
+
+
 def bench_environment(args: argparse.Namespace) -> dict[str, Any]:
     """What a benchmark ran on: the device's name, threads, versions and every setting."""
     import torch

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
+from ..experiments import checkpoint_experiment
 from . import bench, describe, icl, lm, ts
 
 EXPERIMENTS = {module.EXPERIMENT: module for module in (lm, icl, ts)}
@@ -85,12 +86,7 @@ def run_eval(args: argparse.Namespace) -> int:
         raise ValueError(f"--batch-size: expected a positive integer, got {args.batch_size}")
     with one_line_warnings("eval"):
         ckpt = load_checkpoint(args.checkpoint)
-    config = ckpt.state.get("config")
-    if isinstance(config, dict) and "task" in config:  # only the in-context regression config has a task section
-        return icl.run_eval(args, ckpt)
-    if isinstance(config, dict) and "lookback" in (config.get("data") or {}):
-        return ts.run_eval(args, ckpt)
-    return lm.run_eval(args, ckpt)
+    return EXPERIMENTS[checkpoint_experiment(ckpt.state)].run_eval(args, ckpt)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

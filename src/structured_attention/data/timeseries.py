@@ -1,7 +1,7 @@
 """Time series for forecasting (docs/design.md, 'Long-range time-series forecasting' and 'Data').
 
-- :func:`read_csv_table` -> :class:`Table`: any CSV with a date column (named ``date``, else the
-  first column) and numeric columns; a missing value, a non-numeric cell or a ragged row is one
+- :func:`read_csv_table` -> :class:`Table`: any UTF-8 CSV with a date column (named ``date``, else
+  the first column, unless it holds numbers) and numeric columns; a missing value, a non-numeric cell or a ragged row is one
   ``ValueError`` line naming the column and the line;
 - :func:`split_borders`: the standard borders -- ETTh1/ETTh2 (hourly, 30-day months): rows
   ``[0, 8640)`` train, ``[8640 - L, 11520)`` validation, ``[11520 - L, 14400)`` test; ETTm1/ETTm2
@@ -64,21 +64,36 @@ class Table:
     values: np.ndarray  # float64
 
 
+def _is_number(cell: str) -> bool:
+    try:
+        float(cell)
+    except ValueError:
+        return False
+    return True
+
+
 def read_csv_table(path: str | Path) -> Table:
-    """Read a CSV whose header names a date column (``date``, any case; else the first column)
-    and numeric columns. Raises ``FileNotFoundError`` for a missing file and a one-line
+    """Read a CSV whose header names a date column (``date``, any case; else the first column,
+    which must not hold numbers) and numeric columns. Raises ``FileNotFoundError`` for a missing file and a one-line
     ``ValueError`` for an empty file, a row with the wrong number of fields, a missing value
     (empty, ``NaN``, ``NA``, ``null``) or a non-numeric or non-finite cell."""
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"source: no such file: {str(p)!r}")
-    with open(p, newline="", encoding="utf-8-sig") as f:
-        rows = [r for r in csv.reader(f) if any(cell.strip() for cell in r)]
+    try:
+        with open(p, newline="", encoding="utf-8-sig") as f:
+            rows = [r for r in csv.reader(f) if any(cell.strip() for cell in r)]
+    except UnicodeDecodeError as e:
+        raise ValueError(f"source: {str(p)!r} is not UTF-8 text (byte {e.start} is 0x{e.object[e.start]:02x})") from None
     if len(rows) < 2:
         raise ValueError(f"source: {str(p)!r} has no data rows (expected a header line, then one row per time step)")
     header = [h.strip() for h in rows[0]]
     lowered = [h.lower() for h in header]
     date_col = lowered.index("date") if "date" in lowered else 0
+    if date_col == 0 and lowered[0] != "date" and _is_number(rows[1][0]):
+        # A first column of numbers is data, not dates: taking it as dates would drop it silently.
+        raise ValueError(f"source: {str(p)!r} has no date column (expected a column named 'date', or dates in the "
+                         f"first column; its first column {header[0]!r} holds numbers)")
     value_cols = [i for i in range(len(header)) if i != date_col]
     if not value_cols:
         raise ValueError(f"source: {str(p)!r} has only a date column; expected numeric columns beside it")

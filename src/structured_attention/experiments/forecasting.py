@@ -27,10 +27,12 @@ from torch import nn
 from .._checks import require
 from ..data.timeseries import Scaler, SeriesData, load_series
 from ..models.forecasting import ForecasterConfig, build_forecaster
+from ..models.transformer import TransformerConfig
 from ..training.checkpoint import LoadedCheckpoint, check_compatible, load_checkpoint
 from ..training.config import OptimConfig, RunConfig, config_from_dict, load_config
 from ..training.distributed import DistInfo
 from ..training.loop import Task, fit
+from . import require_experiment
 
 __all__ = [
     "ForecastTask",
@@ -218,6 +220,9 @@ class ForecastTask(Task):
         m = forecast_metrics(model, self.data, "val", run.batch_size, device, index)
         return {"val_loss": m["mse"], "val_mae": m["mae"]}
 
+    def backbone_config(self) -> TransformerConfig:
+        return self.config.model.backbone_config()
+
     def tokens_per_batch(self) -> int:
         return self.config.run.batch_size * self.config.model.tokens_per_example
 
@@ -316,6 +321,7 @@ def load_forecaster(path: str | Path | LoadedCheckpoint, device: str | torch.dev
     ``<out_dir>/ckpt``...) or a checkpoint already loaded. The scaler's statistics are in
     ``checkpoint.state['scaler']``, the channels in ``checkpoint.state['columns']``."""
     ckpt = path if isinstance(path, LoadedCheckpoint) else load_checkpoint(path)
+    require_experiment(ckpt.state, str(ckpt.path), "ts")
     try:
         config = config_from_dict(TSConfig, ckpt.state["config"])
     except (KeyError, TypeError) as e:

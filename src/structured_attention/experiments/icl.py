@@ -33,6 +33,7 @@ from ..training.checkpoint import LoadedCheckpoint, check_compatible, load_check
 from ..training.config import OptimConfig, RunConfig, config_from_dict, load_config
 from ..training.distributed import DistInfo
 from ..training.loop import Task, fit
+from . import require_experiment
 from .icl_baselines import baseline_predictions
 
 __all__ = [
@@ -149,6 +150,7 @@ def load_icl(path: str | Path | LoadedCheckpoint, device: str | torch.device = "
     ckpt = path if isinstance(path, LoadedCheckpoint) else load_checkpoint(path)
     if "config" not in ckpt.state:
         raise ValueError(f"checkpoint {ckpt.path}: state.json lacks 'config'")
+    require_experiment(ckpt.state, str(ckpt.path), "icl")
     config = config_from_dict(ICLConfig, ckpt.state["config"])
     model = build_icl_model(config)
     check_compatible(model, ckpt.model_state, str(ckpt.path))
@@ -270,6 +272,9 @@ class ICLTask(Task):
         if d < len(errors):
             metrics["val_mse_at_d"] = errors[d]
         return metrics
+
+    def backbone_config(self) -> TransformerConfig:
+        return self.config.model
 
     def tokens_per_batch(self) -> int:
         # at the full prompt length; training_flops() counts the curriculum's shorter prompts exactly

@@ -25,10 +25,12 @@ from torch import nn
 from .._checks import require
 from ..data import Corpus, Tokenizer, eval_batches, load_corpus, sample_batch, tokenizer_from_json
 from ..models.gpt import GPT, GPTConfig
+from ..models.transformer import TransformerConfig
 from ..training.checkpoint import LoadedCheckpoint, check_compatible, load_checkpoint
 from ..training.config import OptimConfig, RunConfig, config_from_dict, load_config
 from ..training.distributed import DistInfo
 from ..training.loop import Task, autocast_context, fit
+from . import require_experiment
 
 __all__ = [
     "DataConfig",
@@ -182,6 +184,9 @@ class LMTask(Task):
                            document_starts=starts)
         return {"val_loss": loss, "val_bpb": self.corpus.bits_per_byte(loss)}
 
+    def backbone_config(self) -> TransformerConfig:
+        return self.config.model
+
     def tokens_per_batch(self) -> int:
         return self.config.run.batch_size * self.config.run.seq_len
 
@@ -250,6 +255,7 @@ def load_lm(path: str | Path | LoadedCheckpoint, device: str | torch.device = "c
     config describes.
     """
     ckpt = path if isinstance(path, LoadedCheckpoint) else load_checkpoint(path)
+    require_experiment(ckpt.state, str(ckpt.path), "lm")
     try:
         config = config_from_dict(LMConfig, ckpt.state["config"])
         tokenizer = tokenizer_from_json(ckpt.state["tokenizer"])

@@ -68,27 +68,42 @@ class TransformerConfig:
         require(self.structured_std is None or self.structured_std > 0, "structured_std", "None or a positive number",
                 self.structured_std)
 
-    def attention_configs(self) -> list[AttentionConfig]:
-        """One validated :class:`AttentionConfig` per layer."""
+    def attention_configs(self, distinct: bool = False) -> list[AttentionConfig]:
+        """One validated :class:`AttentionConfig` per layer (``distinct``: one per entry of the
+        pattern, however many layers repeat it)."""
         shared = dict(
             d_model=self.d_model, n_heads=self.n_heads, max_seq_len=self.max_seq_len, n_kv_heads=self.n_kv_heads,
             dropout=self.dropout if self.attn_dropout is None else self.attn_dropout, qk_norm=self.qk_norm, attn_scale=self.attn_scale, bias=self.bias,
             rotary=self.positions == "rotary", causal=self.causal,
         )
-        return [AttentionConfig(**{**shared, **spec}) for spec in parse_attention_pattern(self.attention, self.n_layers)]
+        n = min(self.n_layers, len(self.attention.split(","))) if distinct else self.n_layers
+        return [AttentionConfig(**{**shared, **spec}) for spec in parse_attention_pattern(self.attention, n)]
 
     def check_attention(self) -> None:
         """Raise ``ValueError("model.attention=...: <the layer's one-line message>")`` for an
         unknown kind, a malformed spec or ranks that do not fit the head dimension: each distinct
-        layer configuration is built once (one attention layer each; cheap)."""
+        layer configuration is built once, on the meta device (nothing allocated, whatever the sizes)."""
         seen: list[AttentionConfig] = []
         try:
-            for attention in self.attention_configs():
-                if attention not in seen:
-                    seen.append(attention)
-                    build_attention(attention)
+            with torch.device("meta"):
+                for attention in self.attention_configs(distinct=True):
+                    if attention not in seen:
+                        seen.append(attention)
+                        build_attention(attention)
         except ValueError as e:
             raise ValueError(f"model.attention={self.attention!r}: {e}") from None
+
+    def parameter_lower_bound(self) -> int:
+        """A lower bound on the parameters this config builds, from the sizes alone: the MLPs'
+        weights and the learned positions (what a memory check can refuse before building anything)."""
+        hidden = int(self.mlp_ratio * self.d_model)
+        positions = self.max_seq_len * self.d_model if self.positions == "learned" else 0
+        return self.n_layers * 2 * self.d_model * hidden + positions
+
+    def saved_floats_per_position(self) -> int:
+        """A lower bound on the floats the backward pass keeps per position: each block's input
+        and its MLP's hidden layer."""
+        return self.n_layers * (self.d_model + int(self.mlp_ratio * self.d_model))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -164,6 +179,11 @@ class Transformer(nn.Module):
         """
         require(x.dim() == 3 and x.shape[-1] == self.config.d_model, "x",
                 f"a (batch, seq_len, d_model={self.config.d_model}) tensor", tuple(x.shape))
+        if caches is not None:
+            n = len(self.blocks)
+            require(isinstance(caches, (list, tuple)) and len(caches) == n, "caches",
+                    f"a list of {n} caches (one per layer, from new_caches())",
+                    len(caches) if isinstance(caches, (list, tuple)) else type(caches).__name__)
         start = caches[0].length if caches else 0
         b, t = x.shape[:2]
         require(start + t <= self.config.max_seq_len, "seq_len",

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from .._checks import parse_typed, require
+from .memory import parse_memory
 
 __all__ = [
     "OptimConfig",
@@ -86,6 +87,9 @@ class RunConfig:
     wandb_project: str = "structured-attention"
     fsdp: bool = False  # shard the model with FSDP (fully_shard) instead of DDP when distributed
     device: str = "auto"  # "auto" (cuda if available), "cpu", "cuda"
+    # a run whose model and micro-batch need more than this (at least) stops before allocating:
+    # "auto" (the device's memory) or a size such as "16GB"
+    max_memory: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "grad_accum", "eval_batches", "log_every"):
@@ -96,6 +100,7 @@ class RunConfig:
             require(isinstance(value, int) and value >= 0, f"run.{name}", "a non-negative integer", value)
         require(self.autocast in ("auto", "bf16", "none"), "run.autocast", "'auto', 'bf16' or 'none'", self.autocast)
         require(self.device in ("auto", "cpu", "cuda"), "run.device", "'auto', 'cpu' or 'cuda'", self.device)
+        parse_memory(self.max_memory)
 
 
 def _sections(cls: type) -> dict[str, type]:
@@ -131,7 +136,8 @@ def config_from_dict(cls: type[C], d: dict[str, Any] | None, overrides: list[str
     for section, values in d.items():
         if section not in sections:
             raise ValueError(f"unknown config section {section!r}; valid sections: {', '.join(sections)}")
-        updates[section].update(_section_updates(section, sections[section], values or {}))
+        # An empty section (``model:`` alone) is no change; 0, [], "" or false is a mistake.
+        updates[section].update(_section_updates(section, sections[section], {} if values is None else values))
     for item in overrides:
         require(isinstance(item, str) and "=" in item, "override", "'section.key=value'", item)
         key, raw = item.split("=", 1)
@@ -155,10 +161,34 @@ def load_config(cls: type[C], path: str | Path | None = None, overrides: list[st
         import yaml
 
         try:
-            d = yaml.safe_load(p.read_text(encoding="utf-8"))
+            d = yaml.safe_load(p.read_bytes().decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise ValueError(f"config: {str(p)!r} is not UTF-8 text (byte {e.start} is 0x{e.object[e.start]:02x})") from None
         except yaml.YAMLError as e:
             raise ValueError(f"config: {str(p)!r} is not valid YAML: {str(e).splitlines()[0]}") from None
+        _check_size(d, str(p))
     return config_from_dict(cls, d, overrides)
+
+
+# A config is a few dozen values; aliases can make a short file stand for billions (each alias is
+# a reference, so loading is cheap, but anything that walks the values is not).
+_MAX_CONFIG_VALUES = 10_000
+
+
+def _check_size(d: Any, path: str) -> None:
+    """Count the values ``d`` stands for, aliases expanded, stopping at the limit."""
+    count, stack = 0, [d]
+    while stack:
+        node = stack.pop()
+        count += 1
+        if count > _MAX_CONFIG_VALUES:
+            raise ValueError(f"config: {path!r} expands to more than {_MAX_CONFIG_VALUES:,} values "
+                             f"(YAML aliases repeating a large value?)")
+        if isinstance(node, dict):
+            stack.extend(node.keys())
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
 
 
 def apply_overrides(config: C, overrides: list[str] | tuple[str, ...]) -> C:

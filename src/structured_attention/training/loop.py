@@ -63,6 +63,7 @@ from .checkpoint import (
 )
 from .config import OptimConfig, RunConfig, config_to_dict
 from .distributed import DistInfo, all_reduce_mean, barrier, cleanup_distributed, setup_distributed, wrap_model
+from .memory import check_training_memory
 from .optim import build_optimizer, lr_at
 
 # ``<out_dir>/run.lock``: the claim of the run that is using out_dir (host, pid, user).
@@ -138,6 +139,11 @@ class Task(ABC):
     @abstractmethod
     def build_model(self) -> nn.Module:
         """A fresh model; it must have ``parameter_fans()`` (see ``models.parameter_fans``)."""
+
+    def backbone_config(self) -> Any:
+        """The model's ``TransformerConfig``, for the memory check before the model is built
+        (:mod:`.memory`); ``None`` skips the check."""
+        return None
 
     @abstractmethod
     def batch(self, index: int, rank: int, world_size: int, device: torch.device) -> Any:
@@ -410,6 +416,7 @@ def _fit(task: Task, resume: bool, info: DistInfo, stream: TextIO | None) -> Fit
         task.setup(info)
     if task.describe():
         say(task.describe())
+    check_training_memory(task, run.batch_size, run.max_memory, device)
     config_dict = config_to_dict(task.config)
 
     raw_model = task.build_model().to(device)
