@@ -149,6 +149,39 @@ def test_a_live_builder_is_waited_for_with_a_message(monkeypatch, capsys, fresh)
     assert "building" in err[1]
 
 
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals and locks")
+def test_a_build_killed_midway_does_not_block_the_next(monkeypatch, capsys, fresh):
+    """A real process runs load() with a compile step that leaves torch's lock file and stalls, as
+    a compiler does; it is SIGKILLed there, holding both locks, and the next load builds at once."""
+    import signal
+
+    folder = cpu_build.build_directory()
+    builder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import time
+        from pathlib import Path
+        from structured_attention.ops.mlr import cpu_build
+        cpu_build._check_toolchain = lambda: None
+        def stalls(name, directory, cflags, ldflags):
+            (Path(directory) / "lock").write_text("")  # torch's FileBaton, as its build takes it
+            print("compiling", flush=True)
+            time.sleep(600)
+        cpu_build._compile = stalls
+        cpu_build.load()
+    """)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        env={**os.environ, "TORCH_EXTENSIONS_DIR": str(fresh), "SATTN_CPU_KERNEL": "1"})
+    try:
+        assert builder.stdout.readline().strip() == "compiling"
+        builder.send_signal(signal.SIGKILL)
+        builder.wait(timeout=30)
+    finally:
+        builder.kill()
+    assert (folder / "lock").exists() and (folder / "build.lock").exists()  # what the kill left behind
+    _fake_build(monkeypatch)
+    start = time.monotonic()
+    assert cpu_build.load() is not None
+    assert time.monotonic() - start < 5
+
+
 def test_no_compiler_is_one_line_naming_cxx_and_the_switch(monkeypatch, capsys, fresh):
     monkeypatch.setenv("CXX", "/nonexistent/sattn-c++")
 
