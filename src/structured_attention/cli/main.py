@@ -95,15 +95,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.run(args)
-    except (ValueError, FileNotFoundError, ImportError) as err:
+    except (ValueError, FileNotFoundError, ImportError) as err:  # what the user gave
         print(f"sattn {args.command}: error: {_one_line(err)}", file=sys.stderr)
         return 2
     except TrainingStopped as err:  # a NaN loss, or SIGTERM / Ctrl-C after saving a checkpoint
         print(f"sattn {args.command}: {err}", file=sys.stderr)
         return err.exit_code
     except OSError as err:  # files written before this were written atomically: none is half-written
-        where = f": {err.filename}" if err.filename else ""
-        print(f"sattn {args.command}: error: {err.strerror or _one_line(err)}{where}", file=sys.stderr)
+        print(f"sattn {args.command}: error: {_one_line(err)}", file=sys.stderr)
         return 1
     except MemoryError:
         print(f"sattn {args.command}: error: out of memory (try smaller model, batch or sequence sizes)", file=sys.stderr)
@@ -114,7 +113,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _one_line(err: BaseException) -> str:
-    """The first line of an error's message, cut at 300 characters (a library's message can be long)."""
+    """The first line of an error's message, cut at 300 characters (a library's message can be
+    long); a system error as its reason and path ("No space left on device: <path>")."""
+    if isinstance(err, OSError) and err.strerror:
+        return f"{err.strerror}: {err.filename}" if err.filename else err.strerror
     text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     return text if len(text) <= 300 else text[:297] + "..."
 

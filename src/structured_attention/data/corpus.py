@@ -62,13 +62,15 @@ without tokenising. The default ``cache_dir`` is ``$SATTN_CACHE_DIR`` or
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import math
 import os
 import sys
 import sysconfig
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -267,6 +269,21 @@ def _import_datasets():
     return datasets
 
 
+@contextlib.contextmanager
+def _quiet_hub() -> Iterator[None]:
+    """The hub's retry warnings off (an unreachable source prints one line per retry); its errors
+    still end the load, and become one line naming ``source``."""
+    loggers = [logging.getLogger(name) for name in ("huggingface_hub", "datasets")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
 def _is_hf_dataset(obj: object) -> bool:
     mod = sys.modules.get("datasets")
     return mod is not None and isinstance(obj, mod.Dataset)
@@ -301,7 +318,8 @@ def _read_source(source: Any, text_column: str) -> tuple[str, list[str], list[st
         config = parts[1] if len(parts) > 1 and parts[1] else None
         split = parts[2] if len(parts) > 2 and parts[2] else "train"
         try:
-            dataset = datasets.load_dataset(name, config, split=split)
+            with _quiet_hub():
+                dataset = datasets.load_dataset(name, config, split=split)
         except Exception as e:  # offline, unknown name, bad config or split: the hub's many error types
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             raise ValueError(f"source: could not load {source!r}: {type(e).__name__}: {first[:200]}") from None
