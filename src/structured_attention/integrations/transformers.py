@@ -1,0 +1,132 @@
+"""MLR attention inside Hugging Face transformers models, through ``AttentionInterface``.
+
+::
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from structured_attention.integrations import transformers as sattn_hf
+
+    sattn_hf.register()
+    config = AutoConfig.from_pretrained("path/to/a/llama-like/model")
+    config.sattn_ranks = [64, 32, 16, 16]      # per level; they sum to the head dimension
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sattn_mlr")
+
+Any model whose attention layers call ``ALL_ATTENTION_FUNCTIONS`` (Llama, Qwen, Mistral and most
+decoder models of transformers 5) then scores queries and keys with MLR attention: the model's
+projections, rotary embeddings, GQA, caches and ``generate()`` stay as they are.
+
+- **Config.** ``sattn_ranks``: the ranks of the levels, even, summing to the head dimension.
+  ``sattn_block_sizes`` (optional): the block sizes, ``max_position_embeddings / 2^(l-1)`` by
+  default. One level is plain softmax attention (it equals ``attn_implementation="sdpa"``).
+- **Head dimensions and rotary pairs.** transformers rotates dimension ``i`` of a head together
+  with ``i + head_dim/2`` (``rotate_half``). A level must hold whole pairs, or its scores would
+  lose their dependence on relative position alone, so the levels do not take contiguous
+  dimensions: level ``l`` takes pairs ``a_l .. a_l + r_l/2 - 1`` (``a_l`` the sum of the earlier
+  ranks, halved), that is dimensions ``a_l + j`` and ``head_dim/2 + a_l + j``
+  (:func:`level_permutation`). Only the scores see this order; values are untouched.
+- **Masks.** ``register()`` also registers the mask function, which hands the attention function
+  the ``(batch, keys)`` padding mask (``None`` without padding); left or right padding is scored
+  as the package's layers do: each row's real tokens attend only among themselves and their MLR
+  blocks count from the row's first real token. (Without the mask function transformers would
+  build no mask this implementation reads, and padding would be attended silently.)
+- **Queries after a cache** (``generate()``, chunked prefill) go to ``mlr_prefill`` with each row's
+  block starts; every other call, training included, to ``mlr_attention``. Attention dropout is
+  not supported (``attention_dropout`` must be 0).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from .._checks import require
+from ..attention.segments import build_segments, left_padding
+from ..ops.mlr import mlr_attention, mlr_prefill
+from ..ops.mlr.contract import mlr_block_sizes
+
+__all__ = ["ATTN_IMPLEMENTATION", "level_permutation", "mlr_attention_forward", "register"]
+
+ATTN_IMPLEMENTATION = "sattn_mlr"
+
+
+def register() -> None:
+    """Register the attention implementation ``"sattn_mlr"`` and its mask function with transformers
+    (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, mlr_attention_forward)
+    # The 2-D padding mask sliced to the keys, or None when nothing is padded: what the
+    # varlen attention kernels take, and what the segments of this implementation are built from.
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, flash_attention_mask)
+
+
+@functools.lru_cache(maxsize=64)
+def level_permutation(ranks: tuple[int, ...], head_dim: int) -> tuple[int, ...]:
+    """The head dimensions in MLR-level order, each level holding whole rotary pairs
+    ``(i, i + head_dim/2)`` (see the module docstring)."""
+    half, start, order = head_dim // 2, 0, []
+    for r in ranks:
+        pairs = range(start, start + r // 2)
+        order += [*pairs, *(half + i for i in pairs)]
+        start += r // 2
+    return tuple(order)
+
+
+def _levels(config: Any, head_dim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    ranks = getattr(config, "sattn_ranks", None)
+    require(isinstance(ranks, Sequence) and len(ranks) > 0
+            and all(isinstance(r, int) and not isinstance(r, bool) and r > 0 and r % 2 == 0 for r in ranks)
+            and sum(ranks) == head_dim, "sattn_ranks",
+            f"a list of even positive ranks summing to the head dimension {head_dim} (a model config attribute)", ranks)
+    context = getattr(config, "max_position_embeddings", None)
+    require(isinstance(context, int) and context > 0, "max_position_embeddings", "a positive integer", context)
+    sizes = getattr(config, "sattn_block_sizes", None)
+    try:
+        sizes = mlr_block_sizes(ranks, context, sizes)
+    except ValueError as e:
+        raise ValueError(f"sattn_block_sizes: {e}") from None
+    return tuple(ranks), sizes
+
+
+def mlr_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function contract: ``query (B, H, Tq, D)``, ``key``/``value``
+    ``(B, Hkv, Tk, D)`` (the whole cache when there is one), ``attention_mask`` from the mask
+    function (``(B, Tk)`` or ``None``); returns ``(B, Tq, H, Dv)`` and no attention weights."""
+    require(dropout == 0.0, "attention_dropout", "0 with sattn_mlr (MLR attention has no attention dropout)", dropout)
+    require(attention_mask is None or attention_mask.dim() == 2, "attention_mask",
+            "a (batch, keys) padding mask: call structured_attention.integrations.transformers.register() "
+            "before building the model", None if attention_mask is None else tuple(attention_mask.shape))
+    head_dim = query.shape[-1]
+    ranks, sizes = _levels(module.config, head_dim)
+    order = torch.tensor(level_permutation(ranks, head_dim), device=query.device)
+    q, k = query.index_select(-1, order), key.index_select(-1, order)
+    scale = head_dim**-0.5 if scaling is None else scaling
+    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    batch, t_q, t_k = q.shape[0], q.shape[2], k.shape[2]
+    if t_q == t_k:
+        segments = build_segments(attention_mask, None, batch, t_k, q.device)
+        out = mlr_attention(q, k, value, ranks, sizes, causal=causal, scale=scale,
+                            document_ids=None if segments is None else segments.ids)
+    else:  # new queries after a cache of t_k - t_q keys; rows are left-padded
+        require(causal, "is_causal", "True when queries follow a cache", causal)
+        offsets = torch.tensor(left_padding(attention_mask, batch, t_k, q.device) if attention_mask is not None
+                               else [0] * batch, device=q.device)
+        first = t_k - t_q
+        block = torch.tensor(sizes, device=q.device)
+        row_starts = offsets[:, None] + (first - offsets)[:, None] // block * block
+        out = mlr_prefill(q, list(k.split(ranks, dim=-1)), [0] * len(ranks), value, ranks, scale, False, sizes,
+                          row_starts)
+    return out.transpose(1, 2).contiguous(), None

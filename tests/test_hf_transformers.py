@@ -1,0 +1,123 @@
+"""MLR attention inside a Hugging Face model (a tiny Llama built from its config: no download):
+one level equals SDPA, several equal the exact reference on the level-ordered dimensions, padded
+rows equal the rows alone, generation with a cache equals generation without, and each level's
+scores depend on relative position only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="the [hf] extra (transformers) is not installed")
+
+from structured_attention.integrations import transformers as sattn_hf  # noqa: E402
+from structured_attention.ops.mlr import mlr_attention_reference  # noqa: E402
+
+sattn_hf.register()
+
+
+def _llama(implementation: str, ranks: list[int] | None = None, **config: object):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   attn_implementation=implementation, **config)
+    cfg.sattn_ranks = ranks
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+IDX = torch.randint(0, 64, (2, 20), generator=torch.Generator().manual_seed(1))
+
+
+def test_one_level_equals_sdpa_forward_and_backward():
+    sdpa, mlr = _llama("sdpa"), _llama(sattn_hf.ATTN_IMPLEMENTATION, [16])
+    mask = torch.ones(2, 20, dtype=torch.long)
+    mask[0, :5] = 0
+    # no loss on what a padding position predicts (its output is arbitrary): the labels are
+    # shifted, so the first real token's label goes too
+    labels = IDX.clone()
+    labels[0, :6] = -100
+    for m in (sdpa, mlr):
+        m.train()
+        m.zero_grad()
+        m(IDX, attention_mask=mask, labels=labels).loss.backward()
+    torch.testing.assert_close(mlr(IDX).logits, sdpa(IDX).logits, atol=1e-5, rtol=0)
+    for (name, a), b in zip(sdpa.named_parameters(), mlr.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, atol=1e-5, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_several_levels_equal_the_reference_on_level_ordered_dimensions(monkeypatch):
+    """The attention function's output against mlr_attention_reference on dimensions reordered by
+    hand: level l takes rotary pairs (i, i + 8) for i in its own range."""
+    model = _llama(sattn_hf.ATTN_IMPLEMENTATION, [8, 4, 4])
+    seen = []
+    forward = sattn_hf.mlr_attention_forward
+
+    def spy(module, query, key, value, attention_mask, **kwargs):
+        out, _ = forward(module, query, key, value, attention_mask, **kwargs)
+        seen.append((query, key, value, out))
+        return out, None
+
+    transformers.AttentionInterface.register(sattn_hf.ATTN_IMPLEMENTATION, spy)
+    try:
+        model(IDX)
+    finally:
+        sattn_hf.register()
+    order = [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15]
+    for query, key, value, out in seen:
+        key, value = (x.repeat_interleave(2, dim=1) for x in (key, value))  # GQA, by hand
+        want = mlr_attention_reference(query[..., order].double(), key[..., order].double(), value.double(),
+                                       (8, 4, 4), (64, 32, 16), causal=True, scale=0.25)
+        torch.testing.assert_close(out.transpose(1, 2).double(), want, atol=1e-5, rtol=0)
+
+
+def test_each_level_holds_whole_rotary_pairs():
+    """Shift both positions: a level's score is unchanged only if its dimensions are whole pairs."""
+    rotary = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(
+        transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, max_position_embeddings=64))
+    apply = transformers.models.llama.modeling_llama.apply_rotary_pos_emb
+    q, k = torch.randn(1, 1, 1, 16), torch.randn(1, 1, 1, 16)
+    order = torch.tensor(sattn_hf.level_permutation((8, 4, 4), 16))
+
+    def level_scores(i: int, j: int) -> torch.Tensor:
+        cos, sin = rotary(q, torch.tensor([[i, j]]))
+        rq, _ = apply(q, q, cos[:, :1], sin[:, :1])
+        _, rk = apply(k, k, cos[:, 1:], sin[:, 1:])
+        parts = zip(rq[..., order].split((8, 4, 4), -1), rk[..., order].split((8, 4, 4), -1))
+        return torch.stack([(a * b).sum() for a, b in parts])
+
+    torch.testing.assert_close(level_scores(3, 1), level_scores(40, 38), atol=1e-5, rtol=0)
+
+
+def test_padded_rows_equal_each_row_alone_and_generation_with_a_cache_equals_without():
+    model = _llama(sattn_hf.ATTN_IMPLEMENTATION, [8, 4, 4])
+    for side in ("left", "right"):
+        mask = torch.ones(2, 20, dtype=torch.long)
+        real = slice(7, 20) if side == "left" else slice(0, 13)
+        mask[0] = 0
+        mask[0, real] = 1
+        logits = model(IDX, attention_mask=mask).logits
+        torch.testing.assert_close(logits[0, real], model(IDX[:1, real]).logits[0], atol=1e-5, rtol=0)
+    prompts, mask = IDX[:, :10], torch.tensor([[0] * 4 + [1] * 6, [1] * 10])
+    out = model.generate(prompts, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    no_cache = model.generate(prompts, attention_mask=mask, max_new_tokens=12, do_sample=False, use_cache=False)
+    assert torch.equal(out, no_cache)
+    assert torch.equal(out[0, 10:], model.generate(IDX[:1, 4:10], max_new_tokens=12, do_sample=False)[0, 6:])
+    assert torch.equal(out[1, 10:], model.generate(IDX[1:, :10], max_new_tokens=12, do_sample=False)[0, 10:])
+
+
+@pytest.mark.parametrize("ranks,match", [
+    ([8, 4], r"^sattn_ranks: expected a list of even positive ranks summing to the head dimension 16"),
+    ([8, 5, 3], r"^sattn_ranks: expected"),
+    (None, r"^sattn_ranks: expected"),
+])
+def test_bad_ranks_are_one_line(ranks, match):
+    model = _llama(sattn_hf.ATTN_IMPLEMENTATION, ranks)
+    with pytest.raises(ValueError, match=match) as err:
+        model(IDX)
+    assert "\n" not in str(err.value)
+
+
+def test_attention_dropout_is_refused_in_training():
+    model = _llama(sattn_hf.ATTN_IMPLEMENTATION, [8, 4, 4], attention_dropout=0.1).train()
+    with pytest.raises(ValueError, match=r"^attention_dropout: expected 0 with sattn_mlr"):
+        model(IDX)
