@@ -121,3 +121,19 @@ def test_attention_dropout_is_refused_in_training():
     model = _llama(sattn_hf.ATTN_IMPLEMENTATION, [8, 4, 4], attention_dropout=0.1).train()
     with pytest.raises(ValueError, match=r"^attention_dropout: expected 0 with sattn_mlr"):
         model(IDX)
+
+
+def test_the_compressed_cache_generates_exactly_and_holds_what_mlr_reads():
+    """Greedy generation through MLRCache equals generation without a cache, across several
+    blocks of every level; the cache holds level 1's keys for all 49 cached tokens, level l's
+    for the last s_l only, and every value: counted here by hand."""
+    model = _llama(sattn_hf.ATTN_IMPLEMENTATION, [8, 4, 4])  # block sizes 64, 32, 16
+    prompts, mask = IDX[:, :10], torch.tensor([[0] * 4 + [1] * 6, [1] * 10])
+    cache = sattn_hf.MLRCache(model.config)
+    out = model.generate(prompts, attention_mask=mask, max_new_tokens=40, do_sample=False, cache=cache)
+    no_cache = model.generate(prompts, attention_mask=mask, max_new_tokens=40, do_sample=False, use_cache=False)
+    assert torch.equal(out, no_cache)
+    tokens, batch, kv_heads, layers = 49, 2, 2, 2
+    floats = tokens * 8 + min(tokens, 32) * 4 + min(tokens, 16) * 4 + tokens * 16
+    assert cache.memory_bytes() == layers * batch * kv_heads * floats * 4
+    assert cache.memory_bytes() < layers * batch * kv_heads * tokens * (16 + 16) * 4  # transformers' cache

@@ -31,6 +31,12 @@ projections, rotary embeddings, GQA, caches and ``generate()`` stay as they are.
 - **Queries after a cache** (``generate()``, chunked prefill) go to ``mlr_prefill`` with each row's
   block starts; every other call, training included, to ``mlr_attention``. Attention dropout is
   not supported (``attention_dropout`` must be 0).
+- **The compressed cache.** ``generate(..., past_key_values=MLRCache(model.config))`` keeps what
+  MLR attention can still read: level 1's keys for every token, a finer level's keys only for the
+  last ``s_l`` tokens (the current block of any row, whatever its left padding) and the values in
+  full; ``memory_bytes()`` says how much that is. Like transformers' quantized caches it hands the
+  attention function full-length keys each step, rebuilt with zeros where a level was dropped:
+  a query never reads a level before its current block there, so the result is exact.
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ from ..attention.segments import build_segments, left_padding
 from ..ops.mlr import mlr_attention, mlr_prefill
 from ..ops.mlr.contract import mlr_block_sizes
 
-__all__ = ["ATTN_IMPLEMENTATION", "level_permutation", "mlr_attention_forward", "register"]
+__all__ = ["ATTN_IMPLEMENTATION", "MLRCache", "level_permutation", "mlr_attention_forward", "register"]
 
 ATTN_IMPLEMENTATION = "sattn_mlr"
 
@@ -130,3 +136,92 @@ def mlr_attention_forward(
         out = mlr_prefill(q, list(k.split(ranks, dim=-1)), [0] * len(ranks), value, ranks, scale, False, sizes,
                           row_starts)
     return out.transpose(1, 2).contiguous(), None
+
+
+@functools.lru_cache(maxsize=1)
+def _cache_classes() -> tuple[type, type]:
+    """The cache classes, made on first use: their bases come from transformers, which this
+    module imports only when asked to."""
+    from transformers.cache_utils import Cache, CacheLayerMixin
+
+    class MLRCacheLayer(CacheLayerMixin):
+        """One layer's compressed MLR cache (see the module docstring)."""
+
+        is_sliding = False
+
+        def __init__(self, level_dims: list[torch.Tensor], block_sizes: Sequence[int]) -> None:
+            super().__init__()
+            self.level_dims, self.block_sizes = level_dims, tuple(block_sizes)
+            self.levels: list[torch.Tensor] = []
+            self.level_starts: list[int] = []
+            self.length = 0
+
+        def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+            self.device = key_states.device
+            self.level_dims = [d.to(self.device) for d in self.level_dims]
+            self.levels = [key_states.new_empty(*key_states.shape[:2], 0, len(d)) for d in self.level_dims]
+            self.level_starts = [0] * len(self.level_dims)
+            self.values = value_states.new_empty(*value_states.shape[:2], 0, value_states.shape[-1])
+            self.is_initialized = True
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            start, end = self.length, self.length + key_states.shape[2]
+            keys = key_states.new_zeros(*key_states.shape[:2], end, key_states.shape[-1])
+            keys[:, :, start:] = key_states
+            for i, (dims, first) in enumerate(zip(self.level_dims, self.level_starts)):
+                keys[:, :, first:start, dims] = self.levels[i]
+                # keep the last s_l tokens: the current block of every row, whatever its padding
+                keep = 0 if i == 0 else max(first, end - self.block_sizes[i])
+                level = torch.cat([self.levels[i], key_states[..., dims]], dim=2)
+                self.levels[i], self.level_starts[i] = level[:, :, keep - first:], keep
+            self.values = torch.cat([self.values, value_states], dim=2)
+            self.length = end
+            return keys, self.values
+
+        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+            return self.length + query_length, 0
+
+        def get_seq_length(self) -> int:
+            return self.length
+
+        def get_max_length(self) -> int:
+            return -1
+
+        def reset(self) -> None:
+            self.levels, self.level_starts, self.values, self.length = [], [], None, 0
+            self.is_initialized = False
+
+        def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+            if self.length:
+                self.levels = [level.index_select(0, beam_idx.to(level.device)) for level in self.levels]
+                self.values = self.values.index_select(0, beam_idx.to(self.values.device))
+
+        def memory_bytes(self) -> int:
+            held = [*self.levels, self.values] if self.is_initialized else []
+            return sum(t.numel() * t.element_size() for t in held)
+
+    class MLRCache(Cache):
+        """A transformers ``Cache`` holding MLR attention's compressed keys (see the module
+        docstring); ``config`` is the model's, with ``sattn_ranks``."""
+
+        def __init__(self, config: Any) -> None:
+            head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+            ranks, sizes = _levels(config, head_dim)
+            order = torch.tensor(level_permutation(ranks, head_dim))
+            level_dims = list(order.split(ranks))
+            super().__init__(layers=[MLRCacheLayer(level_dims, sizes) for _ in range(config.num_hidden_layers)])
+
+        def memory_bytes(self) -> int:
+            """Bytes of every layer's kept keys and values."""
+            return sum(layer.memory_bytes() for layer in self.layers)
+
+    return MLRCacheLayer, MLRCache
+
+
+def __getattr__(name: str) -> Any:
+    if name == "MLRCache":
+        return _cache_classes()[1]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
