@@ -36,9 +36,10 @@ Document boundaries
 cannot be found in the tokens afterwards; they are recorded while tokenising. For each split, an
 ``int64`` array holds the token index where each document starts: the first is 0, and the
 separator's tokens belong to the document before it. A single-document corpus has one document
-per split (start 0). The tokenizers are context-free (``byte``: one token per UTF-8 byte,
-``char``: one per code point), so a document's token count is that of its text encoded alone;
-the counts are checked to add up to the split's tokens. ``data.pack_documents``
+per split (start 0). ``byte`` (one token per UTF-8 byte) and ``char`` (one per code point) are
+context-free, so a document's token count is that of its text encoded alone; the counts are
+checked to add up to the split's tokens. A subword tokenizer (``hf:PATH``) is not: each document
+is encoded alone and the pieces joined with the separator's tokens, so the starts are exact. ``data.pack_documents``
 (:mod:`structured_attention.experiments.lm`) uses the starts to reset attention and positions at
 each document's first token.
 
@@ -79,7 +80,7 @@ import numpy as np
 
 from .._checks import require
 from .._files import atomic_write, file_sha256
-from .tokenizers import TOKENIZERS, ByteTokenizer, CharTokenizer, Tokenizer, tokenizer_from_json
+from .tokenizers import TOKENIZERS, ByteTokenizer, CharTokenizer, HFTokenizer, Tokenizer, tokenizer_from_json
 
 __all__ = [
     "Corpus",
@@ -211,6 +212,20 @@ def _document_starts(tok: Tokenizer, documents: list[str], n_tokens: int, split:
     require(total == n_tokens, "tokenizer", f"a context-free tokenizer (the {split} documents' token counts "
             f"summing to the split's {n_tokens} tokens)", f"{tok.name} with a sum of {total}")
     return np.concatenate([[0], np.cumsum(counts[:-1])]).astype(np.int64)
+
+
+def _encode_each(tok: Tokenizer, documents: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """A subword tokenizer's tokens of ``documents`` joined by the separator, each encoded alone
+    (a document's tokens do not depend on its neighbours), and where each starts."""
+    separator = tok.encode_array(DOC_SEPARATOR)
+    pieces = []
+    for i, document in enumerate(documents):
+        pieces.append(tok.encode_array(document))
+        if i < len(documents) - 1:
+            pieces.append(separator)
+    lengths = np.array([len(p) for p in pieces[::2]], dtype=np.int64) + len(separator)
+    starts = np.concatenate([[0], np.cumsum(lengths[:-1])]).astype(np.int64)
+    return np.concatenate(pieces).astype(tok.dtype), starts
 
 
 # --------------------------------------------------------------------------------------------------
@@ -405,15 +420,19 @@ def load_corpus(
     """Load, split, tokenise (once, cached) and memory-map a text corpus.
 
     ``source``: ``None``/``"stdlib"`` (the default corpus), a file or folder path,
-    ``"hf:NAME[:CONFIG][:SPLIT]"`` or a ``datasets.Dataset``; ``tokenizer``: ``"byte"`` or
-    ``"char"`` (its vocabulary is built from the training text); ``val_fraction`` in ``(0, 1)``.
+    ``"hf:NAME[:CONFIG][:SPLIT]"`` or a ``datasets.Dataset``; ``tokenizer``: ``"byte"``,
+    ``"char"`` (its vocabulary is built from the training text) or ``"hf:PATH"`` (a local
+    ``tokenizer.json`` or the folder holding it); ``val_fraction`` in ``(0, 1)``.
     See the module docstring for the split rule and the cache layout.
 
     Raises ``FileNotFoundError`` for a missing path, ``ImportError`` naming the ``[hf]`` extra when a
     Hugging Face source is asked for without ``datasets``, and ``ValueError`` naming the parameter
     for everything else (an empty corpus names ``source``).
     """
-    require(tokenizer in TOKENIZERS, "tokenizer", f"one of {', '.join(map(repr, TOKENIZERS))}", tokenizer)
+    hub = isinstance(tokenizer, str) and tokenizer.startswith("hf:") and len(tokenizer) > 3
+    require(tokenizer in TOKENIZERS or hub, "tokenizer",
+            f"one of {', '.join(map(repr, TOKENIZERS))} or 'hf:PATH' (a local tokenizer.json or its folder)", tokenizer)
+    hf_tokenizer = HFTokenizer.from_path(tokenizer[3:]) if hub else None
     require(
         isinstance(val_fraction, (int, float)) and not isinstance(val_fraction, bool) and 0 < val_fraction < 1,
         "val_fraction",
@@ -433,14 +452,18 @@ def load_corpus(
     val_b = val_text.encode("utf-8")
 
     folder = Path(cache_dir if cache_dir is not None else default_cache_dir()).expanduser()
-    folder = folder / _cache_key(tokenizer, train_b, val_b)
+    folder = folder / _cache_key(hf_tokenizer.name if hf_tokenizer else tokenizer, train_b, val_b)
     cached = _open_shards(folder)
     if cached is None:
-        tok: Tokenizer = ByteTokenizer() if tokenizer == "byte" else CharTokenizer.from_text(train_text)
-        train_ids = tok.encode_array(train_text)
-        val_ids = tok.encode_array(val_text)
-        train_starts = _document_starts(tok, train_docs, len(train_ids), "train")
-        val_starts = _document_starts(tok, val_docs, len(val_ids), "val")
+        tok: Tokenizer = hf_tokenizer or (ByteTokenizer() if tokenizer == "byte" else CharTokenizer.from_text(train_text))
+        if tok.context_free:
+            train_ids = tok.encode_array(train_text)
+            val_ids = tok.encode_array(val_text)
+            train_starts = _document_starts(tok, train_docs, len(train_ids), "train")
+            val_starts = _document_starts(tok, val_docs, len(val_ids), "val")
+        else:
+            train_ids, train_starts = _encode_each(tok, train_docs)
+            val_ids, val_starts = _encode_each(tok, val_docs)
         meta = {
             "format": _FORMAT,
             "source": description,

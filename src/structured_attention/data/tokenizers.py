@@ -9,21 +9,28 @@ Two tokenizers, both exact and serialisable to a JSON-able ``dict``:
   known characters take ids ``1 .. vocab_size - 1`` in sorted order. ``decode`` writes ``<unk>``
   as U+FFFD (the replacement character), as the byte tokenizer does for invalid UTF-8.
 
-:func:`tokenizer_from_json` rebuilds either from its ``to_json()`` dict.
+- :class:`HFTokenizer` (``"hf:PATH"``): a Hugging Face ``tokenizers`` tokenizer read from a local
+  ``tokenizer.json`` (PATH is the file or the folder holding it; nothing is downloaded). Its
+  ``name`` is ``hf:`` and a hash of the file, so corpora cached with one tokenizer are never read
+  with another. Subword tokenizers are not context-free: a corpus encodes each document alone.
+
+:func:`tokenizer_from_json` rebuilds any of them from its ``to_json()`` dict.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from .._checks import require
 
-__all__ = ["ByteTokenizer", "CharTokenizer", "Tokenizer", "TOKENIZERS", "tokenizer_from_json"]
+__all__ = ["ByteTokenizer", "CharTokenizer", "HFTokenizer", "Tokenizer", "TOKENIZERS", "tokenizer_from_json"]
 
-#: The tokenizer names :func:`structured_attention.data.load_corpus` accepts.
+#: The tokenizer names :func:`structured_attention.data.load_corpus` accepts (and ``"hf:PATH"``).
 TOKENIZERS = ("byte", "char")
 
 _REPLACEMENT = "\ufffd"
@@ -43,6 +50,7 @@ class ByteTokenizer:
     name = "byte"
     vocab_size = 256
     dtype = np.uint8
+    context_free = True  # a text's tokens are its parts' tokens, joined
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -84,6 +92,7 @@ class CharTokenizer:
     name = "char"
     unk_id = 0
     unk_token = "<unk>"
+    context_free = True
 
     def __init__(self, chars: Iterable[str]):
         chars = list(chars)
@@ -148,11 +157,75 @@ class CharTokenizer:
         return f"CharTokenizer(vocab_size={self.vocab_size})"
 
 
-Tokenizer = ByteTokenizer | CharTokenizer
+class HFTokenizer:
+    """A Hugging Face ``tokenizers`` tokenizer (its ``tokenizer.json`` text in ``spec``); special
+    tokens are neither added nor skipped."""
+
+    context_free = False
+
+    def __init__(self, spec: str) -> None:
+        try:
+            from tokenizers import Tokenizer as _Tokenizer
+        except ImportError as e:
+            raise ImportError("tokenizer: 'hf:PATH' needs the 'tokenizers' package: pip install "
+                              "'structured-attention[hf]'") from e
+        try:
+            self._tokenizer = _Tokenizer.from_str(spec)
+        except Exception as e:  # tokenizers raises its own exception type for a malformed file
+            raise ValueError(f"tokenizer: expected a tokenizers tokenizer.json, got one it cannot read ({e})") from None
+        self.spec = spec
+        self.name = "hf:" + hashlib.sha256(spec.encode("utf-8")).hexdigest()[:16]
+        self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        self.dtype = np.uint16 if self.vocab_size <= 65536 else np.uint32
+
+    @classmethod
+    def from_path(cls, path: str) -> HFTokenizer:
+        """From ``tokenizer.json`` or the folder holding it (a saved Hugging Face tokenizer)."""
+        p = Path(path).expanduser()
+        file = p / "tokenizer.json" if p.is_dir() else p
+        if not file.is_file():
+            raise FileNotFoundError(f"tokenizer: no tokenizer.json at {str(p)!r} (expected 'hf:' and a local "
+                                    f"tokenizer folder or file)")
+        return cls(file.read_text(encoding="utf-8"))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def encode_array(self, text: str) -> np.ndarray:
+        return np.asarray(self.encode(text), dtype=self.dtype)
+
+    def decode(self, ids: Iterable[int] | np.ndarray) -> str:
+        values = _as_int_list(ids)
+        n = self.vocab_size
+        require(all(0 <= v < n for v in values), "ids", f"token ids in [0, {n})", values[:8])
+        return self._tokenizer.decode(values, skip_special_tokens=False)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": "hf", "vocab_size": self.vocab_size, "spec": self.spec}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> HFTokenizer:
+        require(isinstance(d, dict) and d.get("name") == "hf" and isinstance(d.get("spec"), str), "d",
+                "a dict with name='hf' and a 'spec' string", d if not isinstance(d, dict) else sorted(d))
+        return cls(d["spec"])
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, HFTokenizer) and other.spec == self.spec
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer({self.name}, vocab_size={self.vocab_size})"
+
+
+Tokenizer = ByteTokenizer | CharTokenizer | HFTokenizer
 
 
 def tokenizer_from_json(d: dict[str, Any]) -> Tokenizer:
-    """Rebuild a tokenizer from its ``to_json()`` dict (``name`` is ``"byte"`` or ``"char"``)."""
+    """Rebuild a tokenizer from its ``to_json()`` dict (``name`` is ``"byte"``, ``"char"`` or ``"hf"``)."""
     name = d.get("name") if isinstance(d, dict) else None
-    require(name in TOKENIZERS, "d['name']", f"one of {', '.join(map(repr, TOKENIZERS))}", name)
+    require(name in (*TOKENIZERS, "hf"), "d['name']", "one of 'byte', 'char', 'hf'", name)
+    if name == "hf":
+        return HFTokenizer.from_json(d)
     return ByteTokenizer.from_json(d) if name == "byte" else CharTokenizer.from_json(d)

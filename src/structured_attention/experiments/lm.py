@@ -48,7 +48,7 @@ __all__ = [
 @dataclass(frozen=True)
 class DataConfig:
     source: str | None = None  # None: the embedded default corpus (the Python stdlib source)
-    tokenizer: str = "byte"  # "byte" or "char"
+    tokenizer: str = "byte"  # "byte", "char" or "hf:PATH" (a local Hugging Face tokenizer.json or its folder)
     val_fraction: float = 0.1
     cache_dir: str | None = None  # None: $SATTN_CACHE_DIR or ~/.cache/structured-attention
     # True: reset attention and positions at document boundaries (GPT's document_ids); False: a

@@ -1,25 +1,35 @@
 """A GPT-style decoder: token embeddings, the shared :class:`Transformer` backbone, a language head.
 
 Pre-LayerNorm blocks (attention, then a GELU MLP), attention kind per layer from the config,
-learned or rotary positions, optional tied input/output embeddings, and KV-cache generation
-through the attention layers' own caches.
+learned or rotary positions, optional tied input/output embeddings, KV-cache generation through
+the attention layers' own caches, and Hugging Face's folder layout (``save_pretrained`` /
+``from_pretrained``: ``config.json`` and ``model.safetensors``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .._checks import require
+from .._files import atomic_write
 from ..attention import KVCache
 from ..matrices.base import Fan
 from .transformer import Transformer, TransformerConfig, init_gpt2_, parameter_fans
 
 __all__ = ["GPT", "GPTConfig"]
+
+# Hugging Face's file names and this model's type in its config.json (GPT.save_pretrained)
+HF_CONFIG, HF_WEIGHTS, HF_MODEL_TYPE = "config.json", "model.safetensors", "sattn_gpt"
 
 
 @dataclass(frozen=True)
@@ -73,6 +83,52 @@ class GPT(nn.Module):
 
     def new_caches(self, batch_size: int) -> list[KVCache]:
         return self.backbone.new_caches(batch_size)
+
+    def save_pretrained(self, path: str | os.PathLike) -> None:
+        """Write Hugging Face's layout into folder ``path``: ``config.json`` (``model_type``
+        ``"sattn_gpt"`` and the :class:`GPTConfig` fields) and ``model.safetensors`` (a tied head
+        stored once, as transformers does). Each file is written atomically."""
+        folder = Path(path)
+        folder.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()
+                 if not (self.config.tie_embeddings and k == "head.weight")}
+        atomic_write(folder / HF_WEIGHTS, lambda p: save_file(state, p, metadata={"format": "pt"}))
+        config = {"model_type": HF_MODEL_TYPE, "architectures": ["GPT"], **self.config.to_dict()}
+        text = json.dumps(config, indent=2) + "\n"
+        atomic_write(folder / HF_CONFIG, lambda p: Path(p).write_text(text, encoding="utf-8"))
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike) -> GPT:
+        """The model :meth:`save_pretrained` wrote in folder ``path`` (on the CPU, in eval mode);
+        one-line ``ValueError`` for another model type, unknown config fields or weights that do
+        not fit the config."""
+        folder = Path(path)
+        for name in (HF_CONFIG, HF_WEIGHTS):
+            if not (folder / name).is_file():
+                raise FileNotFoundError(f"path: expected a folder holding {HF_CONFIG} and {HF_WEIGHTS}, "
+                                        f"{str(folder / name)!r} is missing")
+        try:
+            config = json.loads((folder / HF_CONFIG).read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{folder / HF_CONFIG}: not a JSON config ({e})") from None
+        require(isinstance(config, dict) and config.get("model_type") == HF_MODEL_TYPE, f"{folder / HF_CONFIG}",
+                f"model_type {HF_MODEL_TYPE!r}", config.get("model_type") if isinstance(config, dict) else config)
+        fields = {f.name for f in dataclasses.fields(GPTConfig)}
+        unknown = sorted(set(config) - fields - {"model_type", "architectures"})
+        require(not unknown, f"{folder / HF_CONFIG}", f"GPTConfig fields ({', '.join(sorted(fields))})", unknown)
+        model = cls(GPTConfig(**{k: v for k, v in config.items() if k in fields})).eval()
+        try:
+            state = load_file(folder / HF_WEIGHTS)
+        except Exception as e:  # safetensors' own error types for a malformed file
+            raise ValueError(f"{folder / HF_WEIGHTS}: cannot read tensors ({e})") from None
+        if model.config.tie_embeddings and "tok_emb.weight" in state:
+            state["head.weight"] = state["tok_emb.weight"]
+        own = model.state_dict()
+        bad = sorted(set(own) ^ set(state)) or [k for k in own if own[k].shape != state[k].shape
+                                                 or own[k].dtype != state[k].dtype]
+        require(not bad, f"{folder / HF_WEIGHTS}", "the tensors of the model config.json describes", bad[:3])
+        model.load_state_dict(state)
+        return model
 
     @torch.no_grad()
     def generate(
