@@ -137,3 +137,87 @@ def test_the_compressed_cache_generates_exactly_and_holds_what_mlr_reads():
     floats = tokens * 8 + min(tokens, 32) * 4 + min(tokens, 16) * 4 + tokens * 16
     assert cache.memory_bytes() == layers * batch * kv_heads * floats * 4
     assert cache.memory_bytes() < layers * batch * kv_heads * tokens * (16 + 16) * 4  # transformers' cache
+
+
+@pytest.mark.parametrize("ranks,sizes,match", [
+    ([8, 4], None, r"^sattn_ranks: expected a list of even positive ranks summing to the head dimension 16"),
+    ([8, 4, 4], [64, 24, 16], r"^sattn_block_sizes: "),
+    ([8, 4, 4], [64, 32], r"^sattn_block_sizes: "),
+])
+def test_configure_checks_at_config_time(ranks, sizes, match):
+    config = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, max_position_embeddings=64)
+    with pytest.raises(ValueError, match=match) as err:
+        sattn_hf.configure(config, ranks, sizes)
+    assert "\n" not in str(err.value) and not hasattr(config, "sattn_ranks")
+    assert sattn_hf.configure(config, [8, 4, 4], [64, 16, 8]).sattn_block_sizes == [64, 16, 8]
+
+
+def test_save_load_round_trip_and_trainer_runs_five_steps(tmp_path):
+    model = _llama(sattn_hf.ATTN_IMPLEMENTATION, [8, 4, 4])
+    model.save_pretrained(tmp_path / "model")
+    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "model",
+                                                           attn_implementation=sattn_hf.ATTN_IMPLEMENTATION).eval()
+    assert loaded.config.sattn_ranks == [8, 4, 4]
+    torch.testing.assert_close(loaded(IDX).logits, model(IDX).logits, atol=0, rtol=0)
+
+    class Windows(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 16
+
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            ids = torch.randint(0, 64, (24,), generator=torch.Generator().manual_seed(i))
+            return {"input_ids": ids, "labels": ids}
+
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "trainer"), max_steps=5, per_device_train_batch_size=4,
+                                          learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[],
+                                          use_cpu=True, disable_tqdm=True)
+    trainer = transformers.Trainer(model=model.train(), args=args, train_dataset=Windows())
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer.train()
+    losses = [r["loss"] for r in trainer.state.log_history if "loss" in r]
+    assert trainer.state.global_step == 5 and len(losses) == 5 and all(map(torch.isfinite, torch.tensor(losses)))
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_bench_hf_times_both_and_reports_the_caches(tmp_path, capsys):
+    import json
+
+    from structured_attention.cli.main import main
+
+    assert main(["bench", "hf", "--seq-len", "32", "--hidden", "64", "--n-heads", "4", "--ranks", "4|4|4|4",
+                 "--cache-len", "256", "--repeats", "1", "--warmup", "0", "--out", str(tmp_path)]) == 0
+    record = json.loads((tmp_path / "hf.json").read_text())["results"][0]
+    assert record["sdpa_step_ms"] > 0 and record["sattn_mlr_step_ms"] > 0
+    # 256 tokens, block sizes 256/128/64/32: level l keeps min(256, s_l) keys of rank 4, values 16 wide;
+    # 4 heads, 2 layers, float32
+    assert record["mlr_cache_bytes"] == (256 * 4 + 128 * 4 + 64 * 4 + 32 * 4 + 256 * 16) * 4 * 2 * 4
+    assert record["dynamic_cache_bytes"] == 256 * (16 + 16) * 4 * 2 * 4
+
+
+@pytest.mark.parametrize("spec", ["bilinear_btt:1", "bilinear_mlr:4|2", "swa:4", "global_swa:window=2", "mlr:8|4|4"])
+def test_swapped_attention_pads_generates_saves_and_loads(tmp_path, spec):
+    model = sattn_hf.swap_attention(_llama("sdpa"), spec).eval()
+    layers = model.model.layers
+    assert all(isinstance(layer.self_attn, sattn_hf.SwappedAttention) for layer in layers)
+    assert type(model).__name__ == "SattnLlamaForCausalLM" and model.config.model_type == "sattn_llama"
+    mask = torch.ones(2, 20, dtype=torch.long)
+    mask[0, :7] = 0
+    logits = model(IDX, attention_mask=mask).logits
+    torch.testing.assert_close(logits[0, 7:], model(IDX[:1, 7:]).logits[0], atol=1e-5, rtol=0)
+    prompt_mask = torch.tensor([[0] * 4 + [1] * 6, [1] * 10])
+    out = model.generate(IDX[:, :10], attention_mask=prompt_mask, max_new_tokens=8, do_sample=False)
+    assert torch.equal(out, model.generate(IDX[:, :10], attention_mask=prompt_mask, max_new_tokens=8,
+                                           do_sample=False, use_cache=False))
+    model.save_pretrained(tmp_path / "swapped")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "swapped").eval()
+    assert type(loaded).__name__ == "SattnLlamaForCausalLM" and loaded.config.sattn_attention == spec
+    assert torch.equal(loaded(IDX).logits, model(IDX).logits)
+
+
+def test_a_bad_swap_is_one_line_at_swap_time():
+    with pytest.raises(ValueError, match=r"^sattn_attention='nope:1': ") as err:
+        sattn_hf.swap_attention(_llama("sdpa"), "nope:1")
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match=r"^sattn_attention='mlr:8\|4': ranks"):
+        sattn_hf.swap_attention(_llama("sdpa"), "mlr:8|4")

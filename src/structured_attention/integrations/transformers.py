@@ -7,7 +7,7 @@
 
     sattn_hf.register()
     config = AutoConfig.from_pretrained("path/to/a/llama-like/model")
-    config.sattn_ranks = [64, 32, 16, 16]      # per level; they sum to the head dimension
+    sattn_hf.configure(config, ranks=[64, 32, 16, 16])   # per level; they sum to the head dimension
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sattn_mlr")
 
 Any model whose attention layers call ``ALL_ATTENTION_FUNCTIONS`` (Llama, Qwen, Mistral and most
@@ -37,6 +37,13 @@ projections, rotary embeddings, GQA, caches and ``generate()`` stay as they are.
   full; ``memory_bytes()`` says how much that is. Like transformers' quantized caches it hands the
   attention function full-length keys each step, rebuilt with zeros where a level was dropped:
   a query never reads a level before its current block there, so the result is exact.
+- **Kinds with their own projections** (``bilinear_btt``, ``bilinear_mlr``, ``swa``,
+  ``global_swa``, ``mlr`` with its per-level norms and scales): ``swap_attention(model,
+  "bilinear_btt:1")`` puts the package's layer (fresh weights) in each decoder layer's place and
+  makes the model ``Sattn<Family>ForCausalLM`` (Llama, Mistral, Qwen2, Qwen3), registered with
+  ``AutoConfig``/``AutoModelForCausalLM`` by ``register()``: ``save_pretrained`` writes model type
+  ``sattn_<family>`` and ``sattn_attention``, and ``AutoModelForCausalLM.from_pretrained`` rebuilds
+  the swapped model with no remote code.
 """
 
 from __future__ import annotations
@@ -52,14 +59,17 @@ from ..attention.segments import build_segments, left_padding
 from ..ops.mlr import mlr_attention, mlr_prefill
 from ..ops.mlr.contract import mlr_block_sizes
 
-__all__ = ["ATTN_IMPLEMENTATION", "MLRCache", "level_permutation", "mlr_attention_forward", "register"]
+__all__ = ["ATTN_IMPLEMENTATION", "MLRCache", "SwappedAttention", "configure", "level_permutation", "mlr_attention_forward",
+           "register", "swap_attention"]
 
 ATTN_IMPLEMENTATION = "sattn_mlr"
 
 
 def register() -> None:
-    """Register the attention implementation ``"sattn_mlr"`` and its mask function with transformers
-    (idempotent)."""
+    """Register the attention implementation ``"sattn_mlr"`` and its mask function with transformers,
+    and the model classes of swapped models (``sattn_llama``, ``sattn_mistral``, ``sattn_qwen2``,
+    ``sattn_qwen3``) with its Auto classes (idempotent)."""
+    import transformers
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
@@ -67,6 +77,27 @@ def register() -> None:
     # The 2-D padding mask sliced to the keys, or None when nothing is padded: what the
     # varlen attention kernels take, and what the segments of this implementation are built from.
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, flash_attention_mask)
+    for family in ("Llama", "Mistral", "Qwen2", "Qwen3"):
+        config_class = getattr(transformers, f"{family}Config", None)
+        model_class = getattr(transformers, f"{family}ForCausalLM", None)
+        if config_class is not None and model_class is not None:
+            _swapped_classes(config_class, model_class)
+
+
+def configure(config: Any, ranks: Sequence[int], block_sizes: Sequence[int] | None = None) -> Any:
+    """Set ``sattn_ranks`` (and ``sattn_block_sizes``) on a transformers model config after
+    checking them against its head dimension and ``max_position_embeddings``: a mistake is one
+    line naming the attribute here, not at the first forward. Returns ``config``."""
+    _check_levels(ranks, block_sizes, getattr(config, "max_position_embeddings", None), _head_dim(config))
+    config.sattn_ranks = list(ranks)
+    config.sattn_block_sizes = None if block_sizes is None else list(block_sizes)
+    return config
+
+
+def _head_dim(config: Any) -> int:
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    require(isinstance(head_dim, int) and head_dim > 0, "head_dim", "a positive integer", head_dim)
+    return head_dim
 
 
 @functools.lru_cache(maxsize=64)
@@ -82,16 +113,20 @@ def level_permutation(ranks: tuple[int, ...], head_dim: int) -> tuple[int, ...]:
 
 
 def _levels(config: Any, head_dim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    ranks = getattr(config, "sattn_ranks", None)
+    """A model config's checked MLR ranks and block sizes."""
+    return _check_levels(getattr(config, "sattn_ranks", None), getattr(config, "sattn_block_sizes", None),
+                         getattr(config, "max_position_embeddings", None), head_dim)
+
+
+def _check_levels(ranks: Any, block_sizes: Any, context: Any, head_dim: int
+                  ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     require(isinstance(ranks, Sequence) and len(ranks) > 0
             and all(isinstance(r, int) and not isinstance(r, bool) and r > 0 and r % 2 == 0 for r in ranks)
             and sum(ranks) == head_dim, "sattn_ranks",
             f"a list of even positive ranks summing to the head dimension {head_dim} (a model config attribute)", ranks)
-    context = getattr(config, "max_position_embeddings", None)
     require(isinstance(context, int) and context > 0, "max_position_embeddings", "a positive integer", context)
-    sizes = getattr(config, "sattn_block_sizes", None)
     try:
-        sizes = mlr_block_sizes(ranks, context, sizes)
+        sizes = mlr_block_sizes(ranks, context, block_sizes)
     except ValueError as e:
         raise ValueError(f"sattn_block_sizes: {e}") from None
     return tuple(ranks), sizes
@@ -208,7 +243,7 @@ def _cache_classes() -> tuple[type, type]:
         docstring); ``config`` is the model's, with ``sattn_ranks``."""
 
         def __init__(self, config: Any) -> None:
-            head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+            head_dim = _head_dim(config)
             ranks, sizes = _levels(config, head_dim)
             order = torch.tensor(level_permutation(ranks, head_dim))
             level_dims = list(order.split(ranks))
@@ -225,3 +260,121 @@ def __getattr__(name: str) -> Any:
     if name == "MLRCache":
         return _cache_classes()[1]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# -- kinds with their own projections: swap_attention --------------------------------------------------
+
+
+class SwappedAttention(torch.nn.Module):
+    """One of the package's attention layers in a transformers decoder layer's place: it keeps its
+    own projections (and its own rotary embedding, except for the bilinear kinds, whose queries are
+    the inputs themselves), reads the 2-D padding mask the ``"sattn_mlr"`` mask function gives,
+    and keeps its own KV cache inside transformers' cache object, whose length it advances with
+    empty tensors so that ``generate()`` counts positions as usual."""
+
+    def __init__(self, config: Any, layer_idx: int, spec: str) -> None:
+        super().__init__()
+        self.layer_idx, self.is_causal = layer_idx, True
+        kind = spec.split(":", 1)[0]
+        self._settings = dict(d_model=config.hidden_size, n_heads=config.num_attention_heads,
+                              max_seq_len=config.max_position_embeddings, causal=True,
+                              rotary=kind not in ("bilinear_btt", "bilinear_mlr"),
+                              rotary_base=float(getattr(config, "rope_theta", None) or 10000.0))
+        self._spec = spec
+        self.attn = self._fresh_layer()
+
+    def _fresh_layer(self) -> torch.nn.Module:
+        from ..attention import build_attention
+
+        try:
+            return build_attention(self._spec, **self._settings)
+        except ValueError as e:
+            raise ValueError(f"sattn_attention={self._spec!r}: {e}") from None
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, cache: Any = None,
+                **kwargs: Any) -> tuple[torch.Tensor, None]:
+        require(attention_mask is None or attention_mask.dim() == 2, "attention_mask",
+                "a (batch, keys) padding mask (a swapped model runs with attn_implementation='sattn_mlr')",
+                None if attention_mask is None else tuple(attention_mask.shape))
+        if cache is None:
+            return self.attn(hidden_states, attention_mask=attention_mask), None
+        batch, new = hidden_states.shape[:2]
+        own = cache.__dict__.setdefault("_sattn_caches", {})
+        kv = own.get(self.layer_idx)
+        if kv is None or kv.length != cache.get_seq_length(self.layer_idx):  # a new or reset cache
+            kv = own[self.layer_idx] = self.attn.new_cache(batch)
+        out = self.attn(hidden_states, kv, attention_mask=attention_mask)
+        # one number per token (transformers counts an empty cache as length 0): its length only
+        marker = hidden_states.new_zeros(batch, 1, new, 1)
+        cache.update(marker, marker, self.layer_idx)
+        return out, None
+
+    def restore_buffers(self) -> None:
+        """Recompute the layer's non-persistent buffers (rotary tables, level indices), which
+        ``from_pretrained`` leaves uninitialised: it builds the model without memory first and
+        loads only what the weights file holds."""
+        fresh = dict(self._fresh_layer().named_buffers())
+        for name, buffer in self.attn.named_buffers():
+            buffer.copy_(fresh[name])
+
+
+def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) and all(hasattr(m, "self_attn") for m in module):
+            return module
+    raise ValueError(f"model: expected a transformers decoder whose layers hold self_attn, got {type(model).__name__}")
+
+
+def _swap_layers(model: torch.nn.Module, spec: str) -> None:
+    for i, layer in enumerate(_decoder_layers(model)):
+        layer.self_attn = SwappedAttention(model.config, i, spec).to(next(layer.parameters()).device)
+
+
+@functools.lru_cache(maxsize=None)
+def _swapped_classes(config_class: type, model_class: type) -> tuple[type, type]:
+    """``Sattn<Family>Config`` (model type ``sattn_<family>``, the field ``sattn_attention``) and
+    ``Sattn<Family>ForCausalLM``, which builds the family's model and swaps its attention;
+    registered with ``AutoConfig`` and ``AutoModelForCausalLM``, so ``from_pretrained`` rebuilds a
+    swapped model from its folder with no remote code."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_type = f"sattn_{config_class.model_type}"
+    swapped_config = type(f"Sattn{config_class.__name__}", (config_class,), {"model_type": model_type})
+
+    def __init__(self: Any, config: Any) -> None:
+        model_class.__init__(self, config)
+        _swap_layers(self, config.sattn_attention)
+        self.config._attn_implementation = ATTN_IMPLEMENTATION
+
+    @classmethod  # type: ignore[misc]
+    def from_pretrained(cls: type, *args: Any, **kwargs: Any) -> Any:
+        model = super(swapped_model, cls).from_pretrained(*args, **kwargs)
+        with torch.no_grad():
+            for module in model.modules():
+                if isinstance(module, SwappedAttention):
+                    module.restore_buffers()
+        return model
+
+    swapped_model = type(f"Sattn{model_class.__name__}", (model_class,),
+                         {"config_class": swapped_config, "__init__": __init__, "from_pretrained": from_pretrained})
+    AutoConfig.register(model_type, swapped_config, exist_ok=True)
+    AutoModelForCausalLM.register(swapped_config, swapped_model, exist_ok=True)
+    return swapped_config, swapped_model
+
+
+def swap_attention(model: Any, spec: str) -> Any:
+    """Replace each decoder layer's attention module of a transformers causal language model, in
+    place, with the package's layer for ``spec`` (``"bilinear_btt:1"``, ``"swa:128"``,
+    ``"mlr:32|16|16"``...; fresh weights), and make the model one of the registered
+    ``Sattn<Family>ForCausalLM`` classes, so ``save_pretrained`` writes a folder that
+    ``AutoModelForCausalLM.from_pretrained`` rebuilds. Returns ``model``."""
+    register()
+    require(isinstance(spec, str) and spec != "", "spec", "an attention spec such as 'bilinear_btt:1'", spec)
+    config_class, model_class = type(model.config), type(model)
+    if not config_class.model_type.startswith("sattn_"):
+        config_class, model_class = _swapped_classes(config_class, model_class)
+    _swap_layers(model, spec)
+    model.config.__class__, model.__class__ = config_class, model_class
+    model.config.sattn_attention = spec
+    model.config._attn_implementation = ATTN_IMPLEMENTATION
+    return model
