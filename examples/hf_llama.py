@@ -2,7 +2,7 @@
 (byte tokens, no download), then asked to continue a prompt through the compressed MLR cache.
 
     pip install -e ".[hf]"
-    python examples/hf_llama.py --steps 300      # about 5 minutes on 2 CPU cores
+    python examples/hf_llama.py --steps 300      # about 25 seconds on 2 CPU cores
 """
 
 from __future__ import annotations
