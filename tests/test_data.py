@@ -270,6 +270,14 @@ def test_document_starts_match_the_documents(tmp_path, tokenizer):
     assert np.array_equal(again.val_document_starts, corpus.val_document_starts)
 
 
+@pytest.mark.parametrize("val_fraction", [0.01, 0.9, 0.99])
+def test_a_two_character_file_keeps_a_character_on_each_side(tmp_path, val_fraction):
+    """A fraction that rounds to the whole text (or to nothing) still leaves both splits one
+    character; before, an empty training split failed as an unreadable cache."""
+    corpus = load_corpus(write(tmp_path / "ab.txt", "ab"), val_fraction=val_fraction, cache_dir=tmp_path / "cache")
+    assert decode_all(corpus, "train") == "a" and decode_all(corpus, "val") == "b"
+
+
 def test_single_document_has_one_start_per_split(tmp_path):
     corpus = load_corpus(write(tmp_path / "one.py", DOCS["a.py"] * 5), cache_dir=tmp_path / "cache")
     assert corpus.train_document_starts.tolist() == [0] and corpus.val_document_starts.tolist() == [0]

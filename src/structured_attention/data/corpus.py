@@ -191,7 +191,7 @@ def _split(
     documents; each side's text is its documents joined with :data:`DOC_SEPARATOR`."""
     if len(texts) == 1:
         text = texts[0]
-        n_val = max(1, round(val_fraction * len(text)))
+        n_val = min(len(text) - 1, max(1, round(val_fraction * len(text))))  # both sides non-empty
         cut = len(text) - n_val
         return [text[:cut]], [text[cut:]], list(names), list(names)
     is_val = split_documents(names, val_fraction)
