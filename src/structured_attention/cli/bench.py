@@ -36,7 +36,7 @@ from ..ops.mlr import mlr_attention, mlr_attention_reference
 from ..ops.mlr.blocked import mlr_attention_blocked
 from ..models import GPT, GPTConfig
 from . import bench_batches, bench_hf
-from .common import add_timing_options, bench_environment, check_bench_memory, pyplot
+from .common import add_timing_options, bench_environment, check_bench_memory, parse_ranks, pyplot
 
 LAYER_KINDS = "mha,swa:128,global_swa:32|32:window=128,mlr:8|8|8|8|8|8|8|8"
 LM_KINDS = "mha,swa:128,global_swa:32|32:window=128,mlr:16|16|16|16,mlr:32|16|8|8"
@@ -110,7 +110,7 @@ def _build_case(name: str, args: argparse.Namespace, seq_len: int) -> tuple[Step
         call = lambda: step_model(idx[:, :-1], idx[:, 1:])[1]  # noqa: E731
         params = list(model.parameters())
     else:
-        ranks = tuple(int(r) for r in args.ranks.split("|"))
+        ranks = parse_ranks(args.ranks)
         shape = (args.batch, args.n_heads, seq_len)
         q, k = (torch.randn(*shape, sum(ranks), device=device, dtype=dtype, requires_grad=True) for _ in range(2))
         v = torch.randn(*shape, args.v_dim, device=device, dtype=dtype, requires_grad=True)
@@ -330,12 +330,7 @@ def _check_args(args: argparse.Namespace) -> None:
             if not 0 < args.decode_cache <= limit:
                 raise ValueError(f"--decode-cache: expected 1..{limit} (longest seq-len minus decode steps), got {args.decode_cache}")
     if args.what == "mlr":
-        try:
-            ranks = [int(r) for r in args.ranks.split("|")]
-        except ValueError:
-            ranks = []
-        if not ranks or min(ranks) <= 0:
-            raise ValueError(f"--ranks: expected positive integers separated by '|', got {args.ranks!r}")
+        ranks = parse_ranks(args.ranks)
         check_bench_memory("--seq-lens", args.seq_lens,
                            args.batch * args.n_heads * max(seq_lens) * (2 * sum(ranks) + args.v_dim), args)
         unknown = [p for p in _case_names(args) if p not in _SDPA_BACKENDS and p not in _MLR_FUNCTIONS]

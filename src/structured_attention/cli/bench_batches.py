@@ -23,7 +23,7 @@ import torch
 
 from ..models import GPT, GPTConfig
 from ..ops.mlr import mlr_attention
-from .common import add_timing_options, bench_environment, check_bench_memory
+from .common import add_timing_options, bench_environment, check_bench_memory, parse_ranks
 
 VARLEN_RANKS = "8|8|8|8|8|8|8|8"
 GENERATE_KINDS = "mha,mlr:16|16|16|16"
@@ -94,12 +94,7 @@ def _check(args: argparse.Namespace) -> None:
         _positive(args, "seq_len", "min_doc", "max_doc", "v_dim")
         if args.lengths is None and not args.min_doc <= args.max_doc <= args.seq_len:
             raise ValueError(f"--max-doc: expected min-doc <= max-doc <= seq-len, got {args.max_doc}")
-        try:
-            ranks = [int(r) for r in args.ranks.split("|")]
-        except ValueError:
-            ranks = []
-        if not ranks or min(ranks) <= 0:
-            raise ValueError(f"--ranks: expected positive integers separated by '|', got {args.ranks!r}")
+        ranks = parse_ranks(args.ranks)
         # packed, per-document and padded copies of q, k and v: three sets at least
         check_bench_memory("--seq-len", args.seq_len,
                            3 * args.batch * args.n_heads * args.seq_len * (2 * sum(ranks) + args.v_dim), args)
@@ -139,7 +134,7 @@ def document_lengths(seq_len: int, min_doc: int, max_doc: int, seed: int) -> lis
 
 def measure_varlen(args: argparse.Namespace) -> list[dict[str, Any]]:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    ranks = tuple(int(r) for r in args.ranks.split("|"))
+    ranks = parse_ranks(args.ranks)
     if args.lengths is not None:
         rows = parse_lengths(args.lengths)
     else:

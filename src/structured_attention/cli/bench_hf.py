@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .common import add_timing_options, bench_environment, check_bench_memory
+from .common import add_timing_options, bench_environment, check_bench_memory, parse_ranks
 
 HF_RANKS = "8|8|8|8|8|8|8|8"
 
@@ -46,13 +46,10 @@ def _check(args: argparse.Namespace) -> list[int]:
             raise ValueError(f"--{name.replace('_', '-')}: expected a positive integer, got {value}")
     if args.hidden % args.n_heads:
         raise ValueError(f"--n-heads: expected a divisor of --hidden={args.hidden}, got {args.n_heads}")
-    try:
-        ranks = [int(r) for r in args.ranks.split("|")]
-    except ValueError:
-        ranks = []
-    if not ranks or sum(ranks) != args.hidden // args.n_heads:
-        raise ValueError(f"--ranks: expected ranks separated by '|' summing to the head dim "
-                         f"{args.hidden // args.n_heads}, got {args.ranks!r}")
+    ranks = list(parse_ranks(args.ranks))
+    if sum(ranks) != args.hidden // args.n_heads:
+        raise ValueError(f"--ranks: expected ranks summing to the head dim {args.hidden // args.n_heads}, "
+                         f"got {args.ranks!r}")
     check_bench_memory("--seq-len", args.seq_len, 8 * args.batch * args.seq_len * args.hidden * args.n_layers, args)
     check_bench_memory("--cache-len", args.cache_len, 4 * args.cache_len * args.hidden * args.n_layers, args)
     return ranks

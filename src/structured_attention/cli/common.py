@@ -71,6 +71,18 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def parse_ranks(text: str) -> tuple[int, ...]:
+    """``'8|8|4'`` -> ``(8, 8, 4)``: the ``--ranks`` option of the benchmarks, positive integers
+    separated by ``|``; one-line ``ValueError`` naming ``--ranks`` otherwise."""
+    try:
+        ranks = tuple(int(r) for r in text.split("|"))
+    except ValueError:
+        ranks = ()
+    if not ranks or min(ranks) <= 0:
+        raise ValueError(f"--ranks: expected positive integers separated by '|', got {text!r}")
+    return ranks
+
+
 def check_bench_memory(option: str, value: object, floats: int, args: argparse.Namespace) -> None:
     """One-line ``ValueError`` naming ``option`` when a benchmark's inputs and their gradients,
     ``floats`` numbers of ``args.dtype``, alone exceed the memory available on the device."""
