@@ -132,3 +132,23 @@ def test_cache_misuse_is_one_line_naming_the_cache(kind):
         with torch.no_grad(), pytest.raises(ValueError, match=match) as err:
             call()
         assert "\n" not in str(err.value)
+
+
+def test_checking_the_config_draws_what_building_its_small_layers_draws():
+    """A seeded run's stream includes the config check's draws (experiments rebuild the config
+    after seeding), so the check builds small layers on the CPU as it always did: the generator
+    ends where building each distinct layer by hand leaves it. A huge layer draws nothing."""
+    from structured_attention.attention import build_attention
+    from structured_attention.models import TransformerConfig
+
+    config = TransformerConfig(d_model=32, n_heads=2, n_layers=4, attention="mha,mlr:8|4|4")
+    torch.manual_seed(0)
+    config.check_attention()
+    after_check = torch.get_rng_state()
+    torch.manual_seed(0)
+    for attention in config.attention_configs()[:2]:
+        build_attention(attention)
+    assert torch.equal(after_check, torch.get_rng_state())
+    torch.manual_seed(0)
+    TransformerConfig(d_model=8192, n_heads=8, attention="mha").check_attention()  # 2^26 parameters: meta only
+    assert torch.equal(torch.get_rng_state(), torch.manual_seed(0).get_state())

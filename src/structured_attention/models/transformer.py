@@ -26,6 +26,11 @@ from ..matrices.base import Fan, StructuredMatrix
 __all__ = ["Block", "MLP", "TokenBatchNorm", "Transformer", "TransformerConfig", "build_norm", "init_gpt2_", "parameter_fans"]
 
 
+# Attention layers up to this many parameters (64 MB of float32) are built on the CPU by
+# TransformerConfig.check_attention; larger ones only on the meta device.
+_CPU_CHECK_PARAMETERS = 2**24
+
+
 @dataclass(frozen=True)
 class TransformerConfig:
     n_layers: int = 4
@@ -82,13 +87,20 @@ class TransformerConfig:
     def check_attention(self) -> None:
         """Raise ``ValueError("model.attention=...: <the layer's one-line message>")`` for an
         unknown kind, a malformed spec or ranks that do not fit the head dimension: each distinct
-        layer configuration is built once, on the meta device (nothing allocated, whatever the sizes)."""
+        layer configuration is built once on the meta device (nothing allocated, whatever the
+        sizes), and once more on the CPU when it is small (see the comment there)."""
         seen: list[AttentionConfig] = []
         try:
-            with torch.device("meta"):
-                for attention in self.attention_configs(distinct=True):
-                    if attention not in seen:
-                        seen.append(attention)
+            for attention in self.attention_configs(distinct=True):
+                if attention not in seen:
+                    seen.append(attention)
+                    with torch.device("meta"):
+                        size = sum(p.numel() for p in build_attention(attention).parameters())
+                    # Small layers are built again on the CPU, drawing their random weights: the
+                    # experiments rebuild their config after seeding (the vocabulary or channels
+                    # come from the data), so these draws are part of every seeded run's stream,
+                    # and the runs in docs/ were made with them.
+                    if size <= _CPU_CHECK_PARAMETERS:
                         build_attention(attention)
         except ValueError as e:
             raise ValueError(f"model.attention={self.attention!r}: {e}") from None
