@@ -36,7 +36,7 @@ from ..ops.mlr import mlr_attention, mlr_attention_reference
 from ..ops.mlr.blocked import mlr_attention_blocked
 from ..models import GPT, GPTConfig
 from . import bench_batches, bench_hf
-from .common import add_timing_options, bench_environment, check_bench_memory, parse_ranks, pyplot
+from .common import add_timing_options, bench_environment, check_bench_memory, parse_ranks, pyplot, time_ms
 
 LAYER_KINDS = "mha,swa:128,global_swa:32|32:window=128,mlr:8|8|8|8|8|8|8|8"
 LM_KINDS = "mha,swa:128,global_swa:32|32:window=128,mlr:16|16|16|16,mlr:32|16|8|8"
@@ -143,19 +143,6 @@ def _build_case(name: str, args: argparse.Namespace, seq_len: int) -> tuple[Step
 
 
 # -- measurements ------------------------------------------------------------------------------------
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def _time_ms(step: Step, device: torch.device) -> float:
-    _sync(device)
-    start = time.perf_counter()
-    step()
-    _sync(device)
-    return (time.perf_counter() - start) * 1e3
-
-
 def _peak_memory_mib(name: str, args: argparse.Namespace, seq_len: int) -> float:
     """Peak memory of one forward+backward above what the case held before it, in MiB."""
     if torch.device(args.device).type == "cuda":
@@ -208,7 +195,7 @@ def _decode_ms(spec: str, args: argparse.Namespace, cache_len: int, context: int
                 for t in range(args.decode_steps):
                     layer(tokens[:, t : t + 1], cache)
 
-            ms = _time_ms(steps, device) / args.decode_steps
+            ms = time_ms(steps, device) / args.decode_steps
             if run >= args.warmup:
                 times.append(ms)
     return statistics.median(times)
@@ -225,7 +212,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
         fwd_bwd: dict[str, list[float]] = {n: [] for n in names}
         for round_ in range(args.warmup + args.repeats):
             for name, (forward, forward_backward) in cases.items():
-                a, b = _time_ms(forward, device), _time_ms(forward_backward, device)
+                a, b = time_ms(forward, device), time_ms(forward_backward, device)
                 if round_ >= args.warmup:
                     fwd[name].append(a)
                     fwd_bwd[name].append(b)

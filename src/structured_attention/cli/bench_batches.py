@@ -15,15 +15,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from ..models import GPT, GPTConfig
 from ..ops.mlr import mlr_attention
-from .common import add_timing_options, bench_environment, check_bench_memory, parse_ranks
+from .common import (add_timing_options, bench_environment, check_bench_memory, check_positive_options, parse_ranks,
+                     records_table, time_ms)
 
 VARLEN_RANKS = "8|8|8|8|8|8|8|8"
 GENERATE_KINDS = "mha,mlr:16|16|16|16"
@@ -56,13 +56,6 @@ def add_parsers(what: argparse._SubParsersAction) -> None:
         p.set_defaults(run=run)
 
 
-def _positive(args: argparse.Namespace, *names: str) -> None:
-    for name in names:
-        value = getattr(args, name)
-        if not isinstance(value, int) or value <= 0:
-            raise ValueError(f"--{name.replace('_', '-')}: expected a positive integer, got {value}")
-
-
 def parse_lengths(text: str) -> list[list[int]]:
     """``'4096;64x64'`` -> ``[[4096], [64] * 64]``: rows of document lengths, equal totals."""
     rows = []
@@ -81,7 +74,7 @@ def parse_lengths(text: str) -> list[list[int]]:
 
 
 def _check(args: argparse.Namespace) -> None:
-    _positive(args, "batch", "n_heads", "repeats")
+    check_positive_options(args, "batch", "n_heads", "repeats")
     if args.warmup < 0:
         raise ValueError(f"--warmup: expected a non-negative integer, got {args.warmup}")
     device = torch.device(args.device)
@@ -91,7 +84,7 @@ def _check(args: argparse.Namespace) -> None:
         if args.lengths is not None:
             rows = parse_lengths(args.lengths)
             args.batch, args.seq_len = len(rows), sum(rows[0])
-        _positive(args, "seq_len", "min_doc", "max_doc", "v_dim")
+        check_positive_options(args, "seq_len", "min_doc", "max_doc", "v_dim")
         if args.lengths is None and not args.min_doc <= args.max_doc <= args.seq_len:
             raise ValueError(f"--max-doc: expected min-doc <= max-doc <= seq-len, got {args.max_doc}")
         ranks = parse_ranks(args.ranks)
@@ -99,7 +92,7 @@ def _check(args: argparse.Namespace) -> None:
         check_bench_memory("--seq-len", args.seq_len,
                            3 * args.batch * args.n_heads * args.seq_len * (2 * sum(ranks) + args.v_dim), args)
     else:
-        _positive(args, "min_len", "max_len", "new_tokens", "d_model", "n_layers")
+        check_positive_options(args, "min_len", "max_len", "new_tokens", "d_model", "n_layers")
         if args.min_len > args.max_len:
             raise ValueError(f"--min-len: expected at most --max-len={args.max_len}, got {args.min_len}")
         # the prompts' input, queries, keys and values in every layer's prefill
@@ -108,16 +101,6 @@ def _check(args: argparse.Namespace) -> None:
         for kind in args.kinds.split(","):
             GPTConfig(d_model=args.d_model, n_heads=args.n_heads, n_layers=1, attention=kind,
                       max_seq_len=args.max_len + args.new_tokens).check_attention()
-
-
-def _time_ms(fn: Callable[[], Any], device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return (time.perf_counter() - start) * 1e3
 
 
 def document_lengths(seq_len: int, min_doc: int, max_doc: int, seed: int) -> list[int]:
@@ -177,7 +160,7 @@ def measure_varlen(args: argparse.Namespace) -> list[dict[str, Any]]:
     times: dict[str, list[float]] = {name: [] for name in cases}
     for run in range(args.warmup + args.repeats):
         for name, fn in cases.items():
-            ms = _time_ms(fn, device)
+            ms = time_ms(fn, device)
             if run >= args.warmup:
                 times[name].append(ms)
     record: dict[str, Any] = {"seq_len": args.seq_len, "batch": args.batch, "documents": len(documents),
@@ -220,7 +203,7 @@ def measure_generate(args: argparse.Namespace) -> list[dict[str, Any]]:
         with torch.no_grad():
             for run in range(args.warmup + args.repeats):
                 for name, fn in cases.items():
-                    ms = _time_ms(fn, device)
+                    ms = time_ms(fn, device)
                     if run >= args.warmup:
                         times[name].append(ms)
         # tokens/s of the whole call (prefill included), and of the decoding steps alone (the call
@@ -239,14 +222,6 @@ def measure_generate(args: argparse.Namespace) -> list[dict[str, Any]]:
     return records
 
 
-def markdown(records: list[dict[str, Any]]) -> str:
-    keys = [k for k in records[0] if k != "prompt_lengths"]
-    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    for r in records:
-        lines.append("| " + " | ".join(f"{r[k]:.3f}" if isinstance(r[k], float) else str(r[k]) for k in keys) + " |")
-    return "\n".join(lines)
-
-
 def run(args: argparse.Namespace) -> int:
     _check(args)
     env = bench_environment(args)
@@ -256,5 +231,5 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.what}.json").write_text(json.dumps({"environment": env, "results": records}, indent=2))
     print(f"wrote {out / f'{args.what}.json'}")
-    print(markdown(records))
+    print(records_table(records, skip=("prompt_lengths",)))
     return 0

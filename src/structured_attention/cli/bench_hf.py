@@ -14,13 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .common import add_timing_options, bench_environment, check_bench_memory, parse_ranks
+from .common import (add_timing_options, bench_environment, check_bench_memory, check_positive_options, parse_ranks,
+                     records_table, time_ms)
 
 HF_RANKS = "8|8|8|8|8|8|8|8"
 
@@ -40,10 +40,7 @@ def add_parser(what: argparse._SubParsersAction) -> None:
 
 
 def _check(args: argparse.Namespace) -> list[int]:
-    for name in ("seq_len", "batch", "hidden", "n_heads", "n_layers", "cache_len", "repeats"):
-        value = getattr(args, name)
-        if value <= 0:
-            raise ValueError(f"--{name.replace('_', '-')}: expected a positive integer, got {value}")
+    check_positive_options(args, "seq_len", "batch", "hidden", "n_heads", "n_layers", "cache_len", "repeats")
     if args.hidden % args.n_heads:
         raise ValueError(f"--n-heads: expected a divisor of --hidden={args.hidden}, got {args.n_heads}")
     ranks = list(parse_ranks(args.ranks))
@@ -93,14 +90,9 @@ def measure(args: argparse.Namespace, ranks: list[int]) -> list[dict[str, Any]]:
     times: dict[str, list[float]] = {name: [] for name in cases}
     for run in range(args.warmup + args.repeats):
         for name, fn in cases.items():
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            start = time.perf_counter()
-            fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            ms = time_ms(fn, device)
             if run >= args.warmup:
-                times[name].append((time.perf_counter() - start) * 1e3)
+                times[name].append(ms)
     record: dict[str, Any] = {"seq_len": args.seq_len, "batch": args.batch, "head_dim": args.hidden // args.n_heads,
                               "ranks": args.ranks}
     record.update({f"{name}_step_ms": statistics.median(ms) for name, ms in times.items()})
@@ -131,8 +123,5 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "hf.json").write_text(json.dumps({"environment": env, "results": records}, indent=2))
     print(f"wrote {out / 'hf.json'}")
-    keys = list(records[0])
-    print("| " + " | ".join(keys) + " |\n|" + "---|" * len(keys))
-    for r in records:
-        print("| " + " | ".join(f"{r[k]:.3f}" if isinstance(r[k], float) else str(r[k]) for k in keys) + " |")
+    print(records_table(records))
     return 0

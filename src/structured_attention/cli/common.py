@@ -8,6 +8,7 @@ import json
 import platform
 import re
 import sys
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -69,6 +70,36 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def time_ms(fn: Callable[[], Any], device: Any) -> float:
+    """Milliseconds of one call of ``fn``, the device synchronised before and after (CUDA)."""
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    fn()
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - start) * 1e3
+
+
+def check_positive_options(args: argparse.Namespace, *names: str) -> None:
+    """One-line ``ValueError`` naming the first of ``names`` (option dests) that is not a positive integer."""
+    for name in names:
+        value = getattr(args, name)
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"--{name.replace('_', '-')}: expected a positive integer, got {value}")
+
+
+def records_table(records: list[dict[str, Any]], skip: tuple[str, ...] = ()) -> str:
+    """A markdown table of benchmark records, one column per key of the first (floats to 3 places)."""
+    keys = [k for k in records[0] if k not in skip]
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    for r in records:
+        lines.append("| " + " | ".join(f"{r[k]:.3f}" if isinstance(r[k], float) else str(r[k]) for k in keys) + " |")
+    return "\n".join(lines)
 
 
 def parse_ranks(text: str) -> tuple[int, ...]:
