@@ -76,7 +76,8 @@ def test_each_level_holds_whole_rotary_pairs():
         transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, max_position_embeddings=64))
     apply = transformers.models.llama.modeling_llama.apply_rotary_pos_emb
     q, k = torch.randn(1, 1, 1, 16), torch.randn(1, 1, 1, 16)
-    order = torch.tensor(sattn_hf.level_permutation((8, 4, 4), 16))
+    order = torch.tensor(sattn_hf.level_permutation(16))
+    torch.testing.assert_close(sattn_hf._pair_order(q), q[..., order], atol=0, rtol=0)  # what the forward uses
 
     def level_scores(i: int, j: int) -> torch.Tensor:
         cos, sin = rotary(q, torch.tensor([[i, j]]))

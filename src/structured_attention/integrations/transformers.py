@@ -19,10 +19,12 @@ projections, rotary embeddings, GQA, caches and ``generate()`` stay as they are.
   default. One level is plain softmax attention (it equals ``attn_implementation="sdpa"``).
 - **Head dimensions and rotary pairs.** transformers rotates dimension ``i`` of a head together
   with ``i + head_dim/2`` (``rotate_half``). A level must hold whole pairs, or its scores would
-  lose their dependence on relative position alone, so the levels do not take contiguous
-  dimensions: level ``l`` takes pairs ``a_l .. a_l + r_l/2 - 1`` (``a_l`` the sum of the earlier
-  ranks, halved), that is dimensions ``a_l + j`` and ``head_dim/2 + a_l + j``
-  (:func:`level_permutation`). Only the scores see this order; values are untouched.
+  lose their dependence on relative position alone, so the scores see the head dimensions pair by
+  pair: ``0, head_dim/2, 1, head_dim/2 + 1, ...`` (:func:`level_permutation`), and level ``l``
+  takes the next ``r_l`` of them, that is pairs ``a_l .. a_l + r_l/2 - 1`` (``a_l`` the sum of
+  the earlier ranks, halved). This order is one strided copy of the queries and keys (a gather of
+  arbitrary dimensions costs about four times as much on the CPU). Only the scores see this
+  order; values are untouched.
 - **Masks.** ``register()`` also registers the mask function, which hands the attention function
   the ``(batch, keys)`` padding mask (``None`` without padding); left or right padding is scored
   as the package's layers do: each row's real tokens attend only among themselves and their MLR
@@ -100,16 +102,17 @@ def _head_dim(config: Any) -> int:
     return head_dim
 
 
-@functools.lru_cache(maxsize=64)
-def level_permutation(ranks: tuple[int, ...], head_dim: int) -> tuple[int, ...]:
-    """The head dimensions in MLR-level order, each level holding whole rotary pairs
-    ``(i, i + head_dim/2)`` (see the module docstring)."""
-    half, start, order = head_dim // 2, 0, []
-    for r in ranks:
-        pairs = range(start, start + r // 2)
-        order += [*pairs, *(half + i for i in pairs)]
-        start += r // 2
-    return tuple(order)
+def level_permutation(head_dim: int) -> tuple[int, ...]:
+    """The head dimensions in the order the scores see them, rotary pair after rotary pair
+    ``(i, i + head_dim/2)``: each level's ``r_l`` dimensions are whole pairs (see the module
+    docstring)."""
+    half = head_dim // 2
+    return tuple(d for i in range(half) for d in (i, half + i))
+
+
+def _pair_order(x: torch.Tensor) -> torch.Tensor:
+    """``x[..., level_permutation(x.shape[-1])]`` as one strided copy."""
+    return x.unflatten(-1, (2, x.shape[-1] // 2)).transpose(-1, -2).flatten(-2)
 
 
 def _levels(config: Any, head_dim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -152,8 +155,7 @@ def mlr_attention_forward(
             "before building the model", None if attention_mask is None else tuple(attention_mask.shape))
     head_dim = query.shape[-1]
     ranks, sizes = _levels(module.config, head_dim)
-    order = torch.tensor(level_permutation(ranks, head_dim), device=query.device)
-    q, k = query.index_select(-1, order), key.index_select(-1, order)
+    q, k = _pair_order(query), _pair_order(key)
     scale = head_dim**-0.5 if scaling is None else scaling
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     batch, t_q, t_k = q.shape[0], q.shape[2], k.shape[2]
@@ -245,7 +247,7 @@ def _cache_classes() -> tuple[type, type]:
         def __init__(self, config: Any) -> None:
             head_dim = _head_dim(config)
             ranks, sizes = _levels(config, head_dim)
-            order = torch.tensor(level_permutation(ranks, head_dim))
+            order = torch.tensor(level_permutation(head_dim))
             level_dims = list(order.split(ranks))
             super().__init__(layers=[MLRCacheLayer(level_dims, sizes) for _ in range(config.num_hidden_layers)])
 
