@@ -4,8 +4,9 @@ flash-attention's tests/test_flash_attn.py).
 Two grids, each ``backend x case x mode x dtype``:
 
 * full attention (:func:`test_attention`): the output and the gradients ``dq, dk, dv`` of the
-  blocked PyTorch path (default and custom tile), the C++ kernel, the Triton general and prefix-rank
-  kernels and the dispatcher ``mlr_attention``, against ``mlr_attention_reference`` in float64;
+  blocked PyTorch path (default and custom tile), the C++ kernel, the composition of fused
+  softmax-attention calls (CPU, and CUDA), the Triton general and prefix-rank kernels and the
+  dispatcher ``mlr_attention``, against ``mlr_attention_reference`` in float64;
 * cached attention (:func:`test_cached_attention`): ``t`` new queries against the compressed cache
   (``t = 1``: a decoding step), for the references, the C++ and Triton decoding kernels and the
   dispatchers ``mlr_decode`` / ``mlr_prefill``, against the last ``t`` rows of
@@ -60,6 +61,7 @@ from structured_attention.ops.mlr import (
 )
 from structured_attention.ops.mlr import cpu as mlr_cpu
 from structured_attention.ops.mlr.blocked import mlr_attention_blocked
+from structured_attention.ops.mlr.composed import mlr_attention_composed
 from structured_attention.ops.mlr.contract import mlr_block_sizes
 
 ON_GPU = torch.cuda.is_available()
@@ -302,6 +304,10 @@ def _reference(q, k, v, c, causal, dn):
     return mlr_attention_reference(q, k, v, c.ranks, c.block_sizes, causal, c.scale, dn)
 
 
+def _composed(q, k, v, c, causal, dn):
+    return mlr_attention_composed(q, k, v, c.ranks, c.block_sizes, causal, c.scale, dn)
+
+
 def _dispatch(q, k, v, c, causal, dn):
     return mlr_attention(q, k, v, c.ranks, c.block_sizes, causal, c.scale, dn)
 
@@ -334,6 +340,9 @@ ATTENTION_BACKENDS = {b.name: b for b in [
     Backend("blocked", _blocked, rounded_once=True),
     Backend("blocked_tile", _blocked_tile, rounded_once=True),
     Backend("cpu", _cpu, rounded_once=True, needs=_no_cpu_kernel, threaded=True),
+    Backend("composed", _composed),  # PyTorch's CPU flash kernel, one call per depth range, merged
+    Backend("composed_cuda", _composed, (torch.float16, torch.bfloat16), "FlashAttention runs float16 and bfloat16",
+            device="cuda", needs=_no_cuda),
     Backend("dispatch", _dispatch, rounded_once=True, threaded=True),  # CPU tensors: the C++ kernel, else blocked
     Backend("dispatch_cuda", _dispatch, device="cuda", needs=_no_cuda),  # Triton (float64: the reference)
     Backend("triton_general", _triton_general, HALF_AND_FLOAT32, _NO_FLOAT64_IN_TRITON, device="triton",

@@ -4,7 +4,8 @@ Layout: :mod:`.contract` (argument checks, dtype and GQA policy, block sizes and
 :mod:`.reference` (the exact definitions), :mod:`.dispatch` (which backend runs a call) and the
 backends, leaves that import only the contract: :mod:`.blocked` (tiled PyTorch, CPU), :mod:`.cpu`
 (fused C++ kernel, CPU), :mod:`.triton_general` and :mod:`.triton_prefix` (fused Triton kernels,
-forward and backward) and :mod:`.triton_decode` (a Triton decoding step). docs/design.md explains
+forward and backward), :mod:`.triton_decode` (a Triton decoding step) and :mod:`.composed` (the
+vendors' fused softmax-attention calls merged by log-sum-exp; not dispatched, a GPU candidate). docs/design.md explains
 the mathematics, the tiling and the dispatch table.
 """
 
