@@ -10,7 +10,7 @@ from .base import (
     register_attention,
 )
 from .bilinear import BilinearBTTAttention, BilinearMLRAttention
-from .cache import KVCache, TokenBuffer
+from .cache import KVCache, StaticKVCache, TokenBuffer
 from .config import AttentionConfig, config_from_spec, parse_attention_pattern, parse_attention_spec
 from .mlr import MLRAttention
 from .standard import GlobalSlidingWindowAttention, MultiHeadAttention, SlidingWindowAttention
@@ -24,6 +24,7 @@ __all__ = [
     "BilinearMLRAttention",
     "GlobalSlidingWindowAttention",
     "KVCache",
+    "StaticKVCache",
     "MLRAttention",
     "MultiHeadAttention",
     "SlidingWindowAttention",

@@ -13,7 +13,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .._checks import require
 from ..functional import scaled_dot_product_attention, sliding_window_attention
-from .cache import KVCache, TokenBuffer, append_all
+from ..ops.mlr.contract import grouped_matmul
+from .cache import KVCache, StaticKVCache, TokenBuffer, append_all, full_slots
 from .config import AttentionConfig, config_from_spec, parse_attention_pattern
 from .rotary import Rotary
 from .segments import CachePadding, Segments, build_segments, left_padding, position_mask
@@ -112,6 +113,13 @@ def attend(
         return scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scale, enable_gqa=gqa)
 
 
+def masked_mix(scores: torch.Tensor, real: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """One query's attention over a static cache: softmax of ``scores`` ``(B, H, 1, N)`` over the
+    keys ``real`` marks ``(B, N)`` (in float32), times ``v`` ``(B, Hk, N, Dv)`` (GQA: ``Hk | H``)."""
+    scores = scores.float().masked_fill(~real[:, None, None, :], float("-inf"))
+    return grouped_matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
+
+
 def cached_segments(cache: KVCache, lo: int, hi: int) -> Segments | None:
     """Segments of the cache slots ``[lo, hi)``; ``None`` when no row is padded."""
     return None if cache.padding is None else cache.padding.segments(lo, hi)
@@ -205,6 +213,18 @@ class Attention(nn.Module):
         weight = self.out_proj.weight
         require(x.dtype == weight.dtype, "x.dtype", f"{weight.dtype} (the dtype of the layer's parameters)", x.dtype)
         require(x.device == weight.device, "x.device", f"{weight.device} (the device of the layer's parameters)", x.device)
+        if isinstance(cache, StaticKVCache):
+            cache.check_use(self, x.shape[0])
+            if not cache.prefilled:  # the prompt, into the growing cache; then into the static buffers
+                out = self.forward(x, cache.growing, attention_mask)
+                cache.load(self._static_buffers(cache.growing))
+                return out
+            require(x.shape[1] == 1 and attention_mask is None and document_ids is None and segments is None, "x",
+                    "one token per row after the prompt, with no mask (a static cache decodes token by token)",
+                    tuple(x.shape))
+            out = self._forward_static(x, cache)
+            cache.slot.add_(1)
+            return out
         if cache is not None:
             require(isinstance(cache, KVCache), "cache", "a KVCache from new_cache() or None", type(cache).__name__)
             cache.check_use(self, x.shape[0])
@@ -227,11 +247,21 @@ class Attention(nn.Module):
             out = cache.padding.segments(start, cache.length).zero_padding(out)
         return out
 
-    def new_cache(self, batch_size: int, dtype: torch.dtype | None = None, device: Any = None) -> KVCache:
-        """An empty cache for this layer; dtype and device default to the layer's parameters'."""
+    def new_cache(self, batch_size: int, dtype: torch.dtype | None = None, device: Any = None,
+                  static: bool = False) -> KVCache | StaticKVCache:
+        """An empty cache for this layer; dtype and device default to the layer's parameters'.
+        ``static``: a :class:`StaticKVCache` (fixed shapes for compiled decoding steps) instead of
+        the growing one (fewer slots touched per step: faster eagerly, on the CPU especially)."""
         dtype = dtype or self.out_proj.weight.dtype
         device = device or self.out_proj.weight.device
-        return KVCache(self._cache_buffers(batch_size, dtype, device), owner=self)
+        cache = KVCache(self._cache_buffers(batch_size, dtype, device), owner=self)
+        return StaticKVCache(cache) if static else cache
+
+    def static_cache(self, cache: KVCache) -> StaticKVCache:
+        """A :class:`StaticKVCache` holding what ``cache``, this layer's growing cache, holds."""
+        static = StaticKVCache(cache)
+        static.load(self._static_buffers(cache))
+        return static
 
     def cost(self, seq_len: int) -> AttentionCost:
         """Parameters, FLOPs and cache size for a ``seq_len``-token sequence (see AttentionCost)."""
@@ -257,6 +287,14 @@ class Attention(nn.Module):
         raise NotImplementedError
 
     def _cache_buffers(self, batch: int, dtype: torch.dtype, device: Any) -> dict[str, TokenBuffer]:
+        raise NotImplementedError
+
+    def _static_buffers(self, cache: KVCache) -> dict[str, torch.Tensor]:
+        """The growing cache's content in the static buffers :meth:`_forward_static` reads."""
+        raise NotImplementedError
+
+    def _forward_static(self, x: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
+        """Output of one new token per row at ``cache.slot``, written into the static buffers."""
         raise NotImplementedError
 
     def score_flops(self, seq_len: int) -> int:
@@ -306,6 +344,18 @@ class FullScoreAttention(Attention):
             "k": self._full_buffer(batch, self.score_dims, self.n_kv_heads, dtype, device),
             "v": self._full_buffer(batch, self.head_dim, self.n_kv_heads, dtype, device),
         }
+
+    def _static_buffers(self, cache: KVCache) -> dict[str, torch.Tensor]:
+        return {name: full_slots(cache[name], self.config.max_seq_len) for name in ("k", "v")}
+
+    def _forward_static(self, x: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
+        keys, values = cache.buffers["k"], cache.buffers["v"]
+        q, k = self.qk(x, (cache.slot - cache.offsets)[:, None])
+        keys.index_copy_(2, cache.slot.view(1), k)
+        values.index_copy_(2, cache.slot.view(1), self.values(x))
+        scores = grouped_matmul(q, keys.transpose(-1, -2)) * self.scale
+        slots = torch.arange(keys.shape[2], device=keys.device)
+        return self.merge_heads(masked_mix(scores, cache.real(slots), values))
 
     def score_flops(self, seq_len: int) -> int:
         return self.n_heads * self.score_dims * causal_pairs(seq_len, self.config.causal)

@@ -5,6 +5,13 @@ A :class:`TokenBuffer` holds per-token vectors for a contiguous range of positio
 key and value (full attention), the last ``window`` (sliding window), or the current block of a
 level (MLR keys above level 1). It trims after computing the step's output, since the tensor
 returned by :meth:`TokenBuffer.append` is a view that trimming overwrites.
+
+A :class:`StaticKVCache` is the same content in buffers that never change shape, for decoding
+steps that are compiled or captured once and replayed: a full buffer per kept quantity,
+preallocated to the context, or a ring of ``size`` slots where only the last ``size`` tokens are
+kept (slot ``p`` at ``p % size``), and the slot of the next token as a device tensor. A prompt
+fills the growing cache first (any length, padding and all); the first one-token step moves it
+into the static buffers.
 """
 
 from __future__ import annotations
@@ -79,6 +86,24 @@ def append_all(buffers: Sequence[TokenBuffer], xs: Sequence[torch.Tensor]) -> li
     return list(held)
 
 
+def full_slots(buffer: TokenBuffer, capacity: int) -> torch.Tensor:
+    """``buffer``'s vectors at their slots of a ``(batch, heads, capacity, dim)`` buffer (zeros elsewhere)."""
+    b, h, _, d = buffer.data.shape
+    out = buffer.data.new_zeros(b, h, capacity, d)
+    out[:, :, buffer.start:buffer.end] = buffer.data[:, :, :len(buffer)]
+    return out
+
+
+def ring_slots(buffer: TokenBuffer, size: int) -> torch.Tensor:
+    """The last ``size`` slots of ``buffer`` in a ring ``(batch, heads, size, dim)``, slot ``p`` at ``p % size``."""
+    b, h, _, d = buffer.data.shape
+    out = buffer.data.new_zeros(b, h, size, d)
+    first = max(buffer.start, buffer.end - size)
+    slots = torch.arange(first, buffer.end, device=out.device)
+    out.index_copy_(2, slots % size, buffer.data[:, :, first - buffer.start:len(buffer)])
+    return out
+
+
 class KVCache:
     """The named buffers of one attention layer and the number of slots it has filled.
 
@@ -119,3 +144,59 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self.buffers.values())
+
+
+class StaticKVCache:
+    """One attention layer's cache for compiled or graph-captured decoding (see the module docstring).
+
+    Until the first one-token step it holds the growing :class:`KVCache` the prompt fills
+    (``growing``); that step's layer moves it into ``buffers`` (its kind's :meth:`_static_buffers`)
+    and from then on each step writes its token at ``slot`` and advances it on the device: no
+    shape changes and no host synchronisation, so one captured step serves every position. Rows
+    are left-padded as in the growing cache; ``offsets`` holds each row's first real slot.
+    Writing past the context raises (an index error, a device assert on CUDA).
+    """
+
+    def __init__(self, growing: KVCache) -> None:
+        self.growing: KVCache | None = growing
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.slot = torch.zeros((), dtype=torch.long)
+        self.offsets = torch.zeros(growing.batch_size, dtype=torch.long)
+        self._owner, self._batch = growing._owner, growing.batch_size
+
+    @property
+    def prefilled(self) -> bool:
+        """Whether the static buffers hold the prompt (the growing cache is gone)."""
+        return self.growing is None
+
+    def load(self, buffers: dict[str, torch.Tensor]) -> None:
+        """Take ``buffers`` (the growing cache's content at static slots) and its slot and padding."""
+        growing = self.growing
+        device = next(iter(buffers.values())).device
+        self.buffers = buffers
+        self.slot = torch.tensor(growing.length, dtype=torch.long, device=device)
+        offsets = growing.padding.offsets if growing.padding is not None else [0] * self._batch
+        self.offsets = torch.tensor(offsets, dtype=torch.long, device=device)
+        self.growing = None
+
+    def check_use(self, layer: object, batch: int) -> None:
+        """One-line ``ValueError`` unless ``layer`` made this cache and ``batch`` rows feed it."""
+        require(self._owner is not None and self._owner() is layer, "cache",
+                "the cache this layer's new_cache() made (a model's new_caches() for a model)", "another layer's")
+        require(batch == self._batch, "cache", f"a batch of {self._batch} rows (the batch it was made for)", batch)
+
+    def ring_positions(self, size: int) -> torch.Tensor:
+        """The position each slot of a ring of ``size`` holds once the token at ``slot`` is written
+        (negative: never written)."""
+        j = torch.arange(size, device=self.slot.device)
+        return self.slot - torch.remainder(self.slot - j, size)
+
+    def real(self, positions: torch.Tensor) -> torch.Tensor:
+        """``(batch, n)``: which of the slots ``positions`` ``(n,)`` hold a real token of each row up
+        to the current one."""
+        return (positions[None] >= self.offsets[:, None]) & (positions[None] <= self.slot)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the static buffers (all preallocated slots); 0 before the first step."""
+        return sum(x.numel() * x.element_size() for x in self.buffers.values())

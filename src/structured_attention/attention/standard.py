@@ -9,16 +9,18 @@ import torch
 from torch import nn
 
 from .._checks import require
+from ..ops.mlr.contract import grouped_matmul
 from .base import (
     Attention,
     FullScoreAttention,
     attend,
     cached_segments,
     causal_pairs,
+    masked_mix,
     register_attention,
     window_pairs,
 )
-from .cache import KVCache, TokenBuffer, append_all
+from .cache import KVCache, StaticKVCache, TokenBuffer, append_all, full_slots, ring_slots
 from .config import AttentionConfig, default_scale
 from .segments import Segments
 
@@ -87,6 +89,19 @@ class SlidingWindowAttention(_QKAttention):
         return {
             name: TokenBuffer(batch, self.n_kv_heads, self.head_dim, size, dtype, device) for name in ("k", "v")
         }
+
+    def _static_buffers(self, cache: KVCache) -> dict[str, torch.Tensor]:
+        return {name: ring_slots(cache[name], self.window + 1) for name in ("k", "v")}
+
+    def _forward_static(self, x: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
+        keys, values = cache.buffers["k"], cache.buffers["v"]
+        size = keys.shape[2]  # the window and the new token: every slot of the ring is in the window
+        q, k = self.qk(x, (cache.slot - cache.offsets)[:, None])
+        at = torch.remainder(cache.slot, size).view(1)
+        keys.index_copy_(2, at, k)
+        values.index_copy_(2, at, self.values(x))
+        scores = grouped_matmul(q, keys.transpose(-1, -2)) * self.scale
+        return self.merge_heads(masked_mix(scores, cache.real(cache.ring_positions(size)), values))
 
     def score_flops(self, seq_len: int) -> int:
         return self.n_heads * self.head_dim * window_pairs(seq_len, self.window, self.config.causal)
@@ -160,6 +175,27 @@ class GlobalSlidingWindowAttention(_QKAttention):
             "k_window": TokenBuffer(batch, kv, self.window_dims, self.window + 1, dtype, device),
             "v": self._full_buffer(batch, self.head_dim, kv, dtype, device),
         }
+
+    def _static_buffers(self, cache: KVCache) -> dict[str, torch.Tensor]:
+        context = self.config.max_seq_len
+        return {"k_global": full_slots(cache["k_global"], context), "k_window": ring_slots(cache["k_window"], self.window + 1),
+                "v": full_slots(cache["v"], context)}
+
+    def _forward_static(self, x: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
+        g = self.global_dims
+        k_global, k_window, values = cache.buffers["k_global"], cache.buffers["k_window"], cache.buffers["v"]
+        (q, k), v = self.qk(x, (cache.slot - cache.offsets)[:, None]), self.values(x)
+        size = k_window.shape[2]
+        k_global.index_copy_(2, cache.slot.view(1), k[..., :g])
+        k_window.index_copy_(2, torch.remainder(cache.slot, size).view(1), k[..., g:])
+        values.index_copy_(2, cache.slot.view(1), v)
+        slots = torch.arange(values.shape[2], device=values.device)
+        full = masked_mix(grouped_matmul(q[..., :g], k_global.transpose(-1, -2)) * self.global_scale,
+                          cache.real(slots), values)
+        window = cache.ring_positions(size)  # the values of the window's keys: at their slots
+        local = masked_mix(grouped_matmul(q[..., g:], k_window.transpose(-1, -2)) * self.window_scale,
+                           cache.real(window), values.index_select(2, window.clamp_min(0)))
+        return self.merge_heads(full + local)
 
     def score_flops(self, seq_len: int) -> int:
         causal = self.config.causal

@@ -22,7 +22,7 @@ from torch import nn
 
 from .._checks import require
 from .._files import atomic_write
-from ..attention import KVCache
+from ..attention import KVCache, StaticKVCache
 from ..matrices.base import Fan
 from .transformer import Transformer, TransformerConfig, init_gpt2_, parameter_fans
 
@@ -81,8 +81,9 @@ class GPT(nn.Module):
             loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
         return logits, loss
 
-    def new_caches(self, batch_size: int) -> list[KVCache]:
-        return self.backbone.new_caches(batch_size)
+    def new_caches(self, batch_size: int, static: bool = False) -> list[KVCache] | list[StaticKVCache]:
+        """One cache per layer: growing ones, or ``static`` ones for compiled decoding steps."""
+        return self.backbone.new_caches(batch_size, static=static)
 
     def save_pretrained(self, path: str | os.PathLike) -> None:
         """Write Hugging Face's layout into folder ``path``: ``config.json`` (``model_type``
@@ -140,22 +141,36 @@ class GPT(nn.Module):
         on_token: Callable[[torch.Tensor], None] | None = None,
         generator: torch.Generator | None = None,
         attention_mask: torch.Tensor | None = None,
+        cache: str = "growing",
+        compile: bool | str = False,
     ) -> torch.Tensor:
         """Sample ``max_new_tokens`` after the prompt ``idx: (B, T)`` with KV-cache decoding;
         ``temperature`` 0 is greedy; ``on_token`` gets each new ``(B,)`` token (for streaming).
 
         Prompts of different lengths go left-padded with ``attention_mask`` ``(B, T)`` (0 or False
         at the padding): every row then generates what it generates alone, and the result is the
-        padded prompts followed by the new tokens."""
+        padded prompts followed by the new tokens.
+
+        ``cache``: ``"growing"`` (each step touches only the tokens it attends to) or ``"static"``
+        (:class:`StaticKVCache`: buffers preallocated to the context, positions on the device).
+        ``compile``: ``True`` or a ``torch.compile`` backend name compiles the one-token step once
+        (``fullgraph``) and replays it for every token; it takes static caches."""
         require(idx.dim() == 2 and idx.shape[1] >= 1, "prompt", "at least one token", tuple(idx.shape))
         room = self.config.max_seq_len - idx.shape[1]
         require(0 <= max_new_tokens <= room, "max_new_tokens", f"0..{room} (max_seq_len minus the prompt)", max_new_tokens)
         require(temperature >= 0, "temperature", "a non-negative number", temperature)
         require(top_k is None or top_k > 0, "top_k", "a positive integer or None", top_k)
+        require(cache in ("growing", "static"), "cache", "'growing' or 'static'", cache)
+        require(not compile or cache == "static", "compile", "False with cache='growing' (a compiled step takes "
+                "static caches, whose shapes do not change from one token to the next)", compile)
         was_training = self.training
         self.eval()
-        caches = self.new_caches(idx.shape[0])
+        caches = self.new_caches(idx.shape[0], static=cache == "static")
         logits, _ = self(idx, caches=caches, attention_mask=attention_mask)
+        decode = self._decode_step
+        if compile:
+            decode = torch.compile(decode, fullgraph=True, dynamic=False,
+                                   backend="inductor" if compile is True else compile)
         out = [idx]
         for _ in range(max_new_tokens):
             step = logits[:, -1].float()
@@ -171,9 +186,13 @@ class GPT(nn.Module):
             if on_token is not None:
                 on_token(token)
             if len(out) - 1 < max_new_tokens:
-                logits, _ = self(token[:, None], caches=caches)
+                logits = decode(token[:, None], caches)
         self.train(was_training)
         return torch.cat(out, dim=1)
+
+    def _decode_step(self, token: torch.Tensor, caches: list[KVCache] | list[StaticKVCache]) -> torch.Tensor:
+        """Logits of one token per row continuing ``caches`` (what ``generate(compile=...)`` compiles)."""
+        return self(token, caches=caches)[0]
 
     # -- accounting ----------------------------------------------------------------------------
     def forward_flops_per_token(self, seq_len: int | None = None) -> float:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._checks import require
-from ..attention import Attention, AttentionConfig, KVCache, parse_attention_pattern
+from ..attention import Attention, AttentionConfig, KVCache, StaticKVCache, parse_attention_pattern
 from ..attention.base import bind_padding, build_attention
 from ..attention.segments import Segments, build_segments
 from ..matrices.base import Fan, StructuredMatrix
@@ -196,6 +196,8 @@ class Transformer(nn.Module):
             require(isinstance(caches, (list, tuple)) and len(caches) == n, "caches",
                     f"a list of {n} caches (one per layer, from new_caches())",
                     len(caches) if isinstance(caches, (list, tuple)) else type(caches).__name__)
+            if isinstance(caches[0], StaticKVCache):
+                return self._forward_static(x, caches, attention_mask, document_ids)
         start = caches[0].length if caches else 0
         b, t = x.shape[:2]
         require(start + t <= self.config.max_seq_len, "seq_len",
@@ -225,8 +227,30 @@ class Transformer(nn.Module):
             return x
         return segments.zero_padding(x)
 
-    def new_caches(self, batch_size: int) -> list[KVCache]:
-        return [block.attn.new_cache(batch_size) for block in self.blocks]
+    def _forward_static(self, x: torch.Tensor, caches: list[StaticKVCache], attention_mask: torch.Tensor | None,
+                        document_ids: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`forward` with static caches: the prompt through their growing caches, which each
+        layer then moves into its static buffers; after it, one token per row, its position read
+        on the device (one graph for every step)."""
+        require(all(isinstance(c, StaticKVCache) for c in caches), "caches", "all static or all growing", "a mix")
+        if not caches[0].prefilled:
+            out = self.forward(x, [c.growing for c in caches], attention_mask, document_ids)
+            for block, cache in zip(self.blocks, caches):
+                cache.load(block.attn._static_buffers(cache.growing))
+            return out
+        require(x.shape[1] == 1 and attention_mask is None and document_ids is None, "x",
+                "one token per row after the prompt, with no mask (static caches decode token by token)",
+                tuple(x.shape))
+        if self.pos_emb is not None:
+            x = x + self.pos_emb((caches[0].slot - caches[0].offsets)[:, None])
+        x = self.drop(x)
+        for block, cache in zip(self.blocks, caches):
+            x = block(x, cache)
+        return self.ln_f(x)
+
+    def new_caches(self, batch_size: int, static: bool = False) -> list[KVCache] | list[StaticKVCache]:
+        """One cache per layer; ``static``: :class:`StaticKVCache` (see :meth:`Attention.new_cache`)."""
+        return [block.attn.new_cache(batch_size, static=static) for block in self.blocks]
 
     def forward_flops_per_position(self, seq_len: int | None = None) -> float:
         """Multiply-adds per position of one forward over a ``seq_len``-long sequence: every

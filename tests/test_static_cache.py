@@ -1,0 +1,98 @@
+"""Static KV caches and compiled generation: every kind decodes through fixed-shape buffers exactly
+as the same rows run alone without a cache, and ``GPT.generate(cache="static", compile=...)``
+replays one compiled step for every token with the tokens of eager generation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from structured_attention.attention import StaticKVCache
+from structured_attention.models import GPT, GPTConfig
+from test_attention import CTX, D, SPECS, make
+
+PROMPT = 13  # then single tokens up to CTX: crosses the MLR blocks and fills the windows' rings
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """No graphs of earlier tests (the recompile checks count this test's graphs only)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_static_decoding_matches_each_row_alone(name):
+    """Left-padded rows decode through static buffers; each row's outputs equal its own
+    full forward without padding or cache."""
+    layer = make(SPECS[name])
+    x = torch.randn(2, CTX, D, generator=torch.Generator().manual_seed(1))
+    pad = 7
+    mask = torch.ones(2, CTX, dtype=torch.long)
+    mask[1, :pad] = 0
+    cache = layer.new_cache(batch_size=2, static=True)
+    with torch.no_grad():
+        outs = [layer(x[:, :PROMPT], cache, attention_mask=mask[:, :PROMPT])]
+        buffers = {name: (t.shape, t.data_ptr()) for name, t in cache.buffers.items()}
+        outs += [layer(x[:, i:i + 1], cache) for i in range(PROMPT, CTX)]
+        alone = [layer(x[:1]), layer(x[1:, pad:])]
+    out = torch.cat(outs, dim=1)
+    assert cache.prefilled and cache.slot.item() == CTX
+    assert {name: (t.shape, t.data_ptr()) for name, t in cache.buffers.items()} == buffers  # never reallocated
+    torch.testing.assert_close(out[:1], alone[0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(out[1:, pad:], alone[1], rtol=0, atol=1e-5)
+
+
+def _gpt(attention: str) -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=2, max_seq_len=64,
+                         attention=attention, positions="learned")).eval()
+
+
+def _ragged_prompts() -> tuple[torch.Tensor, torch.Tensor]:
+    idx = torch.randint(0, 50, (3, 12), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(3, 12, dtype=torch.long)
+    mask[1, :5] = 0
+    mask[2, :2] = 0
+    return idx, mask
+
+
+@pytest.mark.parametrize("attention", ["mha:n_kv_heads=1", "swa:window=6", "global_swa:window=6", "bilinear_btt",
+                                       "bilinear_mlr", "mlr:8|4|2|2:depth_normalize=true:rotary=true"])
+def test_compiled_static_generation_gives_the_tokens_of_eager_generation(attention):
+    """Greedy tokens of a ragged batch: growing caches (eager), static caches (eager) and the
+    compiled one-token step (aot_eager: traced forward, no code generation) agree."""
+    model = _gpt(attention)
+    idx, mask = _ragged_prompts()
+    want = model.generate(idx, 40, temperature=0, attention_mask=mask)
+    static = model.generate(idx, 40, temperature=0, attention_mask=mask, cache="static")
+    with torch._dynamo.config.patch(error_on_recompile=True):  # one graph for every token
+        compiled = model.generate(idx, 40, temperature=0, attention_mask=mask, cache="static", compile="aot_eager")
+    assert torch.equal(static, want)
+    assert torch.equal(compiled, want)
+
+
+def test_inductor_compiles_the_step_once_for_every_token_and_every_call():
+    model = _gpt("mlr:8|4|2|2")
+    idx, mask = _ragged_prompts()
+    want = model.generate(idx, 30, temperature=0, attention_mask=mask)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        first = model.generate(idx, 30, temperature=0, attention_mask=mask, cache="static", compile=True)
+        again = model.generate(idx, 30, temperature=0, attention_mask=mask, cache="static", compile=True)
+    assert torch.equal(first, want) and torch.equal(again, want)
+
+
+def test_bad_use_is_one_line():
+    model = _gpt("mlr:8|4|2|2")
+    idx = torch.randint(0, 50, (2, 5))
+    with pytest.raises(ValueError, match="^compile: expected False with cache='growing'"):
+        model.generate(idx, 3, compile=True)
+    with pytest.raises(ValueError, match="^cache: expected 'growing' or 'static'"):
+        model.generate(idx, 3, cache="paged")
+    caches = model.new_caches(2, static=True)
+    assert all(isinstance(c, StaticKVCache) for c in caches)
+    with torch.no_grad():
+        model(idx, caches=caches)
+        with pytest.raises(ValueError, match="^x: expected one token per row after the prompt"):
+            model(idx[:, :2], caches=caches)
