@@ -55,7 +55,7 @@ if [[ $step == varlen ]]; then
         tests/test_mlr_decode.py 2>&1 | tee "$out/varlen-tests.log" | tail -n 15 || status=1
     for bench in "varlen --seq-len 16384 --batch 4 --repeats 10 --out $out/varlen-random" \
                  "varlen --lengths 16384;64x256 --repeats 10 --out $out/varlen-short" \
-                 "generate --repeats 5 --out $out/generate"; do
+                 "ragged --repeats 5 --out $out/ragged"; do
         # shellcheck disable=SC2086  # the words of each benchmark's command line
         timeout 75 python3 -m structured_attention.cli.main bench $bench --device cuda --dtype bfloat16 2>&1 | tee -a "$out/varlen-bench.log" || status=1
     done

@@ -64,7 +64,8 @@ def test_max_memory_setting(tmp_path, capsys):
     ["bench", "mlr", "--seq-lens", "1000000000"],
     ["bench", "attention", "--seq-lens", "1000000000"],
     ["bench", "varlen", "--seq-len", "1000000000", "--max-doc", "1000"],
-    ["bench", "generate", "--max-len", "1000000000"],
+    ["bench", "ragged", "--max-len", "1000000000"],
+    ["bench", "generate", "--cache-lens", "1000000000"],
 ])
 def test_other_commands_refuse_sizes_that_cannot_fit(tmp_path, capsys, argv):
     assert main([*argv, *(["--out", str(tmp_path)] if argv[0] == "bench" else [f"run.out_dir={tmp_path}"])]) == 2

@@ -36,7 +36,7 @@ from ..ops.mlr import mlr_attention, mlr_attention_reference
 from ..ops.mlr.blocked import mlr_attention_blocked
 from ..ops.mlr.composed import mlr_attention_composed
 from ..models import GPT, GPTConfig
-from . import bench_batches, bench_hf
+from . import bench_batches, bench_generate, bench_hf
 from .common import add_timing_options, bench_environment, check_bench_memory, parse_ranks, pyplot, time_ms
 
 LAYER_KINDS = "mha,swa:128,global_swa:32|32:window=128,mlr:8|8|8|8|8|8|8|8"
@@ -80,6 +80,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         p.add_argument("--profile", action="store_true", help="also write <what>-profile.txt: torch.profiler's top operators of one forward+backward per case at the longest seq-len")
         p.set_defaults(run=run)
     bench_batches.add_parsers(what)
+    bench_generate.add_parser(what)
     bench_hf.add_parser(what)
 
 

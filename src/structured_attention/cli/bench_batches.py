@@ -1,9 +1,9 @@
-"""``sattn bench varlen`` and ``sattn bench generate``: what variable-length batches cost.
+"""``sattn bench varlen`` and ``sattn bench ragged``: what variable-length batches cost.
 
 - ``varlen``: MLR attention forward+backward over packed rows (``document_ids``, one call) against
   the same documents run one call each (the sum of their times), and against the documents padded
   to the longest one as a batch of their own.
-- ``generate``: ``GPT.generate`` tokens/s for a batch of prompts of mixed lengths (left-padded,
+- ``ragged``: ``GPT.generate`` tokens/s for a batch of prompts of mixed lengths (left-padded,
   ``attention_mask``) against the same batch size of prompts that all have the longest length:
   of the whole call, and of the decoding steps alone (the call minus a prefill timed on its own).
 
@@ -26,7 +26,7 @@ from .common import (add_timing_options, bench_environment, check_bench_memory, 
                      records_table, time_ms)
 
 VARLEN_RANKS = "8|8|8|8|8|8|8|8"
-GENERATE_KINDS = "mha,mlr:16|16|16|16"
+RAGGED_KINDS = "mha,mlr:16|16|16|16"
 
 
 def add_parsers(what: argparse._SubParsersAction) -> None:
@@ -42,16 +42,16 @@ def add_parsers(what: argparse._SubParsersAction) -> None:
     varlen.add_argument("--lengths", default=None,
                         help="explicit document lengths instead of random ones: rows separated by ';', lengths by ',', "
                              "'NxL' for N documents of L tokens, every row the same total (e.g. '4096;64x64')")
-    generate = what.add_parser("generate", help="GPT generation tokens/s: prompts of mixed lengths against equal ones")
-    generate.add_argument("--kinds", default=GENERATE_KINDS, help=f"comma-separated attention specs (default {GENERATE_KINDS})")
-    generate.add_argument("--batch", type=int, default=8, help="prompts (default 8)")
-    generate.add_argument("--min-len", type=int, default=64, help="shortest prompt of the mixed batch (default 64)")
-    generate.add_argument("--max-len", type=int, default=1024, help="longest prompt, and every equal prompt (default 1024)")
-    generate.add_argument("--new-tokens", type=int, default=64, help="tokens generated per prompt (default 64)")
-    generate.add_argument("--d-model", type=int, default=256, help="width (default 256)")
-    generate.add_argument("--n-layers", type=int, default=4, help="layers (default 4)")
-    generate.add_argument("--n-heads", type=int, default=4, help="heads (default 4)")
-    for p in (varlen, generate):
+    ragged = what.add_parser("ragged", help="GPT generation tokens/s: prompts of mixed lengths against equal ones")
+    ragged.add_argument("--kinds", default=RAGGED_KINDS, help=f"comma-separated attention specs (default {RAGGED_KINDS})")
+    ragged.add_argument("--batch", type=int, default=8, help="prompts (default 8)")
+    ragged.add_argument("--min-len", type=int, default=64, help="shortest prompt of the mixed batch (default 64)")
+    ragged.add_argument("--max-len", type=int, default=1024, help="longest prompt, and every equal prompt (default 1024)")
+    ragged.add_argument("--new-tokens", type=int, default=64, help="tokens generated per prompt (default 64)")
+    ragged.add_argument("--d-model", type=int, default=256, help="width (default 256)")
+    ragged.add_argument("--n-layers", type=int, default=4, help="layers (default 4)")
+    ragged.add_argument("--n-heads", type=int, default=4, help="heads (default 4)")
+    for p in (varlen, ragged):
         add_timing_options(p)
         p.set_defaults(run=run)
 
@@ -178,7 +178,7 @@ def prompt_lengths(batch: int, min_len: int, max_len: int) -> list[int]:
     return [round(min_len + (max_len - min_len) * i / (batch - 1)) for i in range(batch)]
 
 
-def measure_generate(args: argparse.Namespace) -> list[dict[str, Any]]:
+def measure_ragged(args: argparse.Namespace) -> list[dict[str, Any]]:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     lengths = prompt_lengths(args.batch, args.min_len, args.max_len)
     mask = torch.zeros(args.batch, args.max_len, dtype=torch.long, device=device)
@@ -226,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
     _check(args)
     env = bench_environment(args)
     print(f"sattn bench {args.what} on {env['device']} ({env['threads']} threads), torch {env['torch']}, {args.dtype}")
-    records = measure_varlen(args) if args.what == "varlen" else measure_generate(args)
+    records = measure_varlen(args) if args.what == "varlen" else measure_ragged(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.what}.json").write_text(json.dumps({"environment": env, "results": records}, indent=2))

@@ -1,0 +1,167 @@
+"""``sattn bench generate``: GPT generation speed per attention kind, cache and compilation.
+
+For every kind, batch size and cache length: a GPT prefills a prompt of ``cache_len`` tokens
+(timed once), then decodes ``--new-tokens`` tokens greedily, round after round from a copy of the
+prefilled caches, in each mode:
+
+- ``eager``: growing caches (:class:`~structured_attention.attention.KVCache`), eager steps;
+- ``static``: static caches (:class:`~structured_attention.attention.StaticKVCache`), eager steps;
+- ``compiled``: static caches, the one-token step compiled once (``torch.compile``, ``fullgraph``;
+  ``--backend``) and replayed, what ``GPT.generate(cache="static", compile=True)`` does.
+
+Writes ``<out>/generate.json`` (``environment`` and ``results``: one record per case with
+``case, batch, cache_len, tokens_per_s, ms_per_token, cache_bytes``, the cache's own report of its
+bytes after the run, and more), ``<out>/generate.png`` and a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..models import GPT, GPTConfig
+from .common import (add_timing_options, bench_environment, check_bench_memory, check_positive_options, number_list,
+                     pyplot, records_table, time_ms)
+
+GENERATE_KINDS = "mha,mlr:8|8|8|8|8|8|8|8"
+MODES = ("eager", "static", "compiled")
+
+
+def add_parser(what: argparse._SubParsersAction) -> None:
+    p = what.add_parser("generate", help="GPT generation tokens/s per attention kind: growing or static caches, "
+                                         "eager or compiled steps")
+    p.add_argument("--kinds", default=GENERATE_KINDS, help=f"comma-separated attention specs, the first is the "
+                                                           f"baseline (default {GENERATE_KINDS})")
+    p.add_argument("--batches", default="1", help="comma-separated batch sizes (default 1)")
+    p.add_argument("--cache-lens", default="4096", help="comma-separated prompt lengths, the cache before decoding "
+                                                        "(default 4096)")
+    p.add_argument("--new-tokens", type=int, default=16, help="tokens decoded per timed round (default 16)")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated among {', '.join(MODES)} (default all)")
+    p.add_argument("--backend", default="inductor", help="torch.compile backend of the compiled mode (default inductor)")
+    p.add_argument("--d-model", type=int, default=512, help="width (default 512)")
+    p.add_argument("--n-heads", type=int, default=8, help="heads (default 8)")
+    p.add_argument("--n-layers", type=int, default=2, help="layers (default 2)")
+    add_timing_options(p)
+    p.set_defaults(run=run)
+
+
+def _check(args: argparse.Namespace) -> tuple[list[int], list[int], list[str]]:
+    check_positive_options(args, "new_tokens", "d_model", "n_heads", "n_layers", "repeats")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup: expected a non-negative integer, got {args.warmup}")
+    batches, lens = number_list(args.batches, "--batches"), number_list(args.cache_lens, "--cache-lens")
+    modes = args.modes.split(",")
+    if not modes or any(m not in MODES for m in modes):
+        raise ValueError(f"--modes: expected names among {', '.join(MODES)}, got {args.modes!r}")
+    # the prefill's queries, keys and values in every layer, for the largest case
+    check_bench_memory("--cache-lens", max(lens),
+                       4 * max(batches) * (max(lens) + args.new_tokens) * args.d_model * args.n_layers, args)
+    for kind in args.kinds.split(","):
+        GPTConfig(d_model=args.d_model, n_heads=args.n_heads, n_layers=1, attention=kind,
+                  max_seq_len=max(lens) + args.new_tokens).check_attention()
+    return batches, lens, modes
+
+
+def _cache_bytes(caches: list[Any]) -> int:
+    return sum(cache.nbytes for cache in caches)
+
+
+def measure(args: argparse.Namespace, batches: list[int], lens: list[int], modes: list[str]) -> list[dict[str, Any]]:
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    records: list[dict[str, Any]] = []
+    for cache_len in lens:
+        for batch in batches:
+            for kind in args.kinds.split(","):
+                torch.manual_seed(0)
+                config = GPTConfig(vocab_size=256, n_layers=args.n_layers, d_model=args.d_model, n_heads=args.n_heads,
+                                   max_seq_len=cache_len + args.new_tokens, attention=kind)
+                model = GPT(config).to(device=device, dtype=dtype).eval()
+                records += _measure_kind(model, kind, batch, cache_len, modes, args)
+    base: dict[tuple[Any, ...], float] = {}
+    for r in records:  # each mode's speed against the first kind's in the same mode, batch and cache
+        key = (r["mode"], r["batch"], r["cache_len"])
+        r["over_first_kind"] = r["tokens_per_s"] / base.setdefault(key, r["tokens_per_s"])
+    return records
+
+
+@torch.no_grad()
+def _measure_kind(model: GPT, kind: str, batch: int, cache_len: int, modes: list[str],
+                  args: argparse.Namespace) -> list[dict[str, Any]]:
+    device = torch.device(args.device)
+    prompt = torch.randint(0, 256, (batch, cache_len), generator=torch.Generator().manual_seed(1)).to(device)
+    prefilled = model.new_caches(batch)
+    prefill_ms = time_ms(lambda: model(prompt, caches=prefilled), device)
+    first = prompt[:, -1:]
+    steps = {mode: model._decode_step for mode in modes}
+    if "compiled" in modes:
+        steps["compiled"] = torch.compile(model._decode_step, fullgraph=True, dynamic=False, backend=args.backend)
+
+    def fresh(mode: str) -> list[Any]:
+        caches = copy.deepcopy(prefilled)
+        return caches if mode == "eager" else [block.attn.static_cache(c) for block, c in zip(model.blocks, caches)]
+
+    times: dict[str, list[float]] = {mode: [] for mode in modes}
+    held: dict[str, int] = {}
+    for run in range(args.warmup + args.repeats):
+        for mode in modes:  # round after round, every mode once
+            caches = fresh(mode)
+
+            def generate(caches: list[Any] = caches, step: Any = steps[mode]) -> None:
+                token = first
+                for _ in range(args.new_tokens):
+                    token = step(token, caches)[:, -1].argmax(-1, keepdim=True)
+
+            ms = time_ms(generate, device)
+            held[mode] = _cache_bytes(caches)
+            if run >= args.warmup:
+                times[mode].append(ms)
+    records = []
+    for mode in modes:
+        ms = statistics.median(times[mode]) / args.new_tokens
+        case = kind if mode == "eager" else f"{kind}+{mode}"
+        records.append({"case": case, "kind": kind, "mode": mode, "batch": batch, "cache_len": cache_len,
+                        "tokens_per_s": batch * 1e3 / ms, "ms_per_token": ms, "prefill_ms": prefill_ms,
+                        "cache_bytes": held[mode], "cache_bytes_per_token": held[mode] / (cache_len + args.new_tokens)})
+        print(f"  {case:36s} batch {batch:3d} cache {cache_len:6d}: {records[-1]['tokens_per_s']:10.1f} tok/s "
+              f"({ms:.3f} ms/step)", flush=True)
+    return records
+
+
+def plot(records: list[dict[str, Any]], path: Path, title: str) -> bool:
+    """Tokens/s per case, one panel per (batch, cache length)."""
+    plt = pyplot()
+    if plt is None:
+        return False
+    panels = sorted({(r["batch"], r["cache_len"]) for r in records})
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, (batch, cache_len) in zip(axes[0], panels):
+        rows = [r for r in records if (r["batch"], r["cache_len"]) == (batch, cache_len)]
+        ax.barh([r["case"] for r in rows], [r["tokens_per_s"] for r in rows])
+        ax.set_xlabel("tokens/s")
+        ax.set_title(f"batch {batch}, cache {cache_len}")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def run(args: argparse.Namespace) -> int:
+    batches, lens, modes = _check(args)
+    env = bench_environment(args)
+    print(f"sattn bench generate on {env['device']} ({env['threads']} threads), torch {env['torch']}, {args.dtype}")
+    records = measure(args, batches, lens, modes)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "generate.json").write_text(json.dumps({"environment": env, "results": records}, indent=2))
+    print(f"wrote {out / 'generate.json'}")
+    if plot(records, out / "generate.png", f"sattn bench generate ({env['device']}, {args.dtype})"):
+        print(f"wrote {out / 'generate.png'}")
+    print(records_table(records, skip=("kind",)))
+    return 0
