@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check of the kernels, for a machine with one CUDA GPU: the Triton and compile tests on the GPU, the
 # tile-setting and decoding timings, and the issue-3 benchmarks in bfloat16.
-#   scripts/gpu-check.sh [OUT_DIR] [tests|tune|decode|varlen|composed|ncu|bench|all]
+#   scripts/gpu-check.sh [OUT_DIR] [tests|tune|decode|varlen|composed|generate|ncu|bench|all]
 # (default OUT_DIR runs/gpu-check, or $OUT on the lent device machine; default all). On an H100 the
 # tests take about 5 minutes (most of it compiling), tune about 4 and bench about 3, so a machine
 # that stops a command after 10 minutes needs two calls. decode is the short one for a small
@@ -10,7 +10,9 @@
 # runs the padded/packed/ragged tests and the kernels' document and row-start tests on the GPU, then
 # times packed documents against one call per document and mixed-length generation. composed (about 4
 # minutes, not part of all) tests the composition of FlashAttention calls (mlr_attention_composed)
-# on the GPU and times it beside the Triton kernels, SDPA flash and cuDNN at head dims 64 and 128. ncu (about 2 minutes, not part of all)
+# on the GPU and times it beside the Triton kernels, SDPA flash and cuDNN at head dims 64 and 128.
+# generate (about 6 minutes, not part of all) runs the static-cache tests on the GPU and times
+# generation per kind, growing and static caches, eager and CUDA-graph-captured. ncu (about 2 minutes, not part of all)
 # writes Nsight Compute's profile of the decoding and prefill kernels beside flash attention's.
 # Needs python3 with torch (CUDA), triton, numpy, pyyaml, safetensors, pytest, matplotlib; the
 # package is used from src/ without installing it.
@@ -69,6 +71,13 @@ if [[ $step == composed ]]; then
     timeout 90 python3 -m structured_attention.cli.main bench mlr --device cuda --dtype bfloat16 --seq-lens 4096 \
         --ranks "32|32|32|32" --v-dim 128 --batch 4 --n-heads 16 --paths sdpa_flash,sdpa,mlr,mlr_composed \
         --repeats 10 --out "$out/composed-d128" || status=1
+fi
+if [[ $step == generate ]]; then
+    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_static_cache.py 2>&1 \
+        | tee "$out/generate-tests.log" | tail -n 5 || status=1
+    timeout 360 python3 -m structured_attention.cli.main bench generate --device cuda --dtype bfloat16 \
+        --batches 1,16,64 --cache-lens 16368 --compile-mode reduce-overhead --repeats 5 --out "$out/generate" \
+        || status=1
 fi
 if [[ $step == ncu ]]; then  # Nsight Compute's profile of the decoding and prefill kernels against flash
     for case in decode prefill; do

@@ -178,6 +178,17 @@ def test_composed_path_compiles_whole(causal):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
+def test_opcheck_static_decoding_ops():
+    from structured_attention.functional.decode import masked_decode
+    from structured_attention.ops.mlr.static import mlr_decode_static
+
+    slot, offsets = torch.tensor(21), torch.tensor([0, 3])
+    real = torch.ones(2, T, dtype=torch.bool)
+    opcheck(masked_decode, (_rand(2, 4, 1, R), _rand(2, 2, T, R), _rand(2, 2, T, DV), real, 0.5))
+    keys = [_rand(2, 2, T, 4), _rand(2, 2, 8, 4)]
+    opcheck(mlr_decode_static, (_rand(2, 4, 1, R), keys, _rand(2, 2, T, DV), slot, offsets, [4, 4], [32, 8], 0.5, True))
+
+
 def test_decode_dispatch_compiles_to_the_cpu_kernel():
     _needs_cpu_kernel()
     keys = [_rand(1, 2, T, 4), _rand(1, 2, T - 16, 4)]

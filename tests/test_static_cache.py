@@ -11,6 +11,9 @@ from structured_attention.attention import StaticKVCache
 from structured_attention.models import GPT, GPTConfig
 from test_attention import CTX, D, SPECS, make
 
+# the generation tests run on the GPU where there is one (scripts/gpu-check.sh OUT generate): float32,
+# where graph-captured steps must give the tokens of eager ones
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PROMPT = 13  # then single tokens up to CTX: crosses the MLR blocks and fills the windows' rings
 
 
@@ -47,7 +50,7 @@ def test_static_decoding_matches_each_row_alone(name):
 def _gpt(attention: str) -> GPT:
     torch.manual_seed(0)
     return GPT(GPTConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=2, max_seq_len=64,
-                         attention=attention, positions="learned")).eval()
+                         attention=attention, positions="learned")).to(DEVICE).eval()
 
 
 def _ragged_prompts() -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,7 +58,7 @@ def _ragged_prompts() -> tuple[torch.Tensor, torch.Tensor]:
     mask = torch.ones(3, 12, dtype=torch.long)
     mask[1, :5] = 0
     mask[2, :2] = 0
-    return idx, mask
+    return idx.to(DEVICE), mask.to(DEVICE)
 
 
 @pytest.mark.parametrize("attention", ["mha:n_kv_heads=1", "swa:window=6", "global_swa:window=6", "bilinear_btt",
@@ -85,7 +88,7 @@ def test_inductor_compiles_the_step_once_for_every_token_and_every_call():
 
 def test_bad_use_is_one_line():
     model = _gpt("mlr:8|4|2|2")
-    idx = torch.randint(0, 50, (2, 5))
+    idx = torch.randint(0, 50, (2, 5), device=DEVICE)
     with pytest.raises(ValueError, match="^compile: expected False with cache='growing'"):
         model.generate(idx, 3, compile=True)
     with pytest.raises(ValueError, match="^cache: expected 'growing' or 'static'"):

@@ -13,7 +13,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .._checks import require
 from ..functional import scaled_dot_product_attention, sliding_window_attention
-from ..ops.mlr.contract import grouped_matmul
+from ..functional.decode import masked_decode
 from .cache import KVCache, StaticKVCache, TokenBuffer, append_all, full_slots
 from .config import AttentionConfig, config_from_spec, parse_attention_pattern
 from .rotary import Rotary
@@ -111,13 +111,6 @@ def attend(
             k_pos = torch.arange(k_start, k_start + t_k, device=q.device)
             mask = position_mask(q_pos, k_pos, causal, window)
         return scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scale, enable_gqa=gqa)
-
-
-def masked_mix(scores: torch.Tensor, real: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """One query's attention over a static cache: softmax of ``scores`` ``(B, H, 1, N)`` over the
-    keys ``real`` marks ``(B, N)`` (in float32), times ``v`` ``(B, Hk, N, Dv)`` (GQA: ``Hk | H``)."""
-    scores = scores.float().masked_fill(~real[:, None, None, :], float("-inf"))
-    return grouped_matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
 
 
 def cached_segments(cache: KVCache, lo: int, hi: int) -> Segments | None:
@@ -353,9 +346,8 @@ class FullScoreAttention(Attention):
         q, k = self.qk(x, (cache.slot - cache.offsets)[:, None])
         keys.index_copy_(2, cache.slot.view(1), k)
         values.index_copy_(2, cache.slot.view(1), self.values(x))
-        scores = grouped_matmul(q, keys.transpose(-1, -2)) * self.scale
         slots = torch.arange(keys.shape[2], device=keys.device)
-        return self.merge_heads(masked_mix(scores, cache.real(slots), values))
+        return self.merge_heads(masked_decode(q, keys, values, cache.real(slots), self.scale))
 
     def score_flops(self, seq_len: int) -> int:
         return self.n_heads * self.score_dims * causal_pairs(seq_len, self.config.causal)

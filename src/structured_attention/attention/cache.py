@@ -178,6 +178,10 @@ class StaticKVCache:
         offsets = growing.padding.offsets if growing.padding is not None else [0] * self._batch
         self.offsets = torch.tensor(offsets, dtype=torch.long, device=device)
         self.growing = None
+        # Fixed addresses: a captured graph (CUDA graphs, torch.compile's "reduce-overhead") then
+        # reads and writes these tensors in place instead of copying them in at every replay.
+        for tensor in (*buffers.values(), self.slot, self.offsets):
+            torch._dynamo.mark_static_address(tensor)
 
     def check_use(self, layer: object, batch: int) -> None:
         """One-line ``ValueError`` unless ``layer`` made this cache and ``batch`` rows feed it."""

@@ -15,8 +15,8 @@ from torch import nn
 
 from .._checks import require
 from ..ops.mlr import mlr_attention, mlr_block_sizes, mlr_prefill, mlr_prefill_reference, mlr_score_flops
-from ..ops.mlr.contract import grouped_matmul
-from .base import Attention, cached_segments, masked_mix, register_attention
+from ..ops.mlr.static import mlr_decode_static
+from .base import Attention, cached_segments, register_attention
 from .cache import KVCache, StaticKVCache, TokenBuffer, append_all, full_slots, ring_slots
 from .config import AttentionConfig, default_scale
 from .segments import Segments
@@ -138,31 +138,18 @@ class MLRAttention(Attention):
         return buffers
 
     def _forward_static(self, x: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
-        """The compressed-cache read with fixed shapes: level 1's scores over every slot, each finer
-        level's over its ring, added at the ring's slots where they are in the row's current block."""
-        slot, offsets, values = cache.slot, cache.offsets, cache.buffers["v"]
+        """The compressed-cache read with fixed shapes (:func:`~..ops.mlr.static.mlr_decode_static`)."""
+        slot, offsets = cache.slot, cache.offsets
         q, k, v = self.project(x, (slot - offsets)[:, None])
-        q_levels, k_levels = q.split(self.ranks, dim=-1), k.split(self.ranks, dim=-1)
-        cache.buffers["k0"].index_copy_(2, slot.view(1), k_levels[0])
-        values.index_copy_(2, slot.view(1), v)
-        scores = grouped_matmul(q_levels[0], cache.buffers["k0"].transpose(-1, -2)).float()
-        depth = torch.ones_like(scores) if self.config.depth_normalize else None
+        k_levels = k.split(self.ranks, dim=-1)
+        keys = [cache.buffers[f"k{level}"] for level in range(len(self.ranks))]
+        keys[0].index_copy_(2, slot.view(1), k_levels[0])
         for level, s in enumerate(self.block_sizes[1:], start=1):
-            ring = cache.buffers[f"k{level}"]
-            ring.index_copy_(2, torch.remainder(slot, s).view(1), k_levels[level])
-            held = cache.ring_positions(s)
-            block_start = offsets + torch.div(slot - offsets, s, rounding_mode="floor") * s  # (B,)
-            current = (held[None] >= block_start[:, None])[:, None, None, :]  # (B, 1, 1, s); held <= slot
-            at = held.clamp_min(0).expand(*scores.shape[:3], s)
-            level_scores = grouped_matmul(q_levels[level], ring.transpose(-1, -2)).float()
-            scores.scatter_add_(-1, at, level_scores.masked_fill(~current, 0.0))
-            if depth is not None:
-                depth.scatter_add_(-1, at, current.expand_as(level_scores).float())
-        scores = scores * self.scale
-        if depth is not None:
-            scores = scores / depth
-        slots = torch.arange(values.shape[2], device=values.device)
-        return self.merge_heads(masked_mix(scores, cache.real(slots), values))
+            keys[level].index_copy_(2, torch.remainder(slot, s).view(1), k_levels[level])
+        cache.buffers["v"].index_copy_(2, slot.view(1), v)
+        out = mlr_decode_static(q, keys, cache.buffers["v"], slot, offsets, list(self.ranks), list(self.block_sizes),
+                                self.scale, self.config.depth_normalize)
+        return self.merge_heads(out)
 
     def score_flops(self, seq_len: int) -> int:
         return self.n_heads * mlr_score_flops(seq_len, self.ranks, self.block_sizes, self.config.causal)

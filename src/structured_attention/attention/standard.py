@@ -9,14 +9,13 @@ import torch
 from torch import nn
 
 from .._checks import require
-from ..ops.mlr.contract import grouped_matmul
+from ..functional.decode import masked_decode
 from .base import (
     Attention,
     FullScoreAttention,
     attend,
     cached_segments,
     causal_pairs,
-    masked_mix,
     register_attention,
     window_pairs,
 )
@@ -100,8 +99,7 @@ class SlidingWindowAttention(_QKAttention):
         at = torch.remainder(cache.slot, size).view(1)
         keys.index_copy_(2, at, k)
         values.index_copy_(2, at, self.values(x))
-        scores = grouped_matmul(q, keys.transpose(-1, -2)) * self.scale
-        return self.merge_heads(masked_mix(scores, cache.real(cache.ring_positions(size)), values))
+        return self.merge_heads(masked_decode(q, keys, values, cache.real(cache.ring_positions(size)), self.scale))
 
     def score_flops(self, seq_len: int) -> int:
         return self.n_heads * self.head_dim * window_pairs(seq_len, self.window, self.config.causal)
@@ -190,11 +188,10 @@ class GlobalSlidingWindowAttention(_QKAttention):
         k_window.index_copy_(2, torch.remainder(cache.slot, size).view(1), k[..., g:])
         values.index_copy_(2, cache.slot.view(1), v)
         slots = torch.arange(values.shape[2], device=values.device)
-        full = masked_mix(grouped_matmul(q[..., :g], k_global.transpose(-1, -2)) * self.global_scale,
-                          cache.real(slots), values)
+        full = masked_decode(q[..., :g], k_global, values, cache.real(slots), self.global_scale)
         window = cache.ring_positions(size)  # the values of the window's keys: at their slots
-        local = masked_mix(grouped_matmul(q[..., g:], k_window.transpose(-1, -2)) * self.window_scale,
-                           cache.real(window), values.index_select(2, window.clamp_min(0)))
+        local = masked_decode(q[..., g:], k_window, values.index_select(2, window.clamp_min(0)), cache.real(window),
+                              self.window_scale)
         return self.merge_heads(full + local)
 
     def score_flops(self, seq_len: int) -> int:

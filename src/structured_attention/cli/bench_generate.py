@@ -7,7 +7,8 @@ prefilled caches, in each mode:
 - ``eager``: growing caches (:class:`~structured_attention.attention.KVCache`), eager steps;
 - ``static``: static caches (:class:`~structured_attention.attention.StaticKVCache`), eager steps;
 - ``compiled``: static caches, the one-token step compiled once (``torch.compile``, ``fullgraph``;
-  ``--backend``) and replayed, what ``GPT.generate(cache="static", compile=True)`` does.
+  ``--backend``, ``--compile-mode reduce-overhead`` for CUDA graphs) and replayed, what
+  ``GPT.generate(cache="static", compile=True)`` does.
 
 Writes ``<out>/generate.json`` (``environment`` and ``results``: one record per case with
 ``case, batch, cache_len, tokens_per_s, ms_per_token, cache_bytes``, the cache's own report of its
@@ -44,6 +45,8 @@ def add_parser(what: argparse._SubParsersAction) -> None:
     p.add_argument("--new-tokens", type=int, default=16, help="tokens decoded per timed round (default 16)")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated among {', '.join(MODES)} (default all)")
     p.add_argument("--backend", default="inductor", help="torch.compile backend of the compiled mode (default inductor)")
+    p.add_argument("--compile-mode", default="default",
+                   help="torch.compile mode of the compiled mode: default, or reduce-overhead (CUDA graphs)")
     p.add_argument("--d-model", type=int, default=512, help="width (default 512)")
     p.add_argument("--n-heads", type=int, default=8, help="heads (default 8)")
     p.add_argument("--n-layers", type=int, default=2, help="layers (default 2)")
@@ -100,7 +103,8 @@ def _measure_kind(model: GPT, kind: str, batch: int, cache_len: int, modes: list
     first = prompt[:, -1:]
     steps = {mode: model._decode_step for mode in modes}
     if "compiled" in modes:
-        steps["compiled"] = torch.compile(model._decode_step, fullgraph=True, dynamic=False, backend=args.backend)
+        steps["compiled"] = torch.compile(model._decode_step, fullgraph=True, dynamic=False, backend=args.backend,
+                                          mode=None if args.compile_mode == "default" else args.compile_mode)
 
     def fresh(mode: str) -> list[Any]:
         caches = copy.deepcopy(prefilled)

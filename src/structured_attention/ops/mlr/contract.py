@@ -192,6 +192,13 @@ def grouped_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.reshape(bsz, hk, h // hk, t, n) @ b.unsqueeze(2)).reshape(bsz, h, t, b.shape[-1])
 
 
+def masked_mix(scores: torch.Tensor, real: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """One query per row over a static cache: softmax of ``scores`` ``(B, H, 1, N)`` over the keys
+    ``real`` marks ``(B, N)`` (in float32), times ``v`` ``(B, Hk, N, Dv)`` (GQA: ``Hk | H``)."""
+    scores = scores.float().masked_fill(~real[:, None, None, :], float("-inf"))
+    return grouped_matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
+
+
 def check_mlr_arguments(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -1,0 +1,50 @@
+"""One decoding step of MLR attention against a static cache (``StaticKVCache``), as a custom op.
+
+The cache's level-1 keys and values sit at their slots of buffers as long as the context; each
+finer level's keys in a ring of its block size (slot ``p`` at ``p % s_l``). The step scores level 1
+over every slot and adds each finer level's scores from its ring where the ring's slot lies in the
+row's current block (rows are left-padded: row ``b``'s blocks count from ``offsets[b]``), the
+depth likewise for ``depth_normalize``. A custom op so that ``torch.compile`` keeps it whole: the
+products over the cache stay ATen's matrix products instead of generated loops.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .contract import grouped_matmul, masked_mix
+
+__all__ = ["mlr_decode_static"]
+
+
+@torch.library.custom_op("sattn::mlr_decode_static", mutates_args=())
+def mlr_decode_static(q: torch.Tensor, keys: list[torch.Tensor], v: torch.Tensor, slot: torch.Tensor,
+                      offsets: torch.Tensor, ranks: list[int], block_sizes: list[int], scale: float,
+                      depth_normalize: bool) -> torch.Tensor:
+    """``q (B, H, 1, R)`` (the token at ``slot``, already written into the buffers) against
+    ``keys`` (level 1 ``(B, Hk, C, r_1)``, level ``l > 1`` a ring ``(B, Hk, s_l, r_l)``) and ``v``
+    ``(B, Hk, C, Dv)``; ``slot`` a 0-d int64 tensor, ``offsets`` ``(B,)`` each row's first real slot.
+    Returns ``(B, H, 1, Dv)``."""
+    q_levels = q.split(ranks, dim=-1)
+    scores = grouped_matmul(q_levels[0], keys[0].transpose(-1, -2)).float()
+    depth = torch.ones_like(scores) if depth_normalize else None
+    for level, s in enumerate(block_sizes[1:], start=1):
+        held = slot - torch.remainder(slot - torch.arange(s, device=slot.device), s)  # each ring slot's position
+        block_start = offsets + torch.div(slot - offsets, s, rounding_mode="floor") * s
+        current = (held[None] >= block_start[:, None])[:, None, None, :]  # (B, 1, 1, s); held <= slot
+        at = held.clamp_min(0).expand(*scores.shape[:3], s)
+        level_scores = grouped_matmul(q_levels[level], keys[level].transpose(-1, -2)).float()
+        scores.scatter_add_(-1, at, level_scores.masked_fill(~current, 0.0))
+        if depth is not None:
+            depth.scatter_add_(-1, at, current.expand_as(level_scores).float())
+    scores = scores * scale
+    if depth is not None:
+        scores = scores / depth
+    slots = torch.arange(v.shape[2], device=v.device)
+    real = (slots[None] >= offsets[:, None]) & (slots[None] <= slot)
+    return masked_mix(scores, real, v)
+
+
+@mlr_decode_static.register_fake
+def _(q, keys, v, slot, offsets, ranks, block_sizes, scale, depth_normalize):
+    return q.new_empty(*q.shape[:3], v.shape[-1])
