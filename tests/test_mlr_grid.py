@@ -189,6 +189,9 @@ CACHE_CASES = [
     CacheCase("T65-8|8-first-token-of-a-block", 65, 1, (8, 8), (128, 32), Hk=1, Dv=8),
     CacheCase("T50-single-level", 50, 1, (12,), None, Dv=20),
     CacheCase("T93-12|6|3-Dv5", 93, 1, (12, 6, 3), (96, 24, 6), Dv=5),
+    # the value dims of real models: the C++ kernel's vectorised weighted sum of the values
+    CacheCase("T130-8|8-Dv64", 130, 1, (8, 8), (256, 32), Dv=64),
+    CacheCase("T77-16|8-gqa-Dv48", 77, 1, (16, 8), (128, 16), H=4, Hk=2, Dv=48),
     # several queries (a prompt continued against the cache)
     CacheCase("T40-t7-8|4|2|2-gqa", 40, 7, (8, 4, 2, 2), (64, 16, 8, 2), H=4, Hk=2),
     CacheCase("T64-t20-6|2-mqa-B2", 64, 20, (6, 2), (64, 16), B=2, H=4, Hk=1, Dv=8),  # crosses 48

@@ -427,6 +427,49 @@ void add_key_scores(const T* q, const T* k, int64_t st, int64_t r, int64_t n, T*
   }
 }
 
+// acc[d] += sum_j w[j] * rows[j * st + d] for n rows of Dv values. The float version keeps the
+// row's accumulators in vector registers across all rows (up to 8 vectors: Dv a multiple of the
+// vector width up to 128 with AVX-512, 64 with AVX2) and streams each row once; before, with the
+// accumulators in memory, a decoding step at a 16k cache ran at about 0.7x its bandwidth.
+template <typename T>
+void add_weighted_rows(const T* w, const T* rows, int64_t st, int64_t n, int64_t Dv, T* acc) {
+  for (int64_t j = 0; j < n; ++j) {
+    const T* r = rows + j * st;
+    for (int64_t d = 0; d < Dv; ++d) acc[d] += w[j] * r[d];
+  }
+}
+
+template <int C>
+void add_weighted_rows_vec(const float* w, const float* rows, int64_t st, int64_t n, float* acc) {
+  Vec a[C];
+  for (int c = 0; c < C; ++c) a[c] = Vec::loadu(acc + c * Vec::size());
+  for (int64_t j = 0; j < n; ++j) {
+    const Vec wj(w[j]);
+    const float* r = rows + j * st;
+    for (int c = 0; c < C; ++c) a[c] = at::vec::fmadd(wj, Vec::loadu(r + c * Vec::size()), a[c]);
+  }
+  for (int c = 0; c < C; ++c) a[c].store(acc + c * Vec::size());
+}
+
+template <>
+void add_weighted_rows<float>(const float* w, const float* rows, int64_t st, int64_t n, int64_t Dv, float* acc) {
+  switch (Dv % Vec::size() ? 0 : Dv / Vec::size()) {
+    case 1: return add_weighted_rows_vec<1>(w, rows, st, n, acc);
+    case 2: return add_weighted_rows_vec<2>(w, rows, st, n, acc);
+    case 3: return add_weighted_rows_vec<3>(w, rows, st, n, acc);
+    case 4: return add_weighted_rows_vec<4>(w, rows, st, n, acc);
+    case 5: return add_weighted_rows_vec<5>(w, rows, st, n, acc);
+    case 6: return add_weighted_rows_vec<6>(w, rows, st, n, acc);
+    case 7: return add_weighted_rows_vec<7>(w, rows, st, n, acc);
+    case 8: return add_weighted_rows_vec<8>(w, rows, st, n, acc);
+    default:
+      for (int64_t j = 0; j < n; ++j) {
+        const float* r = rows + j * st;
+        for (int64_t d = 0; d < Dv; ++d) acc[d] += w[j] * r[d];
+      }
+  }
+}
+
 // One decoding step (see reference.py): query (b, h) scores key j with level l where
 // j >= starts[l] (level l's keys held are those of the token's own block), then a softmax and the
 // values. keys[l] and v are (B, Hk, n, r) views with a contiguous last dim (cache buffers with
@@ -474,11 +517,7 @@ void decode_kernel(const at::Tensor& q, const std::vector<at::Tensor>& keys, con
       const T sum = exp_shift_sum(sf, n, row_max(sf, n));
       std::fill(acc.begin(), acc.end(), T(0));
       const T* vb = vp + b * v.stride(0) + hk * v.stride(1);
-      for (int64_t j = first; j < end; ++j) {
-        const T* vr = vb + j * v.stride(2);
-        const T p = s[j];
-        for (int64_t d = 0; d < Dv; ++d) acc[d] += p * vr[d];
-      }
+      add_weighted_rows(s.data() + first, vb + first * v.stride(2), v.stride(2), n, Dv, acc.data());
       T* orow = op + bh * Dv;
       for (int64_t d = 0; d < Dv; ++d) orow[d] = acc[d] / sum;
     }
