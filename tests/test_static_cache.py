@@ -47,6 +47,16 @@ def test_static_decoding_matches_each_row_alone(name):
     torch.testing.assert_close(out[1:, pad:], alone[1], rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["mlr", "mlr_gqa", "mlr_depth_norm", "mlr_rotary"])
+def test_static_mlr_step_in_aten_ops_matches_the_kernel(name, monkeypatch):
+    """The static MLR step's ATen form (what runs without the C++ kernel, in half precision and on
+    CUDA) against each row run alone."""
+    from structured_attention.ops.mlr import cpu
+
+    monkeypatch.setattr(cpu, "available", lambda: False)
+    test_static_decoding_matches_each_row_alone(name)
+
+
 def _gpt(attention: str) -> GPT:
     torch.manual_seed(0)
     return GPT(GPTConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=2, max_seq_len=64,

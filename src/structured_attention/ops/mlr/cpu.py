@@ -24,7 +24,7 @@ from .contract import (
     expand_kv,
 )
 
-__all__ = ["available", "decode", "load", "mlr_attention_cpu", "mlr_decode_cpu"]
+__all__ = ["available", "decode", "decode_static", "load", "mlr_attention_cpu", "mlr_decode_cpu"]
 
 # The kernel's entry points as custom ops: torch.compile keeps each whole (no graph break) and
 # traces shapes through the fake implementations; autograd reaches the backward through
@@ -73,6 +73,28 @@ def _decode_op(q: torch.Tensor, keys: list[torch.Tensor], key_starts: list[int],
 @_decode_op.register_fake
 def _(q, keys, key_starts, v, scale, depth_normalize, row_starts):
     return q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+
+
+@torch.library.custom_op("sattn::mlr_cpu_decode_static", mutates_args=())
+def _decode_static_op(q: torch.Tensor, keys: list[torch.Tensor], v: torch.Tensor, slot: torch.Tensor,
+                      row_starts: torch.Tensor, rings: list[int], scale: float, depth_normalize: bool) -> torch.Tensor:
+    return load().decode_static(q, keys, v, slot, row_starts, rings, scale, depth_normalize)
+
+
+@_decode_static_op.register_fake
+def _(q, keys, v, slot, row_starts, rings, scale, depth_normalize):
+    return q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+
+
+def decode_static(q: torch.Tensor, keys: Sequence[torch.Tensor], v: torch.Tensor, slot: torch.Tensor,
+                  row_starts: torch.Tensor, rings: Sequence[int], scale: float, depth_normalize: bool) -> torch.Tensor:
+    """One decoding step against a static cache (see :mod:`.static`) through the C++ kernel:
+    ``q (B, H, 1, R)``, level 1's keys and ``v`` at their slots, level ``l``'s keys in a ring of
+    ``rings[l]`` slots (0 for level 1), the new token at ``slot``; ``row_starts`` ``(B, L)`` each
+    row's first slot per level. float32 or float64 buffers."""
+    out = _decode_static_op(q[:, :, 0], list(keys), v, slot, row_starts.contiguous(), list(rings), float(scale),
+                            depth_normalize)
+    return out.unsqueeze(2)
 
 
 def mlr_attention_cpu(

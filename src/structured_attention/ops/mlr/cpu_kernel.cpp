@@ -476,11 +476,13 @@ void add_weighted_rows<float>(const float* w, const float* rows, int64_t st, int
 // spare capacity); one task per (b, h) streams its level-1 keys, its finer keys and its values once.
 // Left-padded rows (row_starts, (B, L) int64, or empty): row b attends from slot row_starts[b][0]
 // on and scores level l from max(starts[l], row_starts[b][l]) on.
+// Static caches (rings, end): level l's keys sit in a ring of rings[l] slots (position p at p % rings[l];
+// 0: at p - starts[l] as above), and the keys end at slot end - 1 of buffers longer than that.
 template <typename T>
 void decode_kernel(const at::Tensor& q, const std::vector<at::Tensor>& keys, const std::vector<int64_t>& starts,
                    const at::Tensor& v, const at::Tensor& row_starts, at::Tensor& out, double scale,
-                   bool depth_normalize) {
-  const int64_t B = q.size(0), H = q.size(1), Hk = v.size(1), end = v.size(2), Dv = v.size(3);
+                   bool depth_normalize, const std::vector<int64_t>& rings, int64_t end) {
+  const int64_t B = q.size(0), H = q.size(1), Hk = v.size(1), Dv = v.size(3);
   const int64_t G = H / Hk, L = static_cast<int64_t>(keys.size());
   std::vector<int64_t> qoff(L + 1, 0);
   for (int64_t l = 0; l < L; ++l) qoff[l + 1] = qoff[l] + keys[l].size(3);
@@ -504,7 +506,15 @@ void decode_kernel(const at::Tensor& q, const std::vector<at::Tensor>& keys, con
         const T* kb = k.data_ptr<T>() + b * k.stride(0) + hk * k.stride(1);
         const T* ql = qrow + qoff[l];
         const int64_t r = qoff[l + 1] - qoff[l], st = k.stride(2);
-        add_key_scores(ql, kb + (lo[l] - starts[l]) * st, st, r, end - lo[l], s.data() + lo[l]);
+        if (rings[l] == 0) {
+          add_key_scores(ql, kb + (lo[l] - starts[l]) * st, st, r, end - lo[l], s.data() + lo[l]);
+        } else {  // the held positions [lo, end) in at most two runs of the ring
+          for (int64_t p = lo[l]; p < end;) {
+            const int64_t at = p % rings[l], run = std::min(end - p, rings[l] - at);
+            add_key_scores(ql, kb + at * st, st, r, run, s.data() + p);
+            p += run;
+          }
+        }
         if (depth_normalize)
           for (int64_t j = lo[l]; j < end; ++j) depth[j] += 1;
       }
@@ -573,11 +583,12 @@ std::vector<at::Tensor> mlr_backward(const at::Tensor& q, const at::Tensor& qT, 
   return {dqT, dk, dv};
 }
 
-at::Tensor mlr_decode(const at::Tensor& q, const std::vector<at::Tensor>& keys, std::vector<int64_t> starts,
-                      const at::Tensor& v, double scale, bool depth_normalize, const at::Tensor& row_starts) {
+// The checks both decoding entries share; returns the output to fill.
+at::Tensor mlr_decode_checked(const at::Tensor& q, const std::vector<at::Tensor>& keys, const at::Tensor& v,
+                              const at::Tensor& row_starts) {
   TORCH_CHECK(q.dim() == 3 && v.dim() == 4 && q.stride(2) == 1 && v.stride(3) == 1,
               "mlr_cpu: decode takes q (B, H, R) and v (B, Hk, T, Dv) with a contiguous last dim");
-  TORCH_CHECK(!keys.empty() && keys.size() == starts.size(), "mlr_cpu: one key view and start per level");
+  TORCH_CHECK(!keys.empty(), "mlr_cpu: one key view per level");
   for (const auto& k : keys)
     TORCH_CHECK(k.dim() == 4 && k.stride(3) == 1 && k.scalar_type() == q.scalar_type() && k.device().is_cpu(),
                 "mlr_cpu: decode keys must be (B, Hk, n, r) CPU views with a contiguous last dim, of q's dtype");
@@ -587,9 +598,35 @@ at::Tensor mlr_decode(const at::Tensor& q, const std::vector<at::Tensor>& keys, 
                                            row_starts.dim() == 2 && row_starts.size(0) == q.size(0) &&
                                            row_starts.size(1) == static_cast<int64_t>(keys.size())),
               "mlr_cpu: decode row_starts must be empty or a contiguous (B, L) int64 tensor");
-  auto out = at::empty({q.size(0), q.size(1), v.size(3)}, q.options());
+  return at::empty({q.size(0), q.size(1), v.size(3)}, q.options());
+}
+
+at::Tensor mlr_decode(const at::Tensor& q, const std::vector<at::Tensor>& keys, std::vector<int64_t> starts,
+                      const at::Tensor& v, double scale, bool depth_normalize, const at::Tensor& row_starts) {
+  TORCH_CHECK(keys.size() == starts.size(), "mlr_cpu: one key view and start per level");
+  auto out = mlr_decode_checked(q, keys, v, row_starts);
+  const std::vector<int64_t> rings(keys.size(), 0);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "mlr_decode", [&] {
-    decode_kernel<scalar_t>(q, keys, starts, v, row_starts, out, scale, depth_normalize);
+    decode_kernel<scalar_t>(q, keys, starts, v, row_starts, out, scale, depth_normalize, rings, v.size(2));
+  });
+  return out;
+}
+
+// One decoding step against a static cache: level 1's keys and the values at their slots, level
+// l > 1's keys in a ring of rings[l] slots; the token at slot `slot` (a 0-d int64 CPU tensor) is
+// the last key; row_starts (B, L) each row's first slot per level (its padding, then its blocks).
+at::Tensor mlr_decode_static(const at::Tensor& q, const std::vector<at::Tensor>& keys, const at::Tensor& v,
+                             const at::Tensor& slot, const at::Tensor& row_starts, std::vector<int64_t> rings,
+                             double scale, bool depth_normalize) {
+  TORCH_CHECK(slot.numel() == 1 && slot.scalar_type() == at::kLong && slot.device().is_cpu(),
+              "mlr_cpu: decode_static takes the slot as a one-element int64 CPU tensor");
+  TORCH_CHECK(rings.size() == keys.size() && row_starts.numel() > 0, "mlr_cpu: one ring size per level and row starts");
+  const int64_t end = slot.item<int64_t>() + 1;
+  TORCH_CHECK(end >= 1 && end <= v.size(2), "mlr_cpu: decode_static's slot is outside the buffers");
+  auto out = mlr_decode_checked(q, keys, v, row_starts);
+  const std::vector<int64_t> starts(keys.size(), 0);
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "mlr_decode_static", [&] {
+    decode_kernel<scalar_t>(q, keys, starts, v, row_starts, out, scale, depth_normalize, rings, end);
   });
   return out;
 }
@@ -598,4 +635,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &mlr_forward, "MLR attention forward: (out, lse)");
   m.def("backward", &mlr_backward, "MLR attention backward: (dq^T, dk, dv)");
   m.def("decode", &mlr_decode, "one MLR decoding step against the compressed cache: (B, H, Dv)");
+  m.def("decode_static", &mlr_decode_static, "one MLR decoding step against a static cache (rings): (B, H, Dv)");
 }

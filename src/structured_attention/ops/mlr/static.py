@@ -4,14 +4,17 @@ The cache's level-1 keys and values sit at their slots of buffers as long as the
 finer level's keys in a ring of its block size (slot ``p`` at ``p % s_l``). The step scores level 1
 over every slot and adds each finer level's scores from its ring where the ring's slot lies in the
 row's current block (rows are left-padded: row ``b``'s blocks count from ``offsets[b]``), the
-depth likewise for ``depth_normalize``. A custom op so that ``torch.compile`` keeps it whole: the
-products over the cache stay ATen's matrix products instead of generated loops.
+depth likewise for ``depth_normalize``. On the CPU (float32, float64) the C++ decoding kernel reads
+the rings in place (``cpu.decode_static``); elsewhere ATen ops do. A custom op so that
+``torch.compile`` keeps it whole: a compiled step calls the kernel, or ATen's matrix products,
+instead of generated loops.
 """
 
 from __future__ import annotations
 
 import torch
 
+from . import cpu
 from .contract import grouped_matmul, masked_mix
 
 __all__ = ["mlr_decode_static"]
@@ -25,6 +28,12 @@ def mlr_decode_static(q: torch.Tensor, keys: list[torch.Tensor], v: torch.Tensor
     ``keys`` (level 1 ``(B, Hk, C, r_1)``, level ``l > 1`` a ring ``(B, Hk, s_l, r_l)``) and ``v``
     ``(B, Hk, C, Dv)``; ``slot`` a 0-d int64 tensor, ``offsets`` ``(B,)`` each row's first real slot.
     Returns ``(B, H, 1, Dv)``."""
+    if q.device.type == "cpu" and v.dtype in (torch.float32, torch.float64) and q.dtype == v.dtype and cpu.available():
+        # each row's first slot per level: its padding for level 1, its current block's start after
+        blocks = torch.tensor(block_sizes[1:], device=slot.device)
+        starts = offsets[:, None] + torch.div(slot - offsets[:, None], blocks, rounding_mode="floor") * blocks
+        return cpu.decode_static(q, keys, v, slot, torch.cat([offsets[:, None], starts], dim=1), [0, *block_sizes[1:]],
+                                 scale, depth_normalize)
     q_levels = q.split(ranks, dim=-1)
     scores = grouped_matmul(q_levels[0], keys[0].transpose(-1, -2)).float()
     depth = torch.ones_like(scores) if depth_normalize else None
