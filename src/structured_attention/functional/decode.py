@@ -1,12 +1,11 @@
 """One query per row against every slot of a static cache (``StaticKVCache``), as a custom op, so
-that ``torch.compile`` keeps it whole: the products over the cache stay ATen's matrix products
-instead of generated loops."""
+that ``torch.compile`` keeps it whole: the read stays PyTorch's fused attention kernel (with the
+slots as a boolean mask) instead of generated loops."""
 
 from __future__ import annotations
 
 import torch
-
-from structured_attention.ops.mlr.contract import grouped_matmul, masked_mix
+import torch.nn.functional as F
 
 __all__ = ["masked_decode"]
 
@@ -15,7 +14,8 @@ __all__ = ["masked_decode"]
 def masked_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: torch.Tensor, scale: float) -> torch.Tensor:
     """Softmax attention of ``q (B, H, 1, D)`` over the slots of ``k (B, Hk, N, D)`` that ``real``
     ``(B, N)`` marks, times ``v (B, Hk, N, Dv)``; returns ``(B, H, 1, Dv)``."""
-    return masked_mix(grouped_matmul(q, k.transpose(-1, -2)) * scale, real, v)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=real[:, None, None, :], scale=scale,
+                                          enable_gqa=k.shape[1] != q.shape[1])
 
 
 @masked_decode.register_fake
