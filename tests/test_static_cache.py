@@ -96,6 +96,22 @@ def test_inductor_compiles_the_step_once_for_every_token_and_every_call():
     assert torch.equal(first, want) and torch.equal(again, want)
 
 
+@pytest.mark.parametrize("compile, backend, mode", [(True, "inductor", None), ("aot_eager", "aot_eager", None),
+                                                    ("reduce-overhead", "inductor", "reduce-overhead")])
+def test_generate_compile_takes_a_mode_or_a_backend(compile, backend, mode, monkeypatch):
+    seen = {}
+
+    def fake_compile(fn, **kwargs):
+        seen.update(kwargs)
+        return fn
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    model = _gpt("mha")
+    idx, mask = _ragged_prompts()
+    model.generate(idx, 2, temperature=0, attention_mask=mask, cache="static", compile=compile)
+    assert seen == dict(fullgraph=True, dynamic=False, backend=backend, mode=mode)
+
+
 def test_bad_use_is_one_line():
     model = _gpt("mlr:8|4|2|2")
     idx = torch.randint(0, 50, (2, 5), device=DEVICE)

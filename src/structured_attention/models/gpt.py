@@ -28,6 +28,9 @@ from .transformer import Transformer, TransformerConfig, init_gpt2_, parameter_f
 
 __all__ = ["GPT", "GPTConfig"]
 
+# torch.compile's modes (of inductor); any other string given as generate(compile=...) is a backend
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
 # Hugging Face's file names and this model's type in its config.json (GPT.save_pretrained)
 HF_CONFIG, HF_WEIGHTS, HF_MODEL_TYPE = "config.json", "model.safetensors", "sattn_gpt"
 
@@ -153,8 +156,10 @@ class GPT(nn.Module):
 
         ``cache``: ``"growing"`` (each step touches only the tokens it attends to) or ``"static"``
         (:class:`StaticKVCache`: buffers preallocated to the context, positions on the device).
-        ``compile``: ``True`` or a ``torch.compile`` backend name compiles the one-token step once
-        (``fullgraph``) and replays it for every token; it takes static caches."""
+        ``compile``: ``True`` (inductor), a ``torch.compile`` mode (``"reduce-overhead"``: CUDA
+        graphs, the step captured once and replayed) or a backend name (``"aot_eager"``) compiles
+        the one-token step once (``fullgraph``) and replays it for every token; it takes static
+        caches."""
         require(idx.dim() == 2 and idx.shape[1] >= 1, "prompt", "at least one token", tuple(idx.shape))
         room = self.config.max_seq_len - idx.shape[1]
         require(0 <= max_new_tokens <= room, "max_new_tokens", f"0..{room} (max_seq_len minus the prompt)", max_new_tokens)
@@ -169,8 +174,9 @@ class GPT(nn.Module):
         logits, _ = self(idx, caches=caches, attention_mask=attention_mask)
         decode = self._decode_step
         if compile:
-            decode = torch.compile(decode, fullgraph=True, dynamic=False,
-                                   backend="inductor" if compile is True else compile)
+            mode = compile if compile in COMPILE_MODES else None
+            backend = "inductor" if compile is True or mode else compile
+            decode = torch.compile(decode, fullgraph=True, dynamic=False, backend=backend, mode=mode)
         out = [idx]
         for _ in range(max_new_tokens):
             step = logits[:, -1].float()
