@@ -304,6 +304,18 @@ def test_cli_train_eval_generate(tmp_path, capsys):
     assert sattn(["generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "def ", "--max-new-tokens", "10",
                   "--top-k", "5", "--temperature", "0.8", "--seed", "1"]) == 0
     assert capsys.readouterr().out == out
+    # greedy: static caches and a compiled step give the text of growing caches
+    greedy = ["generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "def ", "--max-new-tokens", "12",
+              "--temperature", "0"]
+    texts = []
+    for extra in ([], ["--cache", "static"], ["--compile", "aot_eager"]):
+        assert sattn([*greedy, *extra]) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[1] == texts[0] and texts[2] == texts[0]
+    assert sattn([*greedy, "--compile", "--cache", "growing"]) == 2
+    assert "--cache: expected static with --compile" in capsys.readouterr().err
+    assert sattn([*greedy, "--device", "tpu"]) == 2
+    assert "--device: expected 'cpu' or an available CUDA device" in capsys.readouterr().err
 
 
 def test_cli_char_tokenizer(tmp_path, capsys):

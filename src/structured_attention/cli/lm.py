@@ -48,6 +48,13 @@ def add_parsers(top: argparse._SubParsersAction, train: argparse._SubParsersActi
     g.add_argument("--temperature", type=float, default=0.8, help="0 is greedy (default 0.8)")
     g.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
+    g.add_argument("--cache", choices=["growing", "static"], default=None,
+                   help="KV caches: growing (touch only what a token attends to) or static (fixed shapes; "
+                        "default: static with --compile, else growing)")
+    g.add_argument("--compile", nargs="?", const=True, default=False, metavar="MODE_OR_BACKEND",
+                   help="compile the one-token step once and replay it (torch.compile; optionally a mode such as "
+                        "reduce-overhead, CUDA graphs, or a backend name)")
     g.set_defaults(run=run_generate)
 
     s = add_sweep_parser(sweep, "lm", "widths x attention kinds x learning rates at matched training FLOPs",
@@ -113,8 +120,12 @@ def run_generate(args: argparse.Namespace) -> int:
 
     if not args.prompt:
         raise ValueError("--prompt: expected at least one character, got ''")
+    device = _device(args.device)
+    cache = args.cache or ("static" if args.compile else "growing")
+    if args.compile and cache != "static":
+        raise ValueError("--cache: expected static with --compile (a compiled step takes fixed shapes), got growing")
     with one_line_warnings("generate"):
-        model, tokenizer, _, _ = load_lm(args.checkpoint)
+        model, tokenizer, _, _ = load_lm(args.checkpoint, device=device)
     ids = tokenizer.encode(args.prompt)
     room = model.config.max_seq_len - len(ids)
     if room < args.max_new_tokens:
@@ -141,16 +152,29 @@ def run_generate(args: argparse.Namespace) -> int:
             out.write(tokenizer.decode([int(token[0])]))
             out.flush()
 
-    gen = torch.Generator().manual_seed(args.seed)
+    gen = torch.Generator(device).manual_seed(args.seed)
     model.generate(
-        torch.tensor([ids]), args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-        on_token=emit, generator=gen,
+        torch.tensor([ids], device=device), args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+        on_token=emit, generator=gen, cache=cache, compile=args.compile,
     )
     if tokenizer.name == "byte":
         out.write(decoder.decode(b"", final=True))
     out.write("\n")
     out.flush()
     return 0
+
+
+def _device(text: str) -> Any:
+    """``--device``: the CPU or an available CUDA device, else one line naming the option."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda") or (device.type == "cuda" and not torch.cuda.is_available()):
+        raise ValueError(f"--device: expected 'cpu' or an available CUDA device, got {text!r}")
+    return device
 
 
 def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
