@@ -59,6 +59,9 @@ COMMANDS: dict[str, tuple[list[str], dict[str, st.SearchStrategy]]] = {
     "train ts": ([], {"--config": missing_path}),
 }
 
+# Values some of those keys accept (a drawn "none" is a valid run.autocast, not an invalid one).
+VALID_WORDS = {"auto", "none", "cpu", "cuda", "learned", "rotary", "cosine", "constant", "byte", "char"}
+
 # `train lm` overrides: section.key=value with a wrong value, or an unknown key.
 BAD_OVERRIDES = st.one_of(
     st.tuples(st.sampled_from(["model.d_model", "model.n_layers", "model.n_heads", "model.max_seq_len", "run.steps",
@@ -66,7 +69,8 @@ BAD_OVERRIDES = st.one_of(
               bad_int),
     st.tuples(st.sampled_from(["optim.lr", "data.val_fraction", "optim.weight_decay"]), st.one_of(not_a_number, negative)),
     st.tuples(st.just("model.attention"), bad_spec),
-    st.tuples(st.sampled_from(["model.positions", "data.tokenizer", "optim.schedule", "run.autocast", "run.device"]), not_a_number),
+    st.tuples(st.sampled_from(["model.positions", "data.tokenizer", "optim.schedule", "run.autocast", "run.device"]),
+              not_a_number.filter(lambda v: v.strip().lower() not in VALID_WORDS)),
     st.tuples(st.sampled_from(["run.compile", "optim.mup", "model.tie_embeddings"]), st.sampled_from(["maybe", "2", "yes please"])),
     st.tuples(st.sampled_from(["model.bogus", "nosection.key", "run", "model.", ".steps"]), st.just("1")),
     st.tuples(st.just("data.source"), missing_path),

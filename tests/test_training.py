@@ -293,6 +293,9 @@ def test_cli_train_eval_generate(tmp_path, capsys):
     assert "bits per byte" in out and "sample:" in out
     assert sattn(["eval", "--checkpoint", str(tmp_path / "run"), "--max-batches", "2"]) == 0
     assert "bits per byte" in capsys.readouterr().out
+    assert sattn(["eval", "--checkpoint", str(tmp_path / "run"), "--device", "cuda:7"]) == (
+        0 if torch.cuda.device_count() > 7 else 2)
+    assert torch.cuda.device_count() > 7 or "--device: expected" in capsys.readouterr().err
     other = make_corpus(tmp_path / "other.txt", n_words=800, seed=1)
     assert sattn(["eval", "--checkpoint", str(tmp_path / "run"), "--source", str(other)]) == 0
     assert "bits per byte" in capsys.readouterr().out

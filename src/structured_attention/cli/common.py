@@ -102,6 +102,19 @@ def records_table(records: list[dict[str, Any]], skip: tuple[str, ...] = ()) -> 
     return "\n".join(lines)
 
 
+def parse_device(text: str) -> Any:
+    """``--device``: the CPU or an available CUDA device, else one line naming the option."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda") or (device.type == "cuda" and not torch.cuda.is_available()):
+        raise ValueError(f"--device: expected 'cpu' or an available CUDA device, got {text!r}")
+    return device
+
+
 def parse_ranks(text: str) -> tuple[int, ...]:
     """``'8|8|4'`` -> ``(8, 8, 4)``: the ``--ranks`` option of the benchmarks, positive integers
     separated by ``|``; one-line ``ValueError`` naming ``--ranks`` otherwise."""

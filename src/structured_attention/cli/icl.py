@@ -99,7 +99,7 @@ def run_eval(args: argparse.Namespace, ckpt: LoadedCheckpoint) -> int:
                         ("--pack-documents", args.pack_documents)):
         if value is not None:
             raise ValueError(f"{flag}: applies to language-model checkpoints; {ckpt.path} is an in-context regression run's")
-    model, config, ckpt = load_icl(ckpt)
+    model, config, ckpt = load_icl(ckpt, device=args.device)
     n = config.task.points - 1
     if args.examples is None:
         counts = example_counts(n)

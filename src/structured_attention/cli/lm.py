@@ -30,7 +30,7 @@ from typing import Any
 
 from ..models.gpt import GPT
 from ..training.checkpoint import LoadedCheckpoint
-from .common import add_sweep_parser, add_train_parser, best_per_kind_width, markdown_cell, number_list, one_line_warnings, print_plan, pyplot, run_grid, slug
+from .common import add_sweep_parser, add_train_parser, best_per_kind_width, markdown_cell, number_list, one_line_warnings, parse_device, print_plan, pyplot, run_grid, slug
 
 EXPERIMENT = "lm"
 
@@ -91,7 +91,7 @@ def run_eval(args: argparse.Namespace, ckpt: LoadedCheckpoint) -> int:
 
     if args.examples is not None:
         raise ValueError(f"--examples: applies to in-context regression checkpoints; {ckpt.path} is a language model's")
-    model, tokenizer, config, ckpt = load_lm(ckpt)
+    model, tokenizer, config, ckpt = load_lm(ckpt, device=args.device)
     d = config.data
     corpus = load_corpus(args.source if args.source is not None else d.source, tokenizer=d.tokenizer,
                          val_fraction=d.val_fraction, cache_dir=d.cache_dir)
@@ -104,7 +104,7 @@ def run_eval(args: argparse.Namespace, ckpt: LoadedCheckpoint) -> int:
     packed = d.pack_documents if args.pack_documents is None else args.pack_documents
     # Re-encoding keeps one token per code point (or byte), so the document starts still hold.
     starts = corpus.val_document_starts if packed else None
-    loss = evaluate_lm(model, val, batch_size, config.run.seq_len, args.max_batches, "cpu", "none",
+    loss = evaluate_lm(model, val, batch_size, config.run.seq_len, args.max_batches, args.device, "none",
                        document_starts=starts)
     bpb = corpus.bits_per_byte(loss)
     print(f"checkpoint {ckpt.path} (step {ckpt.step}) on {corpus.source} validation split ({len(val):,} tokens, "
@@ -120,7 +120,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
     if not args.prompt:
         raise ValueError("--prompt: expected at least one character, got ''")
-    device = _device(args.device)
+    device = parse_device(args.device)
     cache = args.cache or ("static" if args.compile else "growing")
     if args.compile and cache != "static":
         raise ValueError("--cache: expected static with --compile (a compiled step takes fixed shapes), got growing")
@@ -162,19 +162,6 @@ def run_generate(args: argparse.Namespace) -> int:
     out.write("\n")
     out.flush()
     return 0
-
-
-def _device(text: str) -> Any:
-    """``--device``: the CPU or an available CUDA device, else one line naming the option."""
-    import torch
-
-    try:
-        device = torch.device(text)
-    except RuntimeError:
-        device = None
-    if device is None or device.type not in ("cpu", "cuda") or (device.type == "cuda" and not torch.cuda.is_available()):
-        raise ValueError(f"--device: expected 'cpu' or an available CUDA device, got {text!r}")
-    return device
 
 
 def plan(args: argparse.Namespace) -> list[dict[str, Any]]:

@@ -53,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="in-context regression: comma-separated numbers of in-context examples "
                         "(default: eight evenly spaced up to N - 1)")
     e.add_argument("--batch-size", type=int, default=None, help="sequences per batch (default: the run's)")
+    e.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     e.set_defaults(run=run_eval)
     plot = sub.add_parser("plot", help="the plots and markdown tables of a sweep")
     plot.add_argument("sweep_dir", help="a folder made by 'sattn sweep ...'")
@@ -80,10 +81,11 @@ def run_eval(args: argparse.Namespace) -> int:
     checkpoint's error by number of examples beside the baselines', or a forecaster's validation
     and test MSE/MAE; the checkpoint's config says which."""
     from ..training.checkpoint import load_checkpoint
-    from .common import one_line_warnings
+    from .common import one_line_warnings, parse_device
 
     if args.batch_size is not None and args.batch_size < 1:
         raise ValueError(f"--batch-size: expected a positive integer, got {args.batch_size}")
+    args.device = parse_device(args.device)
     with one_line_warnings("eval"):
         ckpt = load_checkpoint(args.checkpoint)
     return EXPERIMENTS[checkpoint_experiment(ckpt.state)].run_eval(args, ckpt)

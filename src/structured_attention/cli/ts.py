@@ -83,7 +83,7 @@ def run_eval(args: argparse.Namespace, ckpt: LoadedCheckpoint) -> int:
                               ("--pack-documents", args.pack_documents, "language-model")):
         if value is not None:
             raise ValueError(f"{flag}: applies to {kind} checkpoints; {ckpt.path} is a forecasting run's")
-    model, config, ckpt = load_forecaster(ckpt)
+    model, config, ckpt = load_forecaster(ckpt, device=args.device)
     data = checkpoint_series(config, ckpt, args.source)
     batch_size = args.batch_size or config.run.batch_size
     n_test = data.n_windows("test")
@@ -96,7 +96,7 @@ def run_eval(args: argparse.Namespace, ckpt: LoadedCheckpoint) -> int:
     print("| split | windows | MSE | MAE |")
     print("|---|---|---|---|")
     for label, split, n, index in rows:
-        m = forecast_metrics(model, data, split, batch_size, index=index)
+        m = forecast_metrics(model, data, split, batch_size, device=args.device, index=index)
         print(f"| {label} | {n:,} | {m['mse']:.4f} | {m['mae']:.4f} |")
     return 0
 
