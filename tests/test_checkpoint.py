@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
 import random
+import stat
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
 
+from structured_attention._files import atomic_write
 from structured_attention.models import GPT, GPTConfig
 from structured_attention.training import OptimConfig, build_optimizer, find_checkpoints, load_checkpoint, save_checkpoint
 from structured_attention.training.checkpoint import (
@@ -218,3 +222,20 @@ def test_a_checkpoint_of_the_first_format_still_loads(tmp_path):
     folder = save(model, opt, tmp_path / "ckpt", 1)
     _edit_state(folder, lambda s: (s.pop("state_sha256"), s.update(format="structured-attention-checkpoint-v1")))
     assert load_checkpoint(folder).step == 1
+
+
+@pytest.mark.skipif(not hasattr(os, "umask") or os.name != "posix", reason="POSIX permissions")
+@pytest.mark.parametrize("umask, file_mode, dir_mode", [(0o022, 0o644, 0o755), (0o077, 0o600, 0o700)])
+def test_checkpoint_files_take_the_users_umask(tmp_path, umask, file_mode, dir_mode):
+    """A checkpoint's folder and files get what the umask gives new files (tempfile alone would
+    make them 0700 and 0600 whatever it is), as does every other atomically written file."""
+    model, opt = trained()
+    before = os.umask(umask)
+    try:
+        path = save(model, opt, tmp_path / "ckpt", 1)
+        atomic_write(tmp_path / "other.txt", lambda p: Path(p).write_text("x"))
+    finally:
+        os.umask(before)
+    assert stat.S_IMODE(path.stat().st_mode) == dir_mode
+    assert {stat.S_IMODE(f.stat().st_mode) for f in path.iterdir()} == {file_mode}
+    assert stat.S_IMODE((tmp_path / "other.txt").stat().st_mode) == file_mode

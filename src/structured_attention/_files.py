@@ -11,18 +11,28 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["atomic_write", "claim", "file_sha256", "release"]
+__all__ = ["atomic_write", "claim", "file_sha256", "release", "with_umask"]
+
+
+def with_umask(path: str | os.PathLike, mode: int) -> None:
+    """Give ``path`` the permissions ``mode`` less the process's umask, what ``open`` or ``mkdir``
+    would have given it: ``tempfile`` creates files 0600 and folders 0700 whatever the umask, which
+    would leave checkpoints unreadable to the user's group on a shared machine."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, mode & ~umask)
 
 
 def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> None:
     """``write(tmp)`` to a temporary file beside ``path``, fsync it, then ``os.replace`` it onto
     ``path``: readers see the old file or the complete new one, never a partial one. The temporary
-    file is removed if ``write`` raises."""
+    file is removed if ``write`` raises. The file gets the permissions the umask gives new files."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".tmp-{path.name}-")
     os.close(fd)
     try:
         write(tmp)
+        with_umask(tmp, 0o666)  # after write: a writer may replace the file (safetensors makes it 0600)
         with open(tmp, "rb+") as f:
             f.flush()
             os.fsync(f.fileno())

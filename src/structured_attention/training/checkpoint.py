@@ -45,7 +45,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .._checks import quote
-from .._files import atomic_write, file_sha256
+from .._files import atomic_write, file_sha256, with_umask
 
 __all__ = [
     "CHECKPOINT_FORMAT",
@@ -206,6 +206,7 @@ def save_checkpoint(
         shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
     final = root / f"step-{step:08d}"
     tmp_dir = Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-step-{step:08d}-"))
+    with_umask(tmp_dir, 0o777)
     try:
         atomic_write(tmp_dir / MODEL_FILE, lambda p: save_file(model_tensors, p, metadata={"format": CHECKPOINT_FORMAT}))
         atomic_write(tmp_dir / OPTIM_FILE, lambda p: save_file(optim_tensors, p, metadata={"format": CHECKPOINT_FORMAT}))
