@@ -61,6 +61,11 @@ def test_spec_parsing():
         "kind": "mlr", "ranks": (48, 16), "depth_normalize": True, "block_sizes": (1024, 64)}
     assert parse_attention_spec("swa:128") == {"kind": "swa", "window": 128}
     assert parse_attention_spec("bilinear_mlr:8") == {"kind": "bilinear_mlr", "ranks": (8,)}
+    # '+' separates levels too (no shell quoting needed)
+    assert parse_attention_spec("mlr:48+16:block_sizes=1024+64") == parse_attention_spec("mlr:48|16:block_sizes=1024|64")
+    for bad in ("mlr:48+", "mlr:48|+16", "mlr:+48"):
+        with pytest.raises(ValueError, match="^ranks: expected positive integers separated by '\\|' or '\\+'"):
+            parse_attention_spec(bad)
     kinds = [s["kind"] for s in parse_attention_pattern("mha,swa:128,swa:128", 6)]
     assert kinds == ["mha", "swa", "swa", "mha", "swa", "swa"]
 

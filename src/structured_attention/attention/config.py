@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import typing
 from dataclasses import dataclass
 from typing import Any
@@ -108,17 +109,23 @@ _SHARED = ("d_model", "n_heads", "max_seq_len", "kind")  # set by the model, not
 
 
 def _parse_field(key: str, text: str, spec: str) -> Any:
-    """A spec value parsed by its field's declared type: positive integers separated by ``|`` for
-    the per-level fields, else bool (true/false/1/0), int, float or str."""
+    """A spec value parsed by its field's declared type: positive integers separated by ``|`` or
+    ``+`` (which needs no shell quoting) for the per-level fields, else bool (true/false/1/0), int,
+    float or str."""
     if key in _TUPLE_FIELDS:
-        try:
-            values = tuple(int(t) for t in text.split("|"))
-        except ValueError:
-            values = ()
-        require(bool(values) and all(v > 0 for v in values), key,
-                f"positive integers separated by '|' (in the attention spec {spec!r})", text)
+        values = parse_levels(text)
+        require(bool(values), key, f"positive integers separated by '|' or '+' (in the attention spec {spec!r})", text)
         return values
     return parse_typed(text, typing.get_type_hints(AttentionConfig)[key], key)
+
+
+def parse_levels(text: str) -> tuple[int, ...]:
+    """``'16|8|4'`` or ``'16+8+4'`` -> ``(16, 8, 4)``; ``()`` unless every part is a positive integer."""
+    try:
+        values = tuple(int(t) for t in re.split(r"[|+]", text))
+    except ValueError:
+        return ()
+    return values if all(v > 0 for v in values) else ()
 
 
 def parse_attention_spec(spec: str) -> dict[str, Any]:
@@ -158,4 +165,5 @@ __all__ = [
     "default_scale",
     "parse_attention_pattern",
     "parse_attention_spec",
+    "parse_levels",
 ]

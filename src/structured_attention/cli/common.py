@@ -116,14 +116,13 @@ def parse_device(text: str) -> Any:
 
 
 def parse_ranks(text: str) -> tuple[int, ...]:
-    """``'8|8|4'`` -> ``(8, 8, 4)``: the ``--ranks`` option of the benchmarks, positive integers
-    separated by ``|``; one-line ``ValueError`` naming ``--ranks`` otherwise."""
-    try:
-        ranks = tuple(int(r) for r in text.split("|"))
-    except ValueError:
-        ranks = ()
-    if not ranks or min(ranks) <= 0:
-        raise ValueError(f"--ranks: expected positive integers separated by '|', got {text!r}")
+    """``'8|8|4'`` or ``'8+8+4'`` -> ``(8, 8, 4)``: the ``--ranks`` option of the benchmarks; one-line
+    ``ValueError`` naming ``--ranks`` otherwise."""
+    from ..attention.config import parse_levels
+
+    ranks = parse_levels(text)
+    if not ranks:
+        raise ValueError(f"--ranks: expected positive integers separated by '|' or '+', got {text!r}")
     return ranks
 
 
