@@ -124,25 +124,6 @@ def test_bench_ragged_compares_mixed_with_equal_prompts(tmp_path):
     assert all(r["mixed_over_equal"] == pytest.approx(r["mixed_tokens_per_s"] / r["equal_tokens_per_s"]) for r in rows)
 
 
-def test_bench_generate_times_every_kind_and_mode_and_reports_its_cache(tmp_path):
-    args = ["bench", "generate", "--kinds", "mha,mlr:4|2|2", "--d-model", "16", "--n-heads", "2", "--n-layers", "1",
-            "--batches", "1,2", "--cache-lens", "13", "--new-tokens", "3", "--backend", "aot_eager", "--repeats", "1",
-            "--warmup", "0", "--out", str(tmp_path)]
-    assert main(args) == 0
-    rows = json.loads((tmp_path / "generate.json").read_text())["results"]
-    assert [(r["case"], r["batch"]) for r in rows] == [
-        (case, batch) for batch in (1, 2) for kind in ("mha", "mlr:4|2|2")
-        for case in (kind, f"{kind}+static", f"{kind}+compiled")]
-    for r in rows:
-        assert {"case", "batch", "cache_len", "tokens_per_s", "ms_per_token", "cache_bytes"} <= set(r)
-        assert r["tokens_per_s"] == pytest.approx(r["batch"] * 1e3 / r["ms_per_token"])
-    # the growing MHA cache holds keys and values of 16 tokens (1 layer, 2 heads of 8 dims, float32)
-    assert rows[0]["cache_bytes"] == 16 * 2 * 2 * 8 * 4
-    # static buffers are preallocated to the context (16 slots here): MHA holds the same bytes
-    assert rows[1]["cache_bytes"] == rows[0]["cache_bytes"]
-    assert (tmp_path / "generate.png").is_file()
-
-
 @pytest.mark.parametrize(
     "extra, needle",
     [

@@ -210,7 +210,7 @@ class Attention(nn.Module):
             cache.check_use(self, x.shape[0])
             if not cache.prefilled:  # the prompt, into the growing cache; then into the static buffers
                 out = self.forward(x, cache.growing, attention_mask)
-                cache.load(self._static_buffers(cache.growing))
+                self.fill_static(cache)
                 return out
             require(x.shape[1] == 1 and attention_mask is None and document_ids is None and segments is None, "x",
                     "one token per row after the prompt, with no mask (a static cache decodes token by token)",
@@ -250,11 +250,14 @@ class Attention(nn.Module):
         cache = KVCache(self._cache_buffers(batch_size, dtype, device), owner=self)
         return StaticKVCache(cache) if static else cache
 
+    def fill_static(self, cache: StaticKVCache) -> StaticKVCache:
+        """Move what ``cache``'s growing cache holds (a prompt) into its static buffers; returns it."""
+        cache.load(self._static_buffers(cache.growing))
+        return cache
+
     def static_cache(self, cache: KVCache) -> StaticKVCache:
         """A :class:`StaticKVCache` holding what ``cache``, this layer's growing cache, holds."""
-        static = StaticKVCache(cache)
-        static.load(self._static_buffers(cache))
-        return static
+        return self.fill_static(StaticKVCache(cache))
 
     def cost(self, seq_len: int) -> AttentionCost:
         """Parameters, FLOPs and cache size for a ``seq_len``-token sequence (see AttentionCost)."""

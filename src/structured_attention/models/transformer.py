@@ -236,7 +236,7 @@ class Transformer(nn.Module):
         if not caches[0].prefilled:
             out = self.forward(x, [c.growing for c in caches], attention_mask, document_ids)
             for block, cache in zip(self.blocks, caches):
-                cache.load(block.attn._static_buffers(cache.growing))
+                block.attn.fill_static(cache)
             return out
         require(x.shape[1] == 1 and attention_mask is None and document_ids is None, "x",
                 "one token per row after the prompt, with no mask (static caches decode token by token)",
