@@ -78,6 +78,7 @@ if [[ $step == generate ]]; then
     timeout 360 python3 -m structured_attention.cli.main bench generate --device cuda --dtype bfloat16 \
         --batches 1,16,64 --cache-lens 16368 --compile-mode reduce-overhead --repeats 5 --out "$out/generate" \
         || status=1
+    timeout 70 python3 scripts/profile_generate_step.py --batch 16 --out "$out/generate-profile-b16.txt" || status=1
 fi
 if [[ $step == ncu ]]; then  # Nsight Compute's profile of the decoding and prefill kernels against flash
     for case in decode prefill; do

@@ -47,6 +47,30 @@ def test_static_decoding_matches_each_row_alone(name):
     torch.testing.assert_close(out[1:, pad:], alone[1], rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["mha", "mlr", "swa"])
+def test_a_static_cache_refilled_in_place_decodes_as_a_fresh_one(name):
+    """copy_: a used static cache takes a prompt's cache in place (same tensors: a captured graph
+    replays) and then decodes exactly as the prompt's own cache."""
+    layer = make(SPECS[name])
+    x = torch.randn(1, CTX, D, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        prompt = layer.new_cache(batch_size=1, static=True)
+        layer(x[:, :PROMPT], prompt)
+        layer(x[:, PROMPT:PROMPT + 1], prompt)  # the first step moves the prompt into the buffers
+        used = layer.new_cache(batch_size=1, static=True)
+        layer(x[:, 5:PROMPT + 5], used)
+        for i in range(PROMPT + 5, CTX - 4):
+            layer(x[:, i:i + 1], used)
+        addresses = [t.data_ptr() for t in used.buffers.values()]
+        used.copy_(prompt)
+        want = [layer(x[:, i:i + 1], prompt) for i in range(PROMPT + 1, CTX)]
+        got = [layer(x[:, i:i + 1], used) for i in range(PROMPT + 1, CTX)]
+    assert [t.data_ptr() for t in used.buffers.values()] == addresses
+    torch.testing.assert_close(torch.cat(got, 1), torch.cat(want, 1), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="^other: expected a prefilled static cache"):
+        used.copy_(layer.new_cache(batch_size=1, static=True))
+
+
 @pytest.mark.parametrize("name", ["mlr", "mlr_gqa", "mlr_depth_norm", "mlr_rotary"])
 def test_static_mlr_step_in_aten_ops_matches_the_kernel(name, monkeypatch):
     """The static MLR step's ATen form (what runs without the C++ kernel, in half precision and on

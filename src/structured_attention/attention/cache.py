@@ -183,6 +183,20 @@ class StaticKVCache:
         for tensor in (*buffers.values(), self.slot, self.offsets):
             torch._dynamo.mark_static_address(tensor)
 
+    def copy_(self, other: StaticKVCache) -> StaticKVCache:
+        """Take ``other``'s content (a prefilled static cache of the same layer and batch) in place:
+        a step compiled or graph-captured on this cache replays on the new content, where a new
+        cache's tensors would have new addresses (a graph recorded again). Returns this cache."""
+        shapes = {name: t.shape for name, t in self.buffers.items()}
+        require(self.prefilled and other.prefilled and shapes == {n: t.shape for n, t in other.buffers.items()},
+                "other", "a prefilled static cache of the same layer and batch as this prefilled one",
+                "another cache")
+        for name, tensor in self.buffers.items():
+            tensor.copy_(other.buffers[name])
+        self.slot.copy_(other.slot)
+        self.offsets.copy_(other.offsets)
+        return self
+
     def check_use(self, layer: object, batch: int) -> None:
         """One-line ``ValueError`` unless ``layer`` made this cache and ``batch`` rows feed it."""
         require(self._owner is not None and self._owner() is layer, "cache",
