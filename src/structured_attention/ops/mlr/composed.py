@@ -107,32 +107,33 @@ def _width(call: _Call, v: torch.Tensor) -> int:
     return -(-max(call.dims, v.shape[-1]) // 8) * 8
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: _Call) -> tuple[torch.Tensor, torch.Tensor]:
-    """One fused attention: ``(out, lse)``, out in v's head dim."""
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: _Call) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    """One fused attention: ``(out, lse, state)``, out in v's head dim; ``state`` is what the CUDA
+    kernel's backward needs of its forward (sequence offsets, lengths, random state), empty on the CPU."""
     width = _width(call, v)
     q, k, vp = _padded(q, width), _padded(k, width), _padded(v, width)
     if q.device.type == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, vp, 0.0, call.causal, scale=call.scale)
-    else:
-        out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, vp, 0.0, call.causal,
-                                                                          scale=call.scale)
-    return out[..., :v.shape[-1]], lse
+        return out[..., :v.shape[-1]], lse, ()
+    out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
+        q, k, vp, 0.0, call.causal, scale=call.scale)
+    return out[..., :v.shape[-1]], lse, (cum_q, cum_k, max_q, max_k, seed, offset)
 
 
 def _attend_backward(gout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                     lse: torch.Tensor, call: _Call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One fused attention's backward against the merged ``out`` and ``lse`` of its rows."""
+                     lse: torch.Tensor, call: _Call, state: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One fused attention's backward against the merged ``out`` and ``lse`` of its rows, with its
+    forward's ``state``."""
     width = _width(call, v)
     q, k, vp, out, gout = (_padded(x, width) for x in (q, k, v, out, gout))
     if q.device.type == "cpu":
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             gout, q, k, vp, out, lse, 0.0, call.causal, scale=call.scale)
     else:
-        empty = torch.empty(0, dtype=torch.long, device=q.device)
+        cum_q, cum_k, max_q, max_k, seed, offset = state
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            gout, q, k, vp, out, lse, empty, empty, q.shape[2], k.shape[2], 0.0, call.causal, empty, empty,
-            scale=call.scale)
+            gout, q, k, vp, out, lse, cum_q, cum_k, max_q, max_k, 0.0, call.causal, seed, offset, scale=call.scale)
     return dq[..., :call.dims], dk[..., :call.dims], dv[..., :v.shape[-1]]
 
 
@@ -144,15 +145,17 @@ class _Composed(torch.autograd.Function):
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         out = torch.zeros(*q.shape[:2], v.shape[-1], dtype=acc, device=q.device)
         lse = torch.full(q.shape[:2], -math.inf, dtype=acc, device=q.device)
+        states = []
         for call in calls:
-            o, m = _attend(call.rows.of(q)[..., :call.dims], call.keys.of(k)[..., :call.dims], call.keys.of(v), call)
+            o, m, state = _attend(call.rows.of(q)[..., :call.dims], call.keys.of(k)[..., :call.dims], call.keys.of(v), call)
             rows_out, rows_lse = call.rows.of(out), call.rows.of(lse.unsqueeze(-1)).squeeze(-1)
             merged = torch.logaddexp(rows_lse, m)
             rows_out.mul_(torch.exp(rows_lse - merged).unsqueeze(-1)).add_(torch.exp(m - merged).unsqueeze(-1) * o)
             rows_lse.copy_(merged)
+            states.append(state)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.calls = calls
+        ctx.calls, ctx.states = calls, states
         return out
 
     @staticmethod
@@ -160,10 +163,11 @@ class _Composed(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         gout = gout.contiguous()
         dq, dk, dv = (torch.zeros_like(x, dtype=lse.dtype) for x in (q, k, v))
-        for call in ctx.calls:
+        for call, state in zip(ctx.calls, ctx.states):
             rows, keys = call.rows, call.keys
             gq, gk, gv = _attend_backward(rows.of(gout), rows.of(q)[..., :call.dims], keys.of(k)[..., :call.dims],
-                                          keys.of(v), rows.of(out), rows.of(lse.unsqueeze(-1)).squeeze(-1), call)
+                                          keys.of(v), rows.of(out), rows.of(lse.unsqueeze(-1)).squeeze(-1), call,
+                                          state)
             rows.of(dq)[..., :call.dims].add_(gq)
             keys.of(dk)[..., :call.dims].add_(gk)
             keys.of(dv).add_(gv)
