@@ -1,16 +1,14 @@
 #!/usr/bin/env bash
 # The GPU check of the kernels, for a machine with one CUDA GPU: the Triton and compile tests on the GPU, the
 # tile-setting and decoding timings, and the issue-3 benchmarks in bfloat16.
-#   scripts/gpu-check.sh [OUT_DIR] [tests|tune|decode|varlen|composed|generate|ncu|bench|all]
+#   scripts/gpu-check.sh [OUT_DIR] [tests|tune|decode|varlen|generate|ncu|bench|all]
 # (default OUT_DIR runs/gpu-check, or $OUT on the lent device machine; default all). On an H100 the
 # tests take about 5 minutes (most of it compiling), tune about 4 and bench about 3, so a machine
 # that stops a command after 10 minutes needs two calls. decode is the short one for a small
 # budget (about 5 minutes): the decoding kernel's timings and tests, the per-kernel profile of a
 # whole decoding step, and the layers' decoding benchmark. varlen (about 8 minutes, not part of all)
 # runs the padded/packed/ragged tests and the kernels' document and row-start tests on the GPU, then
-# times packed documents against one call per document and mixed-length generation. composed (about 4
-# minutes, not part of all) tests the composition of FlashAttention calls (mlr_attention_composed)
-# on the GPU and times it beside the Triton kernels, SDPA flash and cuDNN at head dims 64 and 128.
+# times packed documents against one call per document and mixed-length generation.
 # generate (about 6 minutes, not part of all) runs the static-cache tests on the GPU and times
 # generation per kind, growing and static caches, eager and CUDA-graph-captured. ncu (about 2 minutes, not part of all)
 # writes Nsight Compute's profile of the decoding and prefill kernels beside flash attention's.
@@ -61,16 +59,6 @@ if [[ $step == varlen ]]; then
         # shellcheck disable=SC2086  # the words of each benchmark's command line
         timeout 75 python3 -m structured_attention.cli.main bench $bench --device cuda --dtype bfloat16 2>&1 | tee -a "$out/varlen-bench.log" || status=1
     done
-fi
-if [[ $step == composed ]]; then
-    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_mlr_grid.py -k "composed_cuda or dispatch_cuda" \
-        2>&1 | tee "$out/composed-tests.log" | tail -n 5 || status=1
-    timeout 120 python3 -m structured_attention.cli.main bench mlr --device cuda --dtype bfloat16 \
-        --seq-lens 4096,8192,16384 --paths sdpa_flash,sdpa,mlr,mlr_composed --repeats 10 --profile \
-        --out "$out/composed-d64" || status=1
-    timeout 90 python3 -m structured_attention.cli.main bench mlr --device cuda --dtype bfloat16 --seq-lens 4096 \
-        --ranks "32|32|32|32" --v-dim 128 --batch 4 --n-heads 16 --paths sdpa_flash,sdpa,mlr,mlr_composed \
-        --repeats 10 --out "$out/composed-d128" || status=1
 fi
 if [[ $step == generate ]]; then
     timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_static_cache.py 2>&1 \

@@ -61,7 +61,6 @@ from structured_attention.ops.mlr import (
 )
 from structured_attention.ops.mlr import cpu as mlr_cpu
 from structured_attention.ops.mlr.blocked import mlr_attention_blocked
-from structured_attention.ops.mlr.composed import mlr_attention_composed
 from structured_attention.ops.mlr.contract import mlr_block_sizes
 
 ON_GPU = torch.cuda.is_available()
@@ -307,10 +306,6 @@ def _reference(q, k, v, c, causal, dn):
     return mlr_attention_reference(q, k, v, c.ranks, c.block_sizes, causal, c.scale, dn)
 
 
-def _composed(q, k, v, c, causal, dn):
-    return mlr_attention_composed(q, k, v, c.ranks, c.block_sizes, causal, c.scale, dn)
-
-
 def _dispatch(q, k, v, c, causal, dn):
     return mlr_attention(q, k, v, c.ranks, c.block_sizes, causal, c.scale, dn)
 
@@ -343,9 +338,6 @@ ATTENTION_BACKENDS = {b.name: b for b in [
     Backend("blocked", _blocked, rounded_once=True),
     Backend("blocked_tile", _blocked_tile, rounded_once=True),
     Backend("cpu", _cpu, rounded_once=True, needs=_no_cpu_kernel, threaded=True),
-    Backend("composed", _composed),  # PyTorch's CPU flash kernel, one call per depth range, merged
-    Backend("composed_cuda", _composed, (torch.float16, torch.bfloat16), "FlashAttention runs float16 and bfloat16",
-            device="cuda", needs=_no_cuda),
     Backend("dispatch", _dispatch, rounded_once=True, threaded=True),  # CPU tensors: the C++ kernel, else blocked
     Backend("dispatch_cuda", _dispatch, device="cuda", needs=_no_cuda),  # Triton (float64: the reference)
     Backend("triton_general", _triton_general, HALF_AND_FLOAT32, _NO_FLOAT64_IN_TRITON, device="triton",

@@ -34,7 +34,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from ..attention import build_attention
 from ..ops.mlr import mlr_attention, mlr_attention_reference
 from ..ops.mlr.blocked import mlr_attention_blocked
-from ..ops.mlr.composed import mlr_attention_composed
 from ..models import GPT, GPTConfig
 from . import bench_batches, bench_generate, bench_hf
 from .common import add_timing_options, bench_environment, check_bench_memory, parse_ranks, pyplot, time_ms
@@ -45,8 +44,7 @@ COMPILED = "+compile"  # suffix of a case timed under torch.compile (sattn bench
 MLR_PATHS = "sdpa,mlr,mlr_blocked,mlr_reference"
 # SDPA cases: PyTorch's own choice of fused kernel, or its flash-attention kernel alone.
 _SDPA_BACKENDS = {"sdpa": None, "sdpa_flash": SDPBackend.FLASH_ATTENTION}
-_MLR_FUNCTIONS = {"mlr": mlr_attention, "mlr_blocked": mlr_attention_blocked, "mlr_composed": mlr_attention_composed,
-                  "mlr_reference": mlr_attention_reference}
+_MLR_FUNCTIONS = {"mlr": mlr_attention, "mlr_blocked": mlr_attention_blocked, "mlr_reference": mlr_attention_reference}
 
 Step = Callable[[], Any]
 
@@ -67,7 +65,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     help=f"also time every kind's model under torch.compile, as the case '<kind>{COMPILED}' "
                          "(the training loop's run.compile=true)")
     mlr = what.add_parser("mlr", help="time the MLR attention primitive against scaled_dot_product_attention")
-    mlr.add_argument("--paths", default=MLR_PATHS, help=f"comma-separated: sdpa (PyTorch's choice of fused kernel), sdpa_flash (its flash-attention kernel), mlr (dispatched: the C++ kernel on CPU, Triton on CUDA), mlr_blocked (the PyTorch fallback), mlr_composed (fused softmax-attention calls merged by log-sum-exp), mlr_reference (default {MLR_PATHS})")
+    mlr.add_argument("--paths", default=MLR_PATHS, help=f"comma-separated: sdpa (PyTorch's choice of fused kernel), sdpa_flash (its flash-attention kernel), mlr (dispatched: the C++ kernel on CPU, Triton on CUDA), mlr_blocked (the PyTorch fallback), mlr_reference (default {MLR_PATHS})")
     mlr.add_argument("--ranks", default="8|8|8|8|8|8|8|8", help="MLR ranks per level; their sum is the q/k head dim (default 8|8|8|8|8|8|8|8)")
     mlr.add_argument("--v-dim", type=int, default=64, help="value head dim Dv (default 64)")
     for p in (layers, mlr, lm):

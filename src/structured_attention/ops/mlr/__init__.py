@@ -4,8 +4,7 @@ Layout: :mod:`.contract` (argument checks, dtype and GQA policy, block sizes and
 :mod:`.reference` (the exact definitions), :mod:`.dispatch` (which backend runs a call) and the
 backends, leaves that import only the contract: :mod:`.blocked` (tiled PyTorch, CPU), :mod:`.cpu`
 (fused C++ kernel, CPU), :mod:`.triton_general` and :mod:`.triton_prefix` (fused Triton kernels,
-forward and backward), :mod:`.triton_decode` (a Triton decoding step) and :mod:`.composed` (the
-vendors' fused softmax-attention calls merged by log-sum-exp; not dispatched, a GPU candidate);
+forward and backward), :mod:`.triton_decode` (a Triton decoding step);
 :mod:`.static` is the decoding step against a static cache (the C++ kernel on the CPU, ATen ops
 elsewhere). docs/design.md explains
 the mathematics, the tiling and the dispatch table.
