@@ -84,6 +84,26 @@ def test_triton_kernel_reads_levels_at_any_offset_and_stride(dtype):
     torch.testing.assert_close(out.double().cpu(), ref, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("slot", [0, 37, 95])
+@pytest.mark.parametrize("dn", [False, True], ids=["no_dn", "dn"])
+def test_static_kernel_matches_the_static_step_in_aten_ops(slot, dn, monkeypatch):
+    """decode_static against the static step's ATen form (itself checked against each row run
+    alone in test_static_cache.py), with splits of 16 keys: those past the slot hold nothing."""
+    from structured_attention.ops.mlr import cpu, static
+    from structured_attention.ops.mlr.triton_decode import decode_static
+
+    g = torch.Generator().manual_seed(slot)
+    ranks, sizes, C = (8, 4, 2, 2), (96, 32, 8, 4), 96
+    keys = [torch.randn(2, 2, C if level == 0 else sizes[level], r, generator=g) for level, r in enumerate(ranks)]
+    q, v = torch.randn(2, 4, 1, 16, generator=g), torch.randn(2, 2, C, 24, generator=g)
+    slot_t, offsets = torch.tensor(slot), torch.tensor([0, min(slot, 11)])
+    monkeypatch.setattr(cpu, "available", lambda: False)
+    want = static.mlr_decode_static(q, keys, v, slot_t, offsets, list(ranks), list(sizes), 0.3, dn)
+    got = decode_static(q.to(DEVICE), [k.to(DEVICE) for k in keys], v.to(DEVICE), slot_t.to(DEVICE),
+                        offsets.to(DEVICE), ranks, sizes, 0.3, dn, chunk=16, block_n=16)
+    torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("spec", ["mlr:8|4|2|2", "mlr:8|4|2|2:depth_normalize=true"])
 def test_layer_decodes_through_the_kernel_like_its_full_forward(spec, monkeypatch):
     import structured_attention.ops.mlr.dispatch as dispatch

@@ -4,6 +4,8 @@ replays one compiled step for every token with the tokens of eager generation.""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -79,6 +81,41 @@ def test_static_mlr_step_in_aten_ops_matches_the_kernel(name, monkeypatch):
 
     monkeypatch.setattr(cpu, "available", lambda: False)
     test_static_decoding_matches_each_row_alone(name)
+
+
+@pytest.mark.parametrize("name", ["mlr", "mlr_gqa", "mlr_depth_norm", "mlr_rotary"])
+def test_static_mlr_step_in_the_triton_kernel_matches_each_row_alone(name, monkeypatch):
+    """The static MLR step through the Triton decoding kernel (what runs on CUDA; here under
+    Triton's interpreter): rings read in place, the slot and each row's block starts read on the
+    device, against each row run alone."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    from structured_attention.ops.mlr import static
+    from structured_attention.ops.mlr.triton_common import INTERPRETED
+
+    if not INTERPRETED:
+        pytest.skip("these layers are on the CPU, which Triton runs only interpreted; on CUDA the generation "
+                    "tests below take the kernel")
+    monkeypatch.setattr(static, "on_triton", lambda v: True)
+    test_static_decoding_matches_each_row_alone(name)
+
+
+def test_a_copied_static_mlr_cache_reads_the_same_kernel_tables():
+    """The rings share one allocation, so the Triton kernel's tables (offsets from the first ring)
+    depend on shapes alone: a deep copy, or another cache of the layer, reuses them instead of
+    making new ones (which, first made while a CUDA graph is recorded, would outlive its pool)."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    from structured_attention.ops.mlr import triton_decode
+
+    layer = make(SPECS["mlr_depth_norm"])
+    cache = layer.new_cache(batch_size=2, static=True)
+    with torch.no_grad():
+        layer(torch.randn(2, PROMPT, D), cache)
+    keys = [cache.buffers[f"k{level}"] for level in range(len(layer.ranks))]
+    copied = copy.deepcopy(cache)
+    copies = [copied.buffers[f"k{level}"] for level in range(len(layer.ranks))]
+    assert copies[1].data_ptr() != keys[1].data_ptr()
+    ours, theirs = (triton_decode._tables(k, [0] * len(k), layer.ranks, layer.block_sizes[1:]) for k in (keys, copies))
+    assert ours.offsets is theirs.offsets and ours.strides is theirs.strides
 
 
 def _gpt(attention: str) -> GPT:

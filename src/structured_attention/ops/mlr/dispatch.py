@@ -54,7 +54,7 @@ def has_triton() -> bool:
     return _has_triton
 
 
-def _on_triton(x: torch.Tensor) -> bool:
+def on_triton(x: torch.Tensor) -> bool:
     return x.is_cuda and x.dtype in _TRITON_DTYPES and has_triton()
 
 
@@ -81,7 +81,7 @@ def mlr_attention(
         q, k, v, ranks, block_sizes, causal, scale, depth_normalize, document_ids)
     if document_ids is None:
         return _mlr_attention(q, k, v, ranks, block_sizes, causal, scale, depth_normalize)
-    if _on_triton(q):
+    if on_triton(q):
         from .triton_general import mlr_attention_triton
 
         return mlr_attention_triton(q, k, v, ranks, sizes, causal, resolved_scale, depth_normalize, document_ids)
@@ -117,7 +117,7 @@ def _mlr_attention(
 ) -> torch.Tensor:
     """One call, without documents, to the backend the dispatch table picks."""
     args = (q, k, v, ranks, block_sizes, causal, scale, depth_normalize)
-    if _on_triton(q):
+    if on_triton(q):
         from .triton_general import mlr_attention_triton
 
         return mlr_attention_triton(*args)
@@ -146,7 +146,7 @@ def mlr_decode(
                               row_starts=row_starts)
     if torch.is_grad_enabled() and any(x.requires_grad for x in (q, v, *keys)):
         return mlr_decode_reference(q, keys, key_starts, v, ranks, scale, depth_normalize, row_starts)
-    if _on_triton(v):
+    if on_triton(v):
         from . import triton_decode
 
         return triton_decode.decode(q, keys, key_starts, v, ranks, scale, depth_normalize, row_starts=row_starts)

@@ -5,7 +5,8 @@ finer level's keys in a ring of its block size (slot ``p`` at ``p % s_l``). The 
 over every slot and adds each finer level's scores from its ring where the ring's slot lies in the
 row's current block (rows are left-padded: row ``b``'s blocks count from ``offsets[b]``), the
 depth likewise for ``depth_normalize``. On the CPU (float32, float64) the C++ decoding kernel reads
-the rings in place (``cpu.decode_static``); elsewhere ATen ops do. A custom op so that
+the rings in place (``cpu.decode_static``), on CUDA the Triton decoding kernel does
+(``triton_decode.decode_static``); elsewhere ATen ops do. A custom op so that
 ``torch.compile`` keeps it whole: a compiled step calls the kernel, or ATen's matrix products,
 instead of generated loops.
 """
@@ -16,8 +17,9 @@ import torch
 
 from . import cpu
 from .contract import grouped_matmul, masked_mix
+from .dispatch import on_triton
 
-__all__ = ["mlr_decode_static"]
+__all__ = ["mlr_decode_static", "prepare_static"]
 
 
 @torch.library.custom_op("sattn::mlr_decode_static", mutates_args=())
@@ -28,6 +30,10 @@ def mlr_decode_static(q: torch.Tensor, keys: list[torch.Tensor], v: torch.Tensor
     ``keys`` (level 1 ``(B, Hk, C, r_1)``, level ``l > 1`` a ring ``(B, Hk, s_l, r_l)``) and ``v``
     ``(B, Hk, C, Dv)``; ``slot`` a 0-d int64 tensor, ``offsets`` ``(B,)`` each row's first real slot.
     Returns ``(B, H, 1, Dv)``."""
+    if on_triton(v):
+        from . import triton_decode
+
+        return triton_decode.decode_static(q, keys, v, slot, offsets, ranks, block_sizes, scale, depth_normalize)
     if q.device.type == "cpu" and v.dtype in (torch.float32, torch.float64) and q.dtype == v.dtype and cpu.available():
         # each row's first slot per level: its padding for level 1, its current block's start after
         blocks = torch.tensor(block_sizes[1:], device=slot.device)
@@ -52,6 +58,16 @@ def mlr_decode_static(q: torch.Tensor, keys: list[torch.Tensor], v: torch.Tensor
     slots = torch.arange(v.shape[2], device=v.device)
     real = (slots[None] >= offsets[:, None]) & (slots[None] <= slot)
     return masked_mix(scores, real, v)
+
+
+def prepare_static(keys: list[torch.Tensor], v: torch.Tensor, ranks: list[int], block_sizes: list[int]) -> None:
+    """Ready what the step will read of these static buffers, eagerly and outside any captured
+    graph: on CUDA, the Triton kernel's device tables (made while a graph is recorded, they would
+    be allocated in its memory pool and outlive it)."""
+    if on_triton(v):
+        from . import triton_decode
+
+        triton_decode.prepare_static(keys, ranks, block_sizes)
 
 
 @mlr_decode_static.register_fake

@@ -11,9 +11,14 @@ so the keys fall into regions of one depth: keys before ``start_2`` read level 1
 and the values only, keys in ``[start_l, start_{l+1})`` also the first ``l - 1`` finer levels. Each
 region is its own loop with the level count a compile-time constant, and the products run on the
 matrix units (the query heads of a group padded to 16 rows). The finer levels live in separate
-buffers of different shapes, so the kernel gets a table of their offsets from level 1's buffer
-and their strides. Everything accumulates in float32. A new token needs no causal mask: every key held is at or
-before it.
+buffers of different shapes, so the kernel gets a table of their offsets from one base pointer
+and their strides. Everything accumulates in float32. A new token needs no causal mask: every key
+held is at or before it.
+
+:func:`decode_static` runs the same kernel against a static cache (``StaticKVCache``): the buffers
+span the context, the last key held is the slot read on the device, a finer level's position ``p``
+sits at ``p % s_l`` of its ring, and each row's block starts follow from its first real slot, so
+nothing is read on the host and a captured CUDA graph replays the step at every position.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import triton
@@ -30,7 +36,7 @@ from ..._checks import require
 from .contract import check_mlr_cache_arguments
 from .triton_common import INTERPRETED, cdiv, device_table, dot, dot_acc, pow2
 
-__all__ = ["decode", "mlr_decode_triton"]
+__all__ = ["decode", "decode_static", "mlr_decode_triton", "prepare_static"]
 
 
 @triton.jit
@@ -81,14 +87,29 @@ def _store_partials(ACC, M, L, pid_bk, split, N_SPLITS, g, g_ok, dv, m_i, l_i, a
 
 
 @triton.jit
+def _row_start(ROW_STARTS, FINE_RING, b, level, last, N_FINE: tl.constexpr, RINGS: tl.constexpr):
+    """Row ``b``'s first key at ``level`` (0: level 1): read from ``ROW_STARTS`` ``(B, N_FINE + 1)``;
+    for a static cache (``RINGS``) derived from its first real slot ``ROW_STARTS[b]`` and the slot
+    ``last``: the start of its current block of the level's size."""
+    if RINGS:
+        first = tl.load(ROW_STARTS + b).to(tl.int32)
+        if level > 0:
+            size = tl.load(FINE_RING + (level - 1))
+            first = first + (last - first) // size * size
+        return first
+    return tl.load(ROW_STARTS + b * (N_FINE + 1) + level).to(tl.int32)
+
+
+@triton.jit
 def _mlr_decode_split_kernel(
-    Q, K0, V, FINE_OFFS, FINE_STRIDES, FINE_STARTS, FINE_QOFF, FINE_RANK, ROW_STARTS, ACC, M, L,
+    Q, K0, KF, V, FINE_OFFS, FINE_STRIDES, FINE_STARTS, FINE_QOFF, FINE_RANK, ROW_STARTS, SLOT, FINE_RING, ACC, M, L,
     end, chunk, qk_scale, N_SPLITS,
     stride_qb, stride_qh, stride_k0b, stride_k0h, stride_vb, stride_vh, stride_vt,
     HK: tl.constexpr, G: tl.constexpr,
     R0: tl.constexpr, DV: tl.constexpr, N_FINE: tl.constexpr, DEPTH_NORMALIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, R0P: tl.constexpr, RFP: tl.constexpr, DVP: tl.constexpr, BLOCK_N: tl.constexpr,
     ALIGN: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, HAS_ROW_STARTS: tl.constexpr,
+    RINGS: tl.constexpr,
 ):
     pid_bk, split, b, hk, g, g_ok, q_rows, d0, q0, k0_rows, v_rows = _program_rows(
         Q, K0, V, stride_qb, stride_qh, stride_k0b, stride_k0h, stride_vb, stride_vh, HK, G, R0, BLOCK_G, R0P)
@@ -96,6 +117,10 @@ def _mlr_decode_split_kernel(
     df = tl.arange(0, RFP)
 
     lo, hi, m_i, l_i, acc = _split_start(split, chunk, end, BLOCK_G, DVP)
+    last = 0
+    if RINGS:  # a static cache: the buffers span the context, the keys held end at the slot on the device
+        last = tl.load(SLOT).to(tl.int32)
+        hi = tl.minimum(hi, last + 1)
     # The held ranges are nested (start_2 <= start_3 <= ...), so the keys fall into regions of one
     # depth: region j, [start of fine level j - 1, start of fine level j), reads level 1 and the
     # first j fine levels, with no per-key test. The per-level tables are read as scalars (uniform
@@ -109,14 +134,14 @@ def _mlr_decode_split_kernel(
         if j > 0:
             bound = tl.load(FINE_STARTS + (j - 1))
             if HAS_ROW_STARTS:
-                bound = tl.maximum(bound, tl.load(ROW_STARTS + b * (N_FINE + 1) + j).to(tl.int32))
+                bound = tl.maximum(bound, _row_start(ROW_STARTS, FINE_RING, b, j, last, N_FINE, RINGS))
             r_lo = tl.maximum(lo, bound)
         elif HAS_ROW_STARTS:
-            r_lo = tl.maximum(lo, tl.load(ROW_STARTS + b * (N_FINE + 1)).to(tl.int32))
+            r_lo = tl.maximum(lo, _row_start(ROW_STARTS, FINE_RING, b, 0, last, N_FINE, RINGS))
         if j < N_FINE:
             bound = tl.load(FINE_STARTS + j)
             if HAS_ROW_STARTS:
-                bound = tl.maximum(bound, tl.load(ROW_STARTS + b * (N_FINE + 1) + j + 1).to(tl.int32))
+                bound = tl.maximum(bound, _row_start(ROW_STARTS, FINE_RING, b, j + 1, last, N_FINE, RINGS))
             r_hi = tl.minimum(hi, bound)
         for n0 in range(r_lo, r_hi, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
@@ -128,7 +153,11 @@ def _mlr_decode_split_kernel(
                 row = tl.multiple_of(tl.load(FINE_OFFS + i) + b * tl.load(FINE_STRIDES + 3 * i)
                                      + hk * tl.load(FINE_STRIDES + 3 * i + 1), ALIGN)
                 step = tl.multiple_of(tl.load(FINE_STRIDES + 3 * i + 2), ALIGN)
-                kl = tl.load(K0 + row + (n - tl.load(FINE_STARTS + i))[:, None] * step + df[None, :],
+                if RINGS:  # position p of a finer level sits at p % (its block size)
+                    at = n % tl.load(FINE_RING + i)
+                else:
+                    at = n - tl.load(FINE_STARTS + i)
+                kl = tl.load(KF + row + at[:, None] * step + df[None, :],
                              mask=n_ok[:, None] & (df[None, :] < rank), other=0.0)
                 ql = tl.load(q_rows[:, None] + tl.load(FINE_QOFF + i) + df[None, :],
                              mask=g_ok[:, None] & (df[None, :] < rank), other=0.0)
@@ -161,12 +190,54 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
-@functools.lru_cache(maxsize=64)
-def _level_tables(r0: int, fine_ranks: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per finer level: its first query dim and its rank (the per-level kernel's tables)."""
-    offsets = tuple(r0 + sum(fine_ranks[:i]) for i in range(len(fine_ranks)))
-    return (device_table(offsets or (0,), torch.int32, device),
-            device_table(fine_ranks or (0,), torch.int32, device))
+class _Tables(NamedTuple):
+    """Where the kernel finds each level: level 1's buffer, the finer levels' base pointer and the
+    device tables of their offsets from it, strides, first held positions, query dims, ranks and
+    (static caches) ring sizes; ``align``, the largest power of two (at most 16 bytes' worth)
+    dividing every offset and stride, tells the compiler how wide its loads may be."""
+
+    k0: torch.Tensor
+    base: torch.Tensor
+    fine: list[torch.Tensor]  # held while the kernel runs: a level copied for alignment lives here
+    offsets: torch.Tensor
+    strides: torch.Tensor
+    starts: torch.Tensor
+    query_dims: torch.Tensor
+    ranks: torch.Tensor
+    rings: torch.Tensor
+    align: int
+
+
+def _tables(keys: Sequence[torch.Tensor], key_starts: Sequence[int], ranks: Sequence[int],
+            rings: Sequence[int] | None) -> _Tables:
+    """The kernel's view of ``keys``. The finer levels are addressed from one pointer: level 1's
+    buffer for a growing cache, the first ring for a static one, whose rings share one allocation
+    (so the offsets depend on shapes alone, and a copied cache reuses the tables). The tables are
+    made once per distinct content (:func:`device_table`) and change only when a level's block
+    ends or a buffer grows."""
+    k0 = keys[0]
+    if k0.shape[2] > 1 and k0.stride(2) != ranks[0]:  # the kernel steps level-1 rows by R0
+        k0 = k0.contiguous()
+    size, device = k0.element_size(), k0.device
+    base = keys[1] if rings is not None and len(keys) > 1 else k0
+    # a level whose address is not a whole number of elements from the base is copied
+    fine = [k if (k.data_ptr() - base.data_ptr()) % size == 0 else k.contiguous() for k in keys[1:]]
+    offsets = tuple((k.data_ptr() - base.data_ptr()) // size for k in fine)
+    strides = tuple(s for k in fine for s in k.stride()[:3])
+    query_dims = tuple(ranks[0] + sum(ranks[1:i]) for i in range(1, len(ranks)))
+    starts = device_table(tuple(key_starts[1:]) or (0,), torch.int32, device)
+    return _Tables(k0, base, fine, device_table(offsets or (0,), torch.int64, device),
+                   device_table(strides or (0, 0, 0), torch.int64, device), starts,
+                   device_table(query_dims or (0,), torch.int32, device),
+                   device_table(tuple(ranks[1:]) or (0,), torch.int32, device),
+                   device_table(tuple(rings) or (1,), torch.int32, device) if rings is not None else starts,
+                   math.gcd(16 // size, *offsets, *strides))
+
+
+def prepare_static(keys: Sequence[torch.Tensor], ranks: Sequence[int], block_sizes: Sequence[int]) -> None:
+    """Make the tables :func:`decode_static` reads for these static buffers now: a table first
+    made while a CUDA graph is recorded would be allocated in the graph's memory pool and outlive it."""
+    _tables(keys, [0] * len(keys), ranks, block_sizes[1:])
 
 
 def mlr_decode_triton(
@@ -231,6 +302,28 @@ def _decode_op(q: torch.Tensor, keys: list[torch.Tensor], key_starts: list[int],
                scale: float, depth_normalize: bool, row_starts: torch.Tensor | None, chunk: int | None, block_n: int,
                num_warps: int, num_stages: int,
                maxnreg: int | None) -> torch.Tensor:
+    return _launch(q, keys, key_starts, v, ranks, scale, depth_normalize, row_starts, chunk, block_n, num_warps,
+                   num_stages, maxnreg)
+
+
+def decode_static(q: torch.Tensor, keys: Sequence[torch.Tensor], v: torch.Tensor, slot: torch.Tensor,
+                  offsets: torch.Tensor, ranks: Sequence[int], block_sizes: Sequence[int], scale: float,
+                  depth_normalize: bool, *, chunk: int | None = None, block_n: int = 128) -> torch.Tensor:
+    """One decoding step against a static cache (see :mod:`.static`): the kernel above with the
+    buffers spanning the context, the keys held ending at ``slot``, level ``l > 1``'s position
+    ``p`` at ``p % block_sizes[l - 1]`` of its ring, and each row's block starts derived from its
+    first real slot ``offsets[b]``, all read on the device: a captured graph replays it for every
+    position. ``chunk`` and ``block_n`` as for :func:`mlr_decode_triton`: the splits cover the
+    context, and those past the slot exit at once."""
+    require(v.dtype in (torch.float32, torch.float16, torch.bfloat16), "v.dtype", "float32, float16 or bfloat16", v.dtype)
+    return _launch(q.to(v.dtype).contiguous(), list(keys), [0] * len(keys), v, list(ranks), float(scale),
+                   depth_normalize, offsets, chunk, block_n, 4, 2, 128, slot=slot, rings=list(block_sizes[1:]))
+
+
+def _launch(q: torch.Tensor, keys: list[torch.Tensor], key_starts: list[int], v: torch.Tensor, ranks: list[int],
+            scale: float, depth_normalize: bool, row_starts: torch.Tensor | None, chunk: int | None, block_n: int,
+            num_warps: int, num_stages: int, maxnreg: int | None, slot: torch.Tensor | None = None,
+            rings: list[int] | None = None) -> torch.Tensor:
     B, H = q.shape[:2]
     Hk, end, Dv = v.shape[1], v.shape[2], v.shape[3]
     device = q.device
@@ -238,40 +331,25 @@ def _decode_op(q: torch.Tensor, keys: list[torch.Tensor], key_starts: list[int],
         per = cdiv(end, max(1, 4 * _multiprocessors(device) // (B * Hk)))
         chunk = cdiv(per, block_n) * block_n
     n_splits = cdiv(end, chunk)
-    k0 = keys[0]
-    if end > 1 and k0.stride(2) != ranks[0]:  # the kernel steps level-1 rows by R0
-        k0 = k0.contiguous()
-    size = k0.element_size()
-    # A view whose address is not a whole number of elements from level 1's is copied.
-    fine = [(k if (k.data_ptr() - k0.data_ptr()) % size == 0 else k.contiguous(), s, r)
-            for k, s, r in zip(keys[1:], key_starts[1:], ranks[1:])]
-    # Offsets in elements from level 1's buffer, so that the kernel addresses every level from one
-    # pointer; ALIGN, the largest power of two (at most 16 bytes' worth) dividing all of them and
-    # the strides, tells the compiler how wide its loads may be.
-    offs = tuple((k.data_ptr() - k0.data_ptr()) // size for k, _, _ in fine)
-    strides = tuple(s for k, _, _ in fine for s in k.stride()[:3])
-    # The tables change only when a level's block ends or a buffer grows.
-    offs_t = device_table(offs or (0,), torch.int64, device)
-    strides_t = device_table(strides or (0, 0, 0), torch.int64, device)
-    starts = device_table(tuple(s for _, s, _ in fine) or (0,), torch.int32, device)
+    t = _tables(keys, key_starts, ranks, rings)
+    k0, size = t.k0, t.k0.element_size()
     part_acc = torch.empty(B, H, n_splits, Dv, dtype=torch.float32, device=device)
     part_m = torch.empty(B, H, n_splits, dtype=torch.float32, device=device)
     part_l = torch.empty_like(part_m)
     G = H // Hk
-    common = dict(HK=Hk, G=G, R0=ranks[0], DV=Dv, N_FINE=len(fine), DEPTH_NORMALIZE=depth_normalize,
+    common = dict(HK=Hk, G=G, R0=ranks[0], DV=Dv, N_FINE=len(ranks) - 1, DEPTH_NORMALIZE=depth_normalize,
                   BLOCK_G=pow2(G, 16), R0P=pow2(ranks[0], 16), DVP=pow2(Dv, 16), BLOCK_N=block_n,
                   PREC="ieee" if v.dtype == torch.float32 else "tf32",
                   UPCAST=INTERPRETED and v.dtype == torch.bfloat16,
                   num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg)
     scalars = (end, chunk, float(scale) / math.log(2.0), n_splits,
                q.stride(0), q.stride(1), k0.stride(0), k0.stride(1), v.stride(0), v.stride(1), v.stride(2))
-    fine_ranks = tuple(ranks[1:])
-    qoff, rank = _level_tables(ranks[0], fine_ranks, device)
-    rows = starts if row_starts is None else row_starts.contiguous()
+    rows = t.starts if row_starts is None else row_starts.contiguous()
     _mlr_decode_split_kernel[(B * Hk, n_splits)](
-        q, k0, v, offs_t, strides_t, starts, qoff, rank, rows, part_acc, part_m, part_l, *scalars,
-        RFP=pow2(max(fine_ranks, default=1), 16), ALIGN=math.gcd(16 // size, *offs, *strides),
-        HAS_ROW_STARTS=row_starts is not None, **common,
+        q, k0, t.base, v, t.offsets, t.strides, t.starts, t.query_dims, t.ranks, rows,
+        t.starts if slot is None else slot, t.rings, part_acc, part_m, part_l, *scalars,
+        RFP=pow2(max(ranks[1:], default=1), 16), ALIGN=t.align,
+        HAS_ROW_STARTS=row_starts is not None, RINGS=slot is not None, **common,
     )
     out = torch.empty(B, H, 1, Dv, dtype=v.dtype, device=device)
     _mlr_decode_merge_kernel[(B * H,)](part_acc, part_m, part_l, out, n_splits, SP=pow2(n_splits),
