@@ -61,7 +61,7 @@ if [[ $step == varlen ]]; then
     done
 fi
 if [[ $step == generate ]]; then
-    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_static_cache.py 2>&1 \
+    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_static_cache.py tests/test_mlr_decode.py 2>&1 \
         | tee "$out/generate-tests.log" | tail -n 5 || status=1
     timeout 360 python3 -m structured_attention.cli.main bench generate --device cuda --dtype bfloat16 \
         --batches 1,16,64 --cache-lens 16368 --compile-mode reduce-overhead --repeats 5 --out "$out/generate" \
