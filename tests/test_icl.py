@@ -216,12 +216,12 @@ def test_the_loss_is_the_squared_error_of_the_y_predictions_over_active_dims():
 def test_training_flops_follow_the_curriculum():
     cfg = load_icl_config(None, [*TINY, "task.points_start=5", "task.points_inc=2", "task.curriculum_every=3"])
     model = build_icl_model(cfg)
-    per_pos = model.training_flops_per_position
+    per_pos = model.training_flops_per_token
     # points 5, 5, 5, 7, 7, 7, 9 ... -> prompts of 9, 13, 17 tokens
     expect = 16 * (3 * 9 * per_pos(9) + 3 * 13 * per_pos(13) + 4 * 17 * per_pos(17))
     assert training_flops(model, cfg, 10) == pytest.approx(expect)
     backbone = model.backbone.forward_flops_per_position(17)
-    assert model.forward_flops_per_position(17) == pytest.approx(4 * 16 + backbone + 16 * 9 / 17)
+    assert model.forward_flops_per_token(17) == pytest.approx(4 * 16 + backbone + 16 * 9 / 17)
     budget = training_flops(model, cfg, 40)
     assert steps_for_budget(model, cfg, budget) == 40
     assert steps_for_budget(model, cfg, budget + 0.4 * 16 * 17 * per_pos(17)) == 40

@@ -4,6 +4,9 @@ problem, with early stopping, the best model kept, and an exact resume."""
 from __future__ import annotations
 
 import json
+import shutil
+import sys
+import types
 
 import numpy as np
 import pytest
@@ -38,6 +41,9 @@ class Linear(nn.Module):
 
     def parameter_fans(self):
         return parameter_fans(self)
+
+    def training_flops_per_token(self, seq_len=None):
+        return 6 * 4
 
 
 class ToyTask(Task):
@@ -111,3 +117,44 @@ def test_resume_continues_exactly_with_early_stopping_state(tmp_path):
     resumed = fit(toy(tmp_path / "part", *args), resume=True)
     assert resumed.losses == full.losses
     assert resumed.best_step == full.best_step and resumed.final == full.final
+
+
+def test_a_resumed_run_continues_its_tensorboard_and_wandb_logs(tmp_path, monkeypatch):
+    """Cut off after its step-10 checkpoint with steps 15 and 20 already logged, a run resumes:
+    TensorBoard purges what came after the checkpoint (purge_step 11) and W&B continues the same
+    run (the id the checkpoint holds), so each step is logged once per run."""
+    writers, runs = [], []
+
+    class SummaryWriter:
+        def __init__(self, log_dir, purge_step=None):
+            writers.append({"purge_step": purge_step, "steps": []})
+
+        def add_scalar(self, name, value, step):
+            if name == "loss":
+                writers[-1]["steps"].append(step)
+
+        def close(self):
+            pass
+
+    class Run:
+        def log(self, record, step):
+            runs[-1]["steps"].append(step)
+
+        def finish(self):
+            pass
+
+    def init(**kwargs):
+        runs.append({**kwargs, "steps": []})
+        return Run()
+
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=SummaryWriter))
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=init))
+    args = ("run.steps=20", "run.tensorboard=true", "run.wandb=true", "run.checkpoint_every=10")
+    fit(toy(tmp_path, *args))
+    shutil.rmtree(tmp_path / "ckpt" / "step-00000020")
+    assert load_checkpoint(tmp_path / "ckpt").state["wandb_id"] == runs[0]["id"]
+    fit(toy(tmp_path, *args), resume=True)
+    assert [w["purge_step"] for w in writers] == [None, 11]
+    assert [w["steps"] for w in writers] == [[5, 10, 15, 20], [15, 20]]
+    assert runs[1]["id"] == runs[0]["id"] and runs[1]["resume"] == "allow"
+    assert [r["steps"] for r in runs] == [[5, 10, 15, 20], [15, 20]]

@@ -27,6 +27,7 @@ from torch import nn
 from .._checks import require
 from ..data.timeseries import Scaler, SeriesData, load_series
 from ..models.forecasting import ForecasterConfig, build_forecaster
+from ..models.protocol import TrainableModel
 from ..models.transformer import TransformerConfig
 from ..training.checkpoint import LoadedCheckpoint, check_compatible, load_checkpoint
 from ..training.config import OptimConfig, RunConfig, config_from_dict, load_config
@@ -226,8 +227,8 @@ class ForecastTask(Task):
     def tokens_per_batch(self) -> int:
         return self.config.run.batch_size * self.config.model.tokens_per_example
 
-    def flops_per_token(self, model: nn.Module) -> float:
-        return model.training_flops_per_token()  # type: ignore[operator]
+    def flops_per_token(self, model: TrainableModel) -> float:
+        return model.training_flops_per_token()
 
     def state(self) -> dict[str, Any]:
         assert self.data is not None

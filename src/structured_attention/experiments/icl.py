@@ -28,6 +28,7 @@ from torch import nn
 from .._checks import require
 from ..data.regression import Curriculum, Prompts, sample_prompts
 from ..models.regression import RegressionTransformer
+from ..models.protocol import TrainableModel
 from ..models.transformer import TransformerConfig
 from ..training.checkpoint import LoadedCheckpoint, check_compatible, load_checkpoint
 from ..training.config import OptimConfig, RunConfig, config_from_dict, load_config
@@ -203,7 +204,7 @@ def error_curves(
 
 def training_flops(model: RegressionTransformer, config: ICLConfig, steps: int) -> float:
     """Training FLOPs of ``steps`` optimizer steps under the curriculum: each step costs
-    ``batch x T x model.training_flops_per_position(T)`` at its prompt length ``T = 2 N_step - 1``
+    ``batch x T x model.training_flops_per_token(T)`` at its prompt length ``T = 2 N_step - 1``
     (global batch = ``batch_size x grad_accum`` on one process)."""
     cur, run = config.task.curriculum, config.run
     per_step_cache: dict[int, float] = {}
@@ -212,7 +213,7 @@ def training_flops(model: RegressionTransformer, config: ICLConfig, steps: int) 
         points = cur.at(step)[1]
         if points not in per_step_cache:
             t = 2 * points - 1
-            per_step_cache[points] = run.batch_size * run.grad_accum * t * model.training_flops_per_position(t)
+            per_step_cache[points] = run.batch_size * run.grad_accum * t * model.training_flops_per_token(t)
         total += per_step_cache[points]
     return total
 
@@ -280,8 +281,8 @@ class ICLTask(Task):
         # at the full prompt length; training_flops() counts the curriculum's shorter prompts exactly
         return self.config.run.batch_size * self.config.task.seq_len
 
-    def flops_per_token(self, model: nn.Module) -> float:
-        return model.training_flops_per_position(self.config.task.seq_len)  # type: ignore[operator]
+    def flops_per_token(self, model: TrainableModel) -> float:
+        return model.training_flops_per_token(self.config.task.seq_len)
 
 
 def train_icl(config: ICLConfig, *, resume: bool = False, stream: TextIO | None = None) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from torch import nn
 from .._checks import require
 from ..data import Corpus, Tokenizer, eval_batches, load_corpus, sample_batch, tokenizer_from_json
 from ..models.gpt import GPT, GPTConfig
+from ..models.protocol import TrainableModel
 from ..models.transformer import TransformerConfig
 from ..training.checkpoint import LoadedCheckpoint, check_compatible, load_checkpoint
 from ..training.config import OptimConfig, RunConfig, config_from_dict, load_config
@@ -190,8 +191,8 @@ class LMTask(Task):
     def tokens_per_batch(self) -> int:
         return self.config.run.batch_size * self.config.run.seq_len
 
-    def flops_per_token(self, model: nn.Module) -> float:
-        return model.training_flops_per_token(self.config.run.seq_len)  # type: ignore[operator]
+    def flops_per_token(self, model: TrainableModel) -> float:
+        return model.training_flops_per_token(self.config.run.seq_len)
 
     def state(self) -> dict[str, Any]:
         assert self.corpus is not None

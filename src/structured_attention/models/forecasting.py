@@ -198,8 +198,12 @@ class _Forecaster(nn.Module, ABC):
         c = self.config
         return self.backbone.forward_flops_per_position(c.n_tokens) + self._io_flops_per_example() / c.tokens_per_example
 
-    def training_flops_per_token(self) -> float:
-        """2 FLOPs per multiply-add, times 3 for forward and backward."""
+    def training_flops_per_token(self, seq_len: int | None = None) -> float:
+        """2 FLOPs per multiply-add, times 3 for forward and backward; the encoder's length is the
+        config's (``seq_len``, if given, must equal it)."""
+        n_tokens = self.config.n_tokens
+        require(seq_len is None or seq_len == n_tokens, "seq_len", f"None or the encoder's {n_tokens} positions",
+                seq_len)
         return 6 * self.forward_flops_per_token()
 
     def parameter_fans(self) -> dict[str, Fan]:

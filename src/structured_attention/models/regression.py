@@ -50,17 +50,18 @@ class RegressionTransformer(nn.Module):
         return predictions if attention_mask is None else predictions * attention_mask.to(predictions.dtype)
 
     # -- accounting ----------------------------------------------------------------------------
-    def forward_flops_per_position(self, seq_len: int) -> float:
+    def forward_flops_per_token(self, seq_len: int | None = None) -> float:
         """Multiply-adds per position of one forward over a ``seq_len``-token prompt: the read-in,
         the backbone (:meth:`Transformer.forward_flops_per_position`) and the read-out, which runs
-        at the ``(seq_len + 1) // 2`` ``x`` tokens only."""
+        at the ``(seq_len + 1) // 2`` ``x`` tokens only (``None``: the context, ``max_seq_len``)."""
+        seq_len = self.config.max_seq_len if seq_len is None else seq_len
         d = self.config.d_model
         read_out = d * ((seq_len + 1) // 2) / seq_len
         return self.n_dims * d + self.backbone.forward_flops_per_position(seq_len) + read_out
 
-    def training_flops_per_position(self, seq_len: int) -> float:
+    def training_flops_per_token(self, seq_len: int | None = None) -> float:
         """Training FLOPs per position: 2 FLOPs per multiply-add, times 3 for forward and backward."""
-        return 6 * self.forward_flops_per_position(seq_len)
+        return 6 * self.forward_flops_per_token(seq_len)
 
     def parameter_fans(self) -> dict[str, Fan]:
         """Fan-in/fan-out of every matrix-like parameter (for muP); see :func:`parameter_fans`."""

@@ -2,7 +2,9 @@
 
 An experiment (language modelling, in-context regression, forecasting) describes itself as a
 :class:`Task` -- its model, its batches, its loss and its validation metrics -- and the loop does
-the rest, nanoGPT style, in one readable function:
+the rest, nanoGPT style: ``_fit`` is the loop itself, a few lines that call the phases of
+``_Training`` in order (set up, restore or begin, ``train_step``, ``report``, ``checkpoint``,
+``finish``), with a typed :class:`BestTracker` for early stopping:
 
 0. claim ``run.out_dir`` (``<out_dir>/run.lock``: host, pid, user), before anything there is
    touched, and release it at exit: a second run on a folder in use stops with one line and
@@ -24,8 +26,9 @@ the rest, nanoGPT style, in one readable function:
    metrics); the best validation loss is tracked, saved to ``<out_dir>/best/`` with
    ``run.keep_best``, and ``run.patience`` evaluations without improvement stop the run early;
    every ``log_every`` steps a progress line on stderr and a JSON line in
-   ``<out_dir>/metrics.jsonl``; every ``checkpoint_every`` steps and at the end a checkpoint in
-   ``<out_dir>/ckpt/`` (rank 0 writes);
+   ``<out_dir>/metrics.jsonl`` (and TensorBoard / W&B with ``run.tensorboard`` / ``run.wandb``,
+   which a resumed run continues without duplicate steps); every ``checkpoint_every`` steps and
+   at the end a checkpoint in ``<out_dir>/ckpt/`` (rank 0 writes);
 6. SIGTERM (a scheduler pre-empting the job) or SIGINT (Ctrl-C) lets the current step finish, saves
    a checkpoint and raises :class:`TrainingInterrupted`; ``--resume`` continues from it exactly.
 """
@@ -37,12 +40,13 @@ import json
 import math
 import os
 import random
+import secrets
 import signal
 import sys
 import threading
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -50,7 +54,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from .._checks import require
 from .._files import claim, release
+from ..models.protocol import TrainableModel
 from .checkpoint import (
     check_compatible,
     checkpoint_verifies,
@@ -70,6 +76,7 @@ from .optim import build_optimizer, lr_at
 RUN_LOCK = "run.lock"
 
 __all__ = [
+    "BestTracker",
     "FitResult",
     "NonFiniteLossError",
     "Task",
@@ -138,7 +145,8 @@ class Task(ABC):
 
     @abstractmethod
     def build_model(self) -> nn.Module:
-        """A fresh model; it must have ``parameter_fans()`` (see ``models.parameter_fans``)."""
+        """A fresh model implementing :class:`~structured_attention.models.TrainableModel`
+        (``parameter_fans()``, ``training_flops_per_token(seq_len)``)."""
 
     def backbone_config(self) -> Any:
         """The model's ``TransformerConfig``, for the memory check before the model is built
@@ -164,8 +172,9 @@ class Task(ABC):
         """Sequence positions in one rank's micro-batch (for tokens/s and FLOPs)."""
 
     @abstractmethod
-    def flops_per_token(self, model: nn.Module) -> float:
-        """Training FLOPs per sequence position (2 per multiply-add, forward and backward)."""
+    def flops_per_token(self, model: TrainableModel) -> float:
+        """Training FLOPs per sequence position (2 per multiply-add, forward and backward): the
+        model's ``training_flops_per_token`` at the task's length."""
 
     def state(self) -> dict[str, Any]:
         """JSON-able extras stored with every checkpoint (a tokenizer, scaling statistics)."""
@@ -279,14 +288,20 @@ class Progress:
 
 
 class MetricsLogger:
-    """``metrics.jsonl`` (one JSON object per line) plus TensorBoard / W&B when enabled."""
+    """``metrics.jsonl`` (one JSON object per line) plus TensorBoard / W&B when enabled.
+
+    A run resumed from its checkpoint at ``resume_step`` continues each log where the checkpoint
+    left it: ``metrics.jsonl`` is rewritten from the checkpoint's records, TensorBoard purges the
+    events of later steps (which the interrupted run logged after its checkpoint), and W&B resumes
+    the run whose id the checkpoint holds (``wandb_id``) instead of starting another."""
 
     def __init__(self, out_dir: Path, run: RunConfig, config: dict[str, Any], history: list[dict[str, Any]],
-                 enabled: bool) -> None:
+                 enabled: bool, resume_step: int | None = None, wandb_id: str | None = None) -> None:
         self.enabled = enabled
         self.records = list(history)
         self.tb = None
         self.wandb = None
+        self.wandb_id = wandb_id
         if not enabled:
             return
         # The optional loggers' packages are checked before anything in out_dir is written.
@@ -308,9 +323,12 @@ class MetricsLogger:
             for r in self.records:
                 f.write(json.dumps(r) + "\n")
         if run.tensorboard:
-            self.tb = SummaryWriter(str(out_dir / "tensorboard"))
+            self.tb = SummaryWriter(str(out_dir / "tensorboard"),
+                                    purge_step=None if resume_step is None else resume_step + 1)
         if run.wandb:
-            self.wandb = wandb.init(project=run.wandb_project, config=config, dir=str(out_dir))
+            self.wandb_id = self.wandb_id or secrets.token_hex(8)
+            self.wandb = wandb.init(project=run.wandb_project, config=config, dir=str(out_dir), id=self.wandb_id,
+                                    resume="allow")
 
     def log(self, record: dict[str, Any]) -> None:
         self.records.append(record)
@@ -397,226 +415,307 @@ def fit(task: Task, *, resume: bool = False, stream: TextIO | None = None) -> Fi
 
 
 def _fit(task: Task, resume: bool, info: DistInfo, stream: TextIO | None) -> FitResult:
-    run: RunConfig = task.config.run
-    optim_cfg: OptimConfig = task.config.optim
-    device = info.device
-    out_dir = Path(run.out_dir)
-    ckpt_dir = out_dir / "ckpt"
-    best_dir = out_dir / "best"
-    say = (lambda msg: print(msg, file=stream if stream is not None else sys.stderr, flush=True)) if info.is_main else (lambda msg: None)
-    seed_everything(run.seed)
-    if device.type == "cuda":
-        torch.set_float32_matmul_precision("high")
-
-    if info.is_main:  # rank 0 first: it may write data caches that the other ranks then read
-        task.setup(info)
-        barrier(info)
-    else:
-        barrier(info)
-        task.setup(info)
-    if task.describe():
-        say(task.describe())
-    check_training_memory(task, run.batch_size, run.max_memory, device)
-    config_dict = config_to_dict(task.config)
-
-    raw_model = task.build_model().to(device)
-    flops_per_token = task.flops_per_token(raw_model)
-    aliases = tied_aliases(raw_model)
-    model = wrap_model(raw_model, info, run.fsdp)
-    optimizer = build_optimizer(raw_model, optim_cfg, fused=device.type == "cuda" and not run.fsdp)
-    tokens_per_step = task.tokens_per_batch() * run.grad_accum * info.world_size
-    n_params = sum(p.numel() for p in raw_model.parameters())
-    say(
-        f"model: {n_params:,} parameters | {flops_per_token / 1e6:.2f} MFLOPs/token (training) | "
-        f"{tokens_per_step:,} tokens/step | device {device}{f' x{info.world_size}' if info.enabled else ''}"
-    )
-
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-
-    start_step, losses, history = 0, [], []
-    tracker = {"best_val_loss": math.inf, "best_step": 0, "best": {}, "bad_evals": 0}
+    """The loop: restore or start, then step, evaluate, checkpoint; then finish."""
+    run = task.config.run
+    t = _Training(task, info, stream)
     if resume:
-        if not ckpt_dir.is_dir():
-            raise FileNotFoundError(f"--resume: no checkpoint folder {str(ckpt_dir)!r} (run.out_dir={run.out_dir!r})")
-        ckpt = load_checkpoint(ckpt_dir)
-        saved_model = ckpt.state["config"].get("model")
-        current_model = config_dict.get("model")
-        if saved_model != current_model:
-            raise ValueError(
-                f"--resume: checkpoint {ckpt.path} is from another architecture ({_model_diff(saved_model or {}, current_model or {})})"
-            )
-        check_compatible(raw_model, ckpt.model_state, str(ckpt.path))
-        set_state_dict(
-            model, optimizer, model_state_dict=ckpt.model_state, optim_state_dict=ckpt.optimizer_state(),
-            options=StateDictOptions(full_state_dict=True),
-        )
-        for group in optimizer.param_groups:  # the state-dict helpers hand betas back as a list
-            group["betas"] = tuple(group["betas"])
-        set_rng_state(ckpt.state["rng"])
-        start_step = ckpt.step
-        losses = list(ckpt.state["losses"])
-        history = list(ckpt.state["metrics"])
-        tracker.update(ckpt.state.get("tracker", {}))
-        say(f"resumed from {ckpt.path} at step {start_step}")
-        if start_step >= run.steps:
-            say(f"checkpoint step {start_step} >= run.steps={run.steps}: nothing to train")
-
-    logger = MetricsLogger(out_dir, run, config_dict, history, enabled=info.is_main)
-    if not resume and info.is_main:
-        # Every check has passed (data, model, optimiser, loggers). A fresh run owns its out_dir:
-        # checkpoints of an earlier run there would otherwise outrank (by step number) the ones
-        # this run writes. Only checkpoints this package wrote are deleted.
-        removed = remove_checkpoints(ckpt_dir) + remove_checkpoints(best_dir)
-        if removed:
-            say(f"fresh run: removed {removed} checkpoint(s) of an earlier run in {out_dir} (use --resume to continue it)")
-    barrier(info)
-    if info.is_main:
-        (out_dir / "config.json").write_text(json.dumps(config_dict, indent=2) + "\n", encoding="utf-8")
-    step_fn_model = torch.compile(model) if run.compile else model
-
-    def save(step: int, root: Path, keep: int) -> Path | None:
-        msd, osd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if not info.is_main:
-            return None
-        state = {
-            "config": config_dict,
-            **task.state(),
-            "rng": get_rng_state(),
-            "data": {"seed": run.seed, "next_step": step},
-            "losses": losses,
-            "metrics": logger.records,
-            "tracker": tracker,
-        }
-        return save_checkpoint(root, step, msd, osd, state, aliases=aliases, keep=keep)
-
-    progress = Progress(run.steps, start_step, stream)
-    t_start = time.perf_counter()
-    tokens_this_run = 0
-    last_ckpt: Path | None = None
-    # A checkpoint is *good* once the step after it gave a finite loss with its weights; the newest
-    # saved one waits in ``untried`` until then (the one resumed from too).
-    good: Path | None = None
-    untried: Path | None = ckpt.path if resume else None
-
-    def stop_nonfinite(what: str) -> NonFiniteLossError:
-        where = "; no checkpoint of this run has given a finite loss yet"
-        if good is not None and checkpoint_verifies(good):
-            where = f"; the last good checkpoint is {good}"
-        return NonFiniteLossError(f"training stopped: {what}{where} (try a lower optim.lr, or optim.grad_clip > 0)")
-
-    final: dict[str, float] = next((dict(r) for r in reversed(history) if "val_loss" in r), {})
-    stopped_early = False
-    done = start_step
-    model.train()
+        t.restore()
+    t.begin(fresh=not resume)
     try:
         with _stop_signals() as signals:
-            for step in range(start_step, run.steps):
-                lr = lr_at(step, run.steps, optim_cfg)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr * group["lr_mult"]
-                loss_sum = torch.zeros((), device=device)
-                for micro in range(run.grad_accum):
-                    t_data = time.perf_counter()
-                    batch = task.batch(step * run.grad_accum + micro, info.rank, info.world_size, device)
-                    progress.data_s += time.perf_counter() - t_data
-                    sync = contextlib.nullcontext()
-                    if info.enabled and not run.fsdp and micro < run.grad_accum - 1:
-                        sync = model.no_sync()  # type: ignore[operator]
-                    with sync:
-                        with autocast_context(run.autocast, device):
-                            loss = task.loss(step_fn_model, batch)
-                        (loss / run.grad_accum).backward()
-                    loss_sum += loss.detach().float()
-                step_loss = float(all_reduce_mean(loss_sum / run.grad_accum, info))
-                if not math.isfinite(step_loss):
-                    raise stop_nonfinite(f"the loss is {step_loss} at step {step + 1}")
-                if untried is not None:
-                    good, untried = untried, None
-                if optim_cfg.grad_clip > 0:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), optim_cfg.grad_clip)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-
+            for step in range(t.start_step, run.steps):
+                loss, lr = t.train_step(step)
                 done = step + 1
-                losses.append(step_loss)
-                tokens_this_run += tokens_per_step
-                do_eval = done == run.steps or (run.eval_every > 0 and done % run.eval_every == 0)
-                improved = False
-                if do_eval or done % run.log_every == 0:
-                    tokens = done * tokens_per_step
-                    timing = progress.window(tokens_this_run, done)
-                    record: dict[str, Any] = {
-                        "step": done, "loss": step_loss, "lr": lr, "tokens": tokens, "flops": tokens * flops_per_token,
-                        **timing, "elapsed_s": time.perf_counter() - t_start, "rss_mib": resident_mib(),
-                    }
-                    extra = ""
-                    if do_eval:
-                        metrics = _evaluate(task, model, device, run.autocast)
-                        record.update(metrics)
-                        final = record
-                        extra = _format_metrics(metrics)
-                        if metrics["val_loss"] < tracker["best_val_loss"]:
-                            improved = True
-                            tracker.update(best_val_loss=metrics["val_loss"], best_step=done, best=metrics, bad_evals=0)
-                        else:
-                            tracker["bad_evals"] += 1
-                    logger.log(record)
-                    if info.is_main:
-                        progress.line(done, step_loss, lr, timing["tokens_per_s"], extra)
-                    progress.mark()
-                if improved and run.keep_best and _finite_weights(model, info):
-                    save(done, best_dir, keep=1)
-                early = run.patience > 0 and tracker["bad_evals"] >= run.patience
-                if early:
-                    stopped_early = True
-                    say(f"early stop at step {done}: no better val loss in {run.patience} evaluations "
-                        f"(best {tracker['best_val_loss']:.4f} at step {tracker['best_step']})")
+                improved = t.report(done, loss, lr)
+                if improved and run.keep_best and _finite_weights(t.model, info):
+                    t.save(t.best_dir, keep=1)
+                t.stopped_early = t.tracker.exhausted(run.patience)
                 interrupt = _agreed_signal(signals["signal"], info)
-                if interrupt or early or done == run.steps or (run.checkpoint_every > 0 and done % run.checkpoint_every == 0):
-                    if not _finite_weights(model, info):
-                        raise stop_nonfinite(f"the weights are not finite after step {done} (its loss was finite)")
-                    last_ckpt = save(done, ckpt_dir, keep=2) or last_ckpt
-                    untried = last_ckpt
+                if interrupt or t.stopped_early or done == run.steps or _every(done, run.checkpoint_every):
+                    t.checkpoint()
                 if interrupt:
-                    name = signal.Signals(interrupt).name
                     raise TrainingInterrupted(
-                        f"{name} received: stopped after step {done} with a checkpoint in {last_ckpt or ckpt_dir} "
-                        f"(continue with --resume)", interrupt)
-                if early:
+                        f"{signal.Signals(interrupt).name} received: stopped after step {done} with a checkpoint in "
+                        f"{t.last_ckpt or t.ckpt_dir} (continue with --resume)", interrupt)
+                if t.stopped_early:
+                    t.say(f"early stop at step {done}: no better val loss in {run.patience} evaluations "
+                          f"(best {t.tracker.best_val_loss:.4f} at step {t.tracker.best_step})")
                     break
     finally:  # TensorBoard / W&B writers are closed however training ends
-        logger.close()
-    wall = time.perf_counter() - t_start
+        t.logger.close()
+    return t.finish()
 
-    if start_step >= run.steps or not final:  # nothing trained: still report the validation metrics
-        final = {"step": done, **_evaluate(task, model, device, run.autocast)}
 
-    trained = raw_model
-    if run.fsdp and info.enabled:  # gather the full weights (a collective) into a fresh model on rank 0
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+def _every(step: int, period: int) -> bool:
+    return period > 0 and step % period == 0
 
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        trained = None
-        if info.is_main:
-            trained = task.build_model()
-            trained.load_state_dict(full)
-            trained = trained.to(device)
-    metric_keys = [k for k in final if k not in ("step", "loss", "lr", "tokens", "flops", "tokens_per_s", "step_s",
-                                                 "data_s", "elapsed_s", "rss_mib")]
-    return FitResult(
-        steps=done,
-        losses=losses,
-        final={k: final[k] for k in metric_keys},
-        best=dict(tracker["best"]) or {k: final[k] for k in metric_keys},
-        best_step=tracker["best_step"] or done,
-        stopped_early=stopped_early,
-        tokens=done * tokens_per_step,
-        flops=done * tokens_per_step * flops_per_token,
-        wall_s=wall,
-        out_dir=str(out_dir),
-        checkpoint=str(last_ckpt) if last_ckpt else None,
-        config=config_dict,
-        rank=info.rank,
-        world_size=info.world_size,
-        model=trained if info.is_main else None,
-    )
+
+@dataclass
+class BestTracker:
+    """The lowest validation loss so far, its step and metrics, and the evaluations since it last
+    improved (``run.patience`` of them stop the run); checkpoints store it as ``tracker``."""
+
+    best_val_loss: float = math.inf
+    best_step: int = 0
+    best: dict[str, float] = field(default_factory=dict)
+    bad_evals: int = 0
+
+    def update(self, step: int, metrics: dict[str, float]) -> bool:
+        """Take one evaluation's metrics; whether they improve on the best."""
+        if metrics["val_loss"] < self.best_val_loss:
+            self.best_val_loss, self.best_step, self.best, self.bad_evals = metrics["val_loss"], step, metrics, 0
+            return True
+        self.bad_evals += 1
+        return False
+
+    def exhausted(self, patience: int) -> bool:
+        """Whether ``patience`` evaluations (0: never) have passed without improvement."""
+        return patience > 0 and self.bad_evals >= patience
+
+
+class _Training:
+    """One run's state and the phases :func:`_fit` calls: set up (data, model, optimiser), restore
+    or begin, train a step, report (log and evaluate), checkpoint, finish."""
+
+    def __init__(self, task: Task, info: DistInfo, stream: TextIO | None) -> None:
+        self.task, self.info, self.stream = task, info, stream
+        self.run: RunConfig = task.config.run
+        self.optim_cfg: OptimConfig = task.config.optim
+        self.device = info.device
+        self.out_dir = Path(self.run.out_dir)
+        self.ckpt_dir, self.best_dir = self.out_dir / "ckpt", self.out_dir / "best"
+        seed_everything(self.run.seed)
+        if self.device.type == "cuda":
+            torch.set_float32_matmul_precision("high")
+        if info.is_main:  # rank 0 first: it may write data caches that the other ranks then read
+            task.setup(info)
+            barrier(info)
+        else:
+            barrier(info)
+            task.setup(info)
+        if task.describe():
+            self.say(task.describe())
+        check_training_memory(task, self.run.batch_size, self.run.max_memory, self.device)
+        self.config = config_to_dict(task.config)
+
+        self.raw_model = task.build_model().to(self.device)
+        require(isinstance(self.raw_model, TrainableModel), "build_model()",
+                "a model with parameter_fans() and training_flops_per_token(seq_len) (models.TrainableModel)",
+                type(self.raw_model).__name__)
+        self.flops_per_token = task.flops_per_token(self.raw_model)
+        self.aliases = tied_aliases(self.raw_model)
+        self.model = wrap_model(self.raw_model, info, self.run.fsdp)
+        self.step_model = self.model  # compiled in begin() once the weights are in place
+        self.optimizer = build_optimizer(self.raw_model, self.optim_cfg,
+                                         fused=self.device.type == "cuda" and not self.run.fsdp)
+        self.tokens_per_step = task.tokens_per_batch() * self.run.grad_accum * info.world_size
+        n_params = sum(p.numel() for p in self.raw_model.parameters())
+        self.say(f"model: {n_params:,} parameters | {self.flops_per_token / 1e6:.2f} MFLOPs/token (training) | "
+                 f"{self.tokens_per_step:,} tokens/step | device {self.device}"
+                 f"{f' x{info.world_size}' if info.enabled else ''}")
+
+        self.start_step = self.done = 0
+        self.losses: list[float] = []
+        self.history: list[dict[str, Any]] = []
+        self.tracker = BestTracker()
+        self.final: dict[str, Any] = {}
+        self.stopped_early = False
+        self.wandb_id: str | None = None
+        self.last_ckpt: Path | None = None
+        # A checkpoint is *good* once the step after it gave a finite loss with its weights; the
+        # newest saved one waits in ``untried`` until then (the one resumed from too).
+        self.good: Path | None = None
+        self.untried: Path | None = None
+
+    def say(self, msg: str) -> None:
+        if self.info.is_main:
+            print(msg, file=self.stream if self.stream is not None else sys.stderr, flush=True)
+
+    def restore(self) -> None:
+        """Continue from the newest valid checkpoint: weights, optimiser, random state, losses,
+        metrics and the best-tracker; its model config must equal this one's."""
+        if not self.ckpt_dir.is_dir():
+            raise FileNotFoundError(f"--resume: no checkpoint folder {str(self.ckpt_dir)!r} "
+                                    f"(run.out_dir={self.run.out_dir!r})")
+        ckpt = load_checkpoint(self.ckpt_dir)
+        saved_model, current_model = ckpt.state["config"].get("model"), self.config.get("model")
+        if saved_model != current_model:
+            raise ValueError(f"--resume: checkpoint {ckpt.path} is from another architecture "
+                             f"({_model_diff(saved_model or {}, current_model or {})})")
+        check_compatible(self.raw_model, ckpt.model_state, str(ckpt.path))
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        set_state_dict(self.model, self.optimizer, model_state_dict=ckpt.model_state,
+                       optim_state_dict=ckpt.optimizer_state(), options=StateDictOptions(full_state_dict=True))
+        for group in self.optimizer.param_groups:  # the state-dict helpers hand betas back as a list
+            group["betas"] = tuple(group["betas"])
+        set_rng_state(ckpt.state["rng"])
+        self.start_step = self.done = ckpt.step
+        self.losses = list(ckpt.state["losses"])
+        self.history = list(ckpt.state["metrics"])
+        saved = ckpt.state.get("tracker", {})
+        self.tracker = BestTracker(**{k: saved[k] for k in ("best_val_loss", "best_step", "best", "bad_evals")
+                                      if k in saved})
+        self.wandb_id = ckpt.state.get("wandb_id")
+        self.untried = ckpt.path
+        self.final = next((dict(r) for r in reversed(self.history) if "val_loss" in r), {})
+        self.say(f"resumed from {ckpt.path} at step {self.start_step}")
+        if self.start_step >= self.run.steps:
+            self.say(f"checkpoint step {self.start_step} >= run.steps={self.run.steps}: nothing to train")
+
+    def begin(self, fresh: bool) -> None:
+        """Open the logs (a resumed run's continue where its checkpoint left them) and, for a fresh
+        run, take over ``out_dir``: every check has passed by now (data, model, optimiser,
+        loggers), so an earlier run's checkpoints there, which would otherwise outrank this run's
+        by step number, are removed (only checkpoints this package wrote)."""
+        self.logger = MetricsLogger(self.out_dir, self.run, self.config, self.history, enabled=self.info.is_main,
+                                    resume_step=None if fresh else self.start_step, wandb_id=self.wandb_id)
+        if fresh and self.info.is_main:
+            removed = remove_checkpoints(self.ckpt_dir) + remove_checkpoints(self.best_dir)
+            if removed:
+                self.say(f"fresh run: removed {removed} checkpoint(s) of an earlier run in {self.out_dir} "
+                         f"(use --resume to continue it)")
+        barrier(self.info)
+        if self.info.is_main:
+            (self.out_dir / "config.json").write_text(json.dumps(self.config, indent=2) + "\n", encoding="utf-8")
+        if self.run.compile:
+            self.step_model = torch.compile(self.model)
+        self.progress = Progress(self.run.steps, self.start_step, self.stream)
+        self.t_start = time.perf_counter()
+        self.tokens_this_run = 0
+        self.model.train()
+
+    def train_step(self, step: int) -> tuple[float, float]:
+        """One optimiser step (0-based ``step``) over ``grad_accum`` micro-batches: its loss
+        (averaged over ranks) and learning rate. A non-finite loss stops before the update."""
+        run, info = self.run, self.info
+        lr = lr_at(step, run.steps, self.optim_cfg)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr * group["lr_mult"]
+        loss_sum = torch.zeros((), device=self.device)
+        for micro in range(run.grad_accum):
+            t_data = time.perf_counter()
+            batch = self.task.batch(step * run.grad_accum + micro, info.rank, info.world_size, self.device)
+            self.progress.data_s += time.perf_counter() - t_data
+            sync = contextlib.nullcontext()
+            if info.enabled and not run.fsdp and micro < run.grad_accum - 1:
+                sync = self.model.no_sync()  # type: ignore[operator]
+            with sync:
+                with autocast_context(run.autocast, self.device):
+                    loss = self.task.loss(self.step_model, batch)
+                (loss / run.grad_accum).backward()
+            loss_sum += loss.detach().float()
+        step_loss = float(all_reduce_mean(loss_sum / run.grad_accum, info))
+        if not math.isfinite(step_loss):
+            raise self._nonfinite(f"the loss is {step_loss} at step {step + 1}")
+        if self.untried is not None:
+            self.good, self.untried = self.untried, None
+        if self.optim_cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim_cfg.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.done = step + 1
+        self.losses.append(step_loss)
+        self.tokens_this_run += self.tokens_per_step
+        return step_loss, lr
+
+    def report(self, done: int, loss: float, lr: float) -> bool:
+        """Every ``log_every`` steps a metrics record and a progress line; every ``eval_every``
+        steps and at the end an evaluation too. Whether the validation loss improved on the best."""
+        run = self.run
+        evaluate = done == run.steps or _every(done, run.eval_every)
+        if not evaluate and done % run.log_every:
+            return False
+        tokens = done * self.tokens_per_step
+        timing = self.progress.window(self.tokens_this_run, done)
+        record: dict[str, Any] = {
+            "step": done, "loss": loss, "lr": lr, "tokens": tokens, "flops": tokens * self.flops_per_token,
+            **timing, "elapsed_s": time.perf_counter() - self.t_start, "rss_mib": resident_mib(),
+        }
+        improved, extra = False, ""
+        if evaluate:
+            metrics = _evaluate(self.task, self.model, self.device, run.autocast)
+            record.update(metrics)
+            self.final = record
+            extra = _format_metrics(metrics)
+            improved = self.tracker.update(done, metrics)
+        self.logger.log(record)
+        if self.info.is_main:
+            self.progress.line(done, loss, lr, timing["tokens_per_s"], extra)
+        self.progress.mark()
+        return improved
+
+    def save(self, root: Path, keep: int) -> Path | None:
+        """A checkpoint of the last finished step in ``root`` (rank 0 writes; every rank gathers)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        msd, osd = get_state_dict(self.model, self.optimizer,
+                                  options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if not self.info.is_main:
+            return None
+        state = {
+            "config": self.config,
+            **self.task.state(),
+            "rng": get_rng_state(),
+            "data": {"seed": self.run.seed, "next_step": self.done},
+            "losses": self.losses,
+            "metrics": self.logger.records,
+            "tracker": asdict(self.tracker),
+            **({"wandb_id": self.logger.wandb_id} if self.logger.wandb_id else {}),
+        }
+        return save_checkpoint(root, self.done, msd, osd, state, aliases=self.aliases, keep=keep)
+
+    def checkpoint(self) -> None:
+        """The run's checkpoint of the last finished step, in ``ckpt/`` (two kept); never one of
+        non-finite weights."""
+        if not _finite_weights(self.model, self.info):
+            raise self._nonfinite(f"the weights are not finite after step {self.done} (its loss was finite)")
+        self.last_ckpt = self.save(self.ckpt_dir, keep=2) or self.last_ckpt
+        self.untried = self.last_ckpt
+
+    def _nonfinite(self, what: str) -> NonFiniteLossError:
+        where = "; no checkpoint of this run has given a finite loss yet"
+        if self.good is not None and checkpoint_verifies(self.good):
+            where = f"; the last good checkpoint is {self.good}"
+        return NonFiniteLossError(f"training stopped: {what}{where} (try a lower optim.lr, or optim.grad_clip > 0)")
+
+    def finish(self) -> FitResult:
+        """The result: final and best metrics (an evaluation now if nothing was trained), counts,
+        and the trained model (gathered in full on rank 0 under FSDP)."""
+        wall = time.perf_counter() - self.t_start
+        run, info = self.run, self.info
+        final = self.final
+        if self.start_step >= run.steps or not final:  # nothing trained: still report the validation metrics
+            final = {"step": self.done, **_evaluate(self.task, self.model, self.device, run.autocast)}
+        trained = self.raw_model
+        if run.fsdp and info.enabled:  # gather the full weights (a collective) into a fresh model on rank 0
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            full = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            trained = None
+            if info.is_main:
+                trained = self.task.build_model()
+                trained.load_state_dict(full)
+                trained = trained.to(self.device)
+        metrics = {k: v for k, v in final.items() if k not in _RECORD_KEYS}
+        return FitResult(
+            steps=self.done,
+            losses=self.losses,
+            final=metrics,
+            best=dict(self.tracker.best) or metrics,
+            best_step=self.tracker.best_step or self.done,
+            stopped_early=self.stopped_early,
+            tokens=self.done * self.tokens_per_step,
+            flops=self.done * self.tokens_per_step * self.flops_per_token,
+            wall_s=wall,
+            out_dir=str(self.out_dir),
+            checkpoint=str(self.last_ckpt) if self.last_ckpt else None,
+            config=self.config,
+            rank=info.rank,
+            world_size=info.world_size,
+            model=trained if info.is_main else None,
+        )
+
+
+# the keys of a metrics record that are not the task's metrics
+_RECORD_KEYS = ("step", "loss", "lr", "tokens", "flops", "tokens_per_s", "step_s", "data_s", "elapsed_s", "rss_mib")

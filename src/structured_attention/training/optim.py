@@ -8,6 +8,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._checks import require
+from ..matrices.base import Fan
+from ..models.protocol import TrainableModel
 from .config import OptimConfig
 
 __all__ = ["build_optimizer", "lr_at", "mup_lr_multipliers", "param_groups"]
@@ -41,7 +44,7 @@ def mup_lr_multipliers(model: nn.Module, base_width: int) -> dict[str, float]:
     projection, whose fan-in is ``mlp_ratio * d_model``) is part of the rule and the same at every
     width, so a learning rate tuned at one width applies at the others.
     """
-    fans = model.parameter_fans()  # type: ignore[operator]
+    fans = _declared_fans(model)
     embeddings = _embedding_param_ids(model)
     out = {}
     for name, p in model.named_parameters():
@@ -52,11 +55,17 @@ def mup_lr_multipliers(model: nn.Module, base_width: int) -> dict[str, float]:
     return out
 
 
+def _declared_fans(model: nn.Module) -> dict[str, Fan]:
+    require(isinstance(model, TrainableModel), "model", "a model with parameter_fans() (models.TrainableModel)",
+            type(model).__name__)
+    return model.parameter_fans()
+
+
 def param_groups(model: nn.Module, config: OptimConfig) -> list[dict[str, Any]]:
     """AdamW groups: decoupled weight decay on matrix-like parameters only (those in
     ``model.parameter_fans()`` that are not embedding tables); none on norms, biases, scales and
     embeddings. Each group carries ``lr_mult`` (muP, else 1) and the sorted ``names`` it holds."""
-    fans = model.parameter_fans()  # type: ignore[operator]
+    fans = _declared_fans(model)
     embeddings = _embedding_param_ids(model)
     mults = mup_lr_multipliers(model, config.mup_base_width) if config.mup else {}
     groups: dict[tuple[bool, float], dict[str, Any]] = {}
