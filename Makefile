@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/sattn train lm --config configs/lm-default.yaml
+	$(VENV)/bin/sattn train lm --config lm-default
 
 test: $(STAMP)
 	$(PY) -m pytest -n $(TEST_WORKERS)

@@ -69,6 +69,9 @@ assert repo not in package.parents, f"structured_attention was imported from the
 source = package / "ops" / "mlr" / "cpu_kernel.cpp"
 assert source.is_file(), f"the wheel did not install {source}"
 assert (package / "py.typed").is_file(), "the wheel did not install py.typed"
+from structured_attention.training.config import load_config
+from structured_attention.experiments.lm import LMConfig
+assert load_config(LMConfig, "lm-default").run.out_dir == "runs/lm-default", "the shipped config lm-default"
 assert cpu_build._SOURCE.resolve() == source, cpu_build._SOURCE
 assert cpu.available(), "the C++ kernel did not build from the installed wheel"
 assert cpu_build._module is not None

@@ -39,3 +39,24 @@ def test_bad_input_exits_nonzero_with_one_line(args, needle):
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0] and "Traceback" not in proc.stderr
+
+
+def test_train_prints_its_config_and_help_lists_every_key(tmp_path, capsys):
+    """--print-config prints the config the arguments make (a shipped config by name plus
+    overrides) as YAML and trains nothing; --help lists each experiment's keys with defaults."""
+    import yaml
+
+    from structured_attention.experiments.lm import load_lm_config
+    from structured_attention.training.config import config_to_dict
+
+    out_dir = tmp_path / "run"
+    args = ["--config", "lm-default", "optim.lr=0.002", f"run.out_dir={out_dir}", "--print-config"]
+    assert main(["train", "lm", *args]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed == config_to_dict(load_lm_config("lm-default", ["optim.lr=0.002", f"run.out_dir={out_dir}"]))
+    assert printed["optim"]["lr"] == 0.002 and not out_dir.exists()
+    for experiment, line in [("lm", "run.seq_len"), ("icl", "task.n_dims"), ("ts", "data.horizon")]:
+        with pytest.raises(SystemExit):
+            main(["train", experiment, "--help"])
+        help_text = capsys.readouterr().out
+        assert any(row.split()[:1] == [line] and ", default " in row for row in help_text.splitlines())

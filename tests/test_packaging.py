@@ -44,6 +44,8 @@ def test_the_wheel_ships_the_kernel_source_and_py_typed(wheel):
         names = set(z.namelist())
         source = z.read("structured_attention/ops/mlr/cpu_kernel.cpp")
     assert "structured_attention/py.typed" in names
+    shipped = sorted(p.name for p in (ROOT / "src/structured_attention/configs").glob("*.yaml"))
+    assert shipped and {f"structured_attention/configs/{name}" for name in shipped} <= names
     assert source == (ROOT / "src/structured_attention/ops/mlr/cpu_kernel.cpp").read_bytes()
     assert not any("__pycache__" in n or n.endswith(".so") for n in names)
 

@@ -120,12 +120,24 @@ def test_a_yaml_alias_bomb_is_refused_quickly(tmp_path):
         load_lm_config(f)
 
 
-def test_shipped_configs_load():
-    from pathlib import Path
+def test_shipped_configs_load_by_name(tmp_path):
+    """Every shipped config loads by name with its experiment's loader; a path still works; an
+    unknown name is one line listing the shipped ones."""
+    from structured_attention.configs import shipped_configs
+    from structured_attention.experiments.forecasting import load_ts_config
+    from structured_attention.experiments.icl import load_icl_config
 
-    root = Path(__file__).resolve().parents[1] / "configs"
-    for name in ("lm-default.yaml", "lm-cpu-sweep.yaml"):
-        load_lm_config(root / name)
+    loaders = {"lm": load_lm_config, "icl": load_icl_config, "ts": load_ts_config}
+    names = shipped_configs()
+    assert {"lm-default", "lm-cpu-sweep", "icl-d16", "ts-patch"} <= set(names)
+    for name in names:
+        loaders[name.split("-")[0]](name)
+    assert load_lm_config("lm-default", ["run.steps=7"]).run.steps == 7
+    f = tmp_path / "lm-default"  # a file of that name is read as the file
+    f.write_text("run: {steps: 3}\n")
+    assert load_lm_config(f).run.steps == 3
+    with pytest.raises(FileNotFoundError, match=r"^config: expected a YAML file or a shipped config \(icl-d16, "):
+        load_lm_config("lm-defualt")
 
 
 # -- optimizer -----------------------------------------------------------------------------------------

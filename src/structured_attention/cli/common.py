@@ -153,13 +153,36 @@ def bench_environment(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def add_train_parser(train: argparse._SubParsersAction, name: str, help: str, description: str,
-                     run: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
-    """``sattn train <name> [--config FILE] [--resume] [section.key=value ...]``."""
-    t = train.add_parser(name, help=help, description=description)
-    t.add_argument("--config", default=None, help="YAML config file (default: built-in defaults)")
+                     run: Callable[[argparse.Namespace], int], config_cls: type) -> argparse.ArgumentParser:
+    """``sattn train <name> [--config FILE_OR_NAME] [--resume] [--print-config] [section.key=value ...]``;
+    ``--help`` lists ``config_cls``'s keys with their types and defaults."""
+    from ..configs import shipped_configs
+    from ..training.config import config_keys
+
+    width = max(len(key) for key, _, _ in config_keys(config_cls))
+    keys = "\n".join(f"  {key:<{width}}  {kind}, default {default!r}" for key, kind, default in config_keys(config_cls))
+    t = train.add_parser(name, help=help, description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
+                         epilog=f"config keys (section.key=value):\n{keys}")
+    shipped = ", ".join(c for c in shipped_configs() if c.startswith(f"{name}-"))
+    t.add_argument("--config", default=None,
+                   help=f"YAML config: a file, or a shipped config by name ({shipped}); default: the built-in defaults")
     t.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
     t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in run.out_dir/ckpt")
-    t.set_defaults(run=run)
+    t.add_argument("--print-config", action="store_true",
+                   help="print the config these arguments make, as YAML, and exit without training")
+
+    def train_or_print(args: argparse.Namespace) -> int:
+        if not args.print_config:
+            return run(args)
+        import yaml
+
+        from ..training.config import config_to_dict, load_config
+
+        print(yaml.safe_dump(config_to_dict(load_config(config_cls, args.config, args.overrides)), sort_keys=False),
+              end="")
+        return 0
+
+    t.set_defaults(run=train_or_print)
     return t
 
 
@@ -168,7 +191,8 @@ def add_sweep_parser(sweep: argparse._SubParsersAction, name: str, help: str, ou
     """``sattn sweep <name> [--config FILE] [--out DIR] [--dry-run] [section.key=value ...]``; the
     experiment adds its grid's own flags to the returned parser."""
     s = sweep.add_parser(name, help=help)
-    s.add_argument("--config", default=None, help="base YAML config (default: built-in defaults)")
+    s.add_argument("--config", default=None,
+                   help="base YAML config: a file or a shipped config's name (default: built-in defaults)")
     s.add_argument("--out", default=out, help=f"sweep folder (default {out})")
     s.add_argument("--dry-run", action="store_true", help="print the planned runs and exit")
     s.add_argument("overrides", nargs="*", help="section.key=value overrides of the base config")

@@ -30,6 +30,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from ..experiments.icl import ICLConfig
 from ..training.checkpoint import LoadedCheckpoint
 from .common import add_sweep_parser, add_train_parser, best_per_kind_width, markdown_cell, number_list, one_line_warnings, print_plan, pyplot, run_grid, slug
 
@@ -41,7 +42,7 @@ def add_parsers(top: argparse._SubParsersAction, train: argparse._SubParsersActi
     add_train_parser(train, "icl", "train an in-context linear regression model",
                      "Train a causal transformer on in-context linear regression from a YAML config plus "
                      "section.key=value overrides, e.g. task.n_dims=16 model.attention=bilinear_btt:1 model.d_model=32.",
-                     run_train_icl)
+                     run_train_icl, ICLConfig)
 
     s = add_sweep_parser(sweep, "icl", "widths x attention kinds x learning rates at matched training FLOPs",
                          "runs/sweep-icl", run_sweep)

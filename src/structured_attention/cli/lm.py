@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..experiments.lm import LMConfig
 from ..models.gpt import GPT
 from ..training.checkpoint import LoadedCheckpoint
 from .common import add_sweep_parser, add_train_parser, best_per_kind_width, markdown_cell, number_list, one_line_warnings, parse_device, print_plan, pyplot, run_grid, slug
@@ -39,7 +40,7 @@ def add_parsers(top: argparse._SubParsersAction, train: argparse._SubParsersActi
                 sweep: argparse._SubParsersAction) -> None:
     add_train_parser(train, "lm", "train a GPT language model",
                      "Train a GPT language model from a YAML config plus section.key=value overrides, "
-                     "e.g. model.attention=mlr:16|16|16|16 optim.lr=3e-3 run.steps=2000.", run_train_lm)
+                     "e.g. model.attention=mlr:16|16|16|16 optim.lr=3e-3 run.steps=2000.", run_train_lm, LMConfig)
 
     g = top.add_parser("generate", help="sample text from a language-model checkpoint, streamed to stdout")
     g.add_argument("--checkpoint", required=True, help="checkpoint folder, its ckpt/ folder or the run's out_dir")

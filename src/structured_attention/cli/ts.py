@@ -28,6 +28,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from ..experiments.forecasting import TSConfig
 from ..training.checkpoint import LoadedCheckpoint
 from .common import add_sweep_parser, add_train_parser, markdown_cell, number_list, one_line_warnings, print_plan, pyplot, run_grid, slug
 
@@ -45,7 +46,7 @@ def add_parsers(top: argparse._SubParsersAction, train: argparse._SubParsersActi
                 sweep: argparse._SubParsersAction) -> None:
     add_train_parser(train, "ts", "train a forecaster (ETT or any CSV) and report test MSE/MAE",
                      "Train a point-token or patch forecaster from a YAML config plus section.key=value "
-                     "overrides, e.g. data.source=ETTh1.csv data.horizon=336 model.attention=mlr:8|4|4.", run_train_ts)
+                     "overrides, e.g. data.source=ETTh1.csv data.horizon=336 model.attention=mlr:8|4|4.", run_train_ts, TSConfig)
 
     s = add_sweep_parser(sweep, "ts", "horizons x attention kinds x seeds; test MSE/MAE of each", "runs/sweep-ts", run_sweep)
     s.add_argument("--horizons", default="96,192,336,720", help="comma-separated horizons (default 96,192,336,720)")

@@ -152,12 +152,13 @@ def config_from_dict(cls: type[C], d: dict[str, Any] | None, overrides: list[str
 
 
 def load_config(cls: type[C], path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> C:
-    """Read a YAML config file (``None``: all defaults) into ``cls`` and apply ``section.key=value`` overrides."""
+    """Read a YAML config (a file, or a shipped config's name such as ``lm-default``; ``None``: all
+    defaults) into ``cls`` and apply ``section.key=value`` overrides."""
     d: Any = {}
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise FileNotFoundError(f"config: no such file: {str(p)!r}")
+        from ..configs import find_config
+
+        p = find_config(path)
         import yaml
 
         try:
@@ -194,6 +195,18 @@ def _check_size(d: Any, path: str) -> None:
 def apply_overrides(config: C, overrides: list[str] | tuple[str, ...]) -> C:
     """``config`` with ``section.key=value`` overrides applied."""
     return config_from_dict(type(config), config_to_dict(config), overrides)
+
+
+def config_keys(cls: type) -> list[tuple[str, str, Any]]:
+    """Every ``section.key`` of config class ``cls`` with its type (as written in the dataclass)
+    and default value, in declaration order (what ``sattn train <name> --help`` lists)."""
+    defaults = cls()
+    keys = []
+    for section, section_cls in _sections(cls).items():
+        values = getattr(defaults, section)
+        for f in dataclasses.fields(section_cls):
+            keys.append((f"{section}.{f.name}", str(f.type), getattr(values, f.name)))
+    return keys
 
 
 def config_to_dict(config: Any) -> dict[str, Any]:
