@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from unittest import mock
 
 import pytest
 import torch
@@ -118,9 +119,22 @@ def test_sweep_matches_training_flops_and_plots(capsys, tmp_path):
         assert len(flops) == r["steps"] // 3 and list(flops) == sorted(flops) and flops[-1] == pytest.approx(r["flops"])
         assert mse[-1] == pytest.approx(r["mse_last"])
     capsys.readouterr()
-    assert main(["plot", str(tmp_path), "--out", str(tmp_path / "plots")]) == 0
+    from matplotlib.figure import Figure
+
+    figures, save = [], Figure.savefig
+    with mock.patch.object(Figure, "savefig", lambda fig, *a, **k: (figures.append(fig), save(fig, *a, **k))):
+        assert main(["plot", str(tmp_path), "--out", str(tmp_path / "plots")]) == 0
     for name in ("icl.md", "icl_width.png", "icl_flops.png", "icl_examples.png"):
         assert (tmp_path / "plots" / name).is_file()
+    for fig in figures:  # one legend per figure, naming every labelled line of every panel
+        (legend,) = fig.legends
+        assert not any(ax.get_legend() for ax in fig.axes)
+        labels = {line.get_label() for ax in fig.axes for line in ax.get_lines() if not line.get_label().startswith("_")}
+        assert sorted(t.get_text() for t in legend.get_texts()) == sorted(labels)
+        # colour, width and dash pattern (get_linestyle() reads '--' for every custom pattern)
+        styles = {t.get_text(): (h.get_color(), h.get_linewidth(), str(h._unscaled_dash_pattern))
+                  for t, h in zip(legend.get_texts(), legend.legend_handles)}
+        assert len(set(styles.values())) == len(styles), styles  # no two lines look alike
     table = (tmp_path / "plots" / "icl.md").read_text()
     assert table.count("| bilinear_btt:1@2 | 8 |") == 1 and "least_squares" in table
     # the examples table: every kind's and baseline's curve, read at evenly spaced example counts

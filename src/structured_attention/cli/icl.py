@@ -270,6 +270,16 @@ def examples_table(best: list[dict[str, Any]]) -> list[str]:
 BASELINE_STYLE = {"least_squares": ":", "ridge": "-.", "3nn": "--", "averaging": (0, (1, 3)), "gd_step": (0, (3, 1, 1, 1, 1, 1))}
 
 
+def _figure_legend(fig: Any) -> None:
+    """One legend for the whole figure, right of its axes, naming every labelled line of every
+    axes once (a kind missing from one panel is still named)."""
+    named: dict[str, Any] = {}
+    for ax in fig.axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            named.setdefault(label, handle)
+    fig.legend(list(named.values()), list(named), loc="outside right upper", fontsize=7)
+
+
 def plot(results: list[dict[str, Any]], out: Path) -> int:
     """``icl.md`` (the tables: final errors, errors by number of examples, errors at matched FLOPs) and ``icl_width.png``, ``icl_flops.png``, ``icl_examples.png`` in
     ``out`` from a sweep's results (best learning rate per kind and width; a result's ``run_dir``,
@@ -301,16 +311,18 @@ def plot(results: list[dict[str, Any]], out: Path) -> int:
     ylabel = f"normalised MSE, {n_examples} in-context examples"
     styles = {name: style for name, style in BASELINE_STYLE.items() if name in baselines}  # runs before gd_step lack it
 
+    # Baselines are black and dashed (a pattern each); the kinds have a colour each, solid; a run's
+    # error during training is its kind's colour, solid, thicker for wider models.
     def baseline_lines(ax: Any) -> None:
         for name, style in styles.items():
             if baselines[name][-1] > 1e-6:  # noiseless least squares is exactly 0 from d examples on
-                ax.axhline(baselines[name][-1], color="grey", linestyle=style, linewidth=1, label=name)
+                ax.axhline(baselines[name][-1], color="black", linestyle=style, linewidth=1, label=name)
 
     colours = {kind: f"C{i}" for i, kind in enumerate(kinds)}
     widths = sorted({r["width"] for r in best})
-    width_styles = dict(zip(reversed(widths), ("-", "--", ":", "-.") * len(widths)))
+    width_lines = {width: 0.6 + 0.8 * i for i, width in enumerate(widths)}
     for key, xlabel, fname in (("width", "width (d_model)", "icl_width.png"), ("flops", "training FLOPs", "icl_flops.png")):
-        fig, ax = plt.subplots(figsize=(8.5, 4.5))
+        fig, ax = plt.subplots(figsize=(8.5, 4.5), layout="constrained")
         drawn: set[int] = set()
         for kind in kinds:
             pts = sorted((r[key], r["mse_last"]) for r in best if r["kind"] == kind)
@@ -319,35 +331,34 @@ def plot(results: list[dict[str, Any]], out: Path) -> int:
                 for r in best:
                     trajectory = _trajectory(Path(r["run_dir"])) if r["kind"] == kind and "run_dir" in r else []
                     if len(trajectory) > 1:
-                        ax.plot(*zip(*trajectory), color=colours[kind], linestyle=width_styles[r["width"]], linewidth=1,
-                                alpha=0.6)
+                        ax.plot(*zip(*trajectory), color=colours[kind], linewidth=width_lines[r["width"]], alpha=0.5)
                         drawn.add(r["width"])
         for width in sorted(drawn):
-            ax.plot([], [], color="grey", linestyle=width_styles[width], linewidth=1, label=f"width {width}, during training")
+            ax.plot([], [], color="grey", linewidth=width_lines[width], alpha=0.5,
+                    label=f"during training, width {width}")
         baseline_lines(ax)
         ax.set(xscale="log", yscale="log", xlabel=xlabel, ylabel=ylabel, title=f"in-context regression, d={d}")
         if key == "width":
             ax.set_xticks(widths, labels=[str(w) for w in widths])
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
-        fig.tight_layout()
+        _figure_legend(fig)
         fig.savefig(out / fname, dpi=120)
         plt.close(fig)
 
-    fig, axes = plt.subplots(1, len(widths), figsize=(4.2 * len(widths), 4), sharey=True, squeeze=False)
+    fig, axes = plt.subplots(1, len(widths), figsize=(4.2 * len(widths) + 1.5, 4), sharey=True, squeeze=False,
+                             layout="constrained")
     for ax, width in zip(axes[0], widths):
         for kind in kinds:
             for r in best:
                 if r["kind"] == kind and r["width"] == width:
                     ax.plot(r["curves"]["model"], color=colours[kind], label=kind)
         for name, style in styles.items():
-            ax.plot([max(v, 1e-4) for v in baselines[name]], color="grey", linestyle=style, linewidth=1, label=name)
+            ax.plot([max(v, 1e-4) for v in baselines[name]], color="black", linestyle=style, linewidth=1, label=name)
         ax.set(yscale="log", xlabel="in-context examples", title=f"width {width}")
         ax.set_ylim(1e-4, 10)
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].set_ylabel("normalised MSE")
-    axes[0][-1].legend(fontsize=7)
-    fig.tight_layout()
+    _figure_legend(fig)
     fig.savefig(out / "icl_examples.png", dpi=120)
     plt.close(fig)
     print(f"wrote {out / 'icl_width.png'}, {out / 'icl_flops.png'}, {out / 'icl_examples.png'} and {out / 'icl.md'}")
