@@ -32,7 +32,7 @@ from collections.abc import Sequence
 
 import torch
 
-from structured_attention._checks import (
+from ..._checks import (
     check_int_list,
     check_positive_int,
     check_same_dtype_device,
