@@ -10,8 +10,9 @@ import torch
 
 from structured_attention.cli.icl import _trajectory
 from structured_attention.cli.main import main
-from structured_attention.experiments.icl import build_icl_model, load_icl_config, training_flops, validation_prompts
+from structured_attention.experiments.icl import ICLConfig, build_icl_model, load_icl_config, training_flops, validation_prompts
 from structured_attention.training.checkpoint import load_checkpoint
+from structured_attention.training.config import load_run_config
 
 TINY = ["task.n_dims=2", "task.n_points=5", "model.max_seq_len=9", "model.d_model=8", "model.n_layers=1",
         "model.n_heads=1", "run.batch_size=4", "run.eval_batches=2", "run.log_every=1", "optim.warmup_steps=0"]
@@ -76,7 +77,7 @@ def test_eval_prints_the_checkpoints_error_by_number_of_examples_beside_the_base
     table = _table(out)
     assert table["examples"] == ["1", "2", "3", "4"]  # N - 1 = 4 examples: fewer than eight counts
     # the model's row, recomputed from the checkpoint's weights on the run's validation prompts
-    cfg = load_icl_config(tmp_path / "config.json")
+    cfg = load_run_config(ICLConfig, tmp_path)
     model = build_icl_model(cfg).eval()
     model.load_state_dict(load_checkpoint(tmp_path).model_state)
     prompts = validation_prompts(cfg)

@@ -36,7 +36,7 @@ def overrides(tmp_path, *extra: str) -> list[str]:
 
 def ready_task(tmp_path, *extra: str) -> LMTask:
     task = LMTask(load_lm_config(None, overrides(tmp_path, *extra)))
-    task.setup(DistInfo())
+    task.prepare(DistInfo())
     return task
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -79,6 +80,20 @@ def test_yaml_and_overrides(tmp_path):
 def test_bad_config(override, match):
     with pytest.raises(ValueError, match=match):
         load_lm_config(None, [override])
+
+
+def test_config_json_records_the_requested_and_the_resolved_config(tmp_path):
+    """The config flows one way: the run records what the user gave and, apart, what it ran with
+    (the vocabulary derived from the corpus, a char vocabulary here); the checkpoint holds the latter."""
+    from structured_attention.training.config import load_run_config
+
+    given = load_lm_config(None, tiny_overrides(tmp_path, steps=1) + ["data.tokenizer=char"])
+    train_lm(given)
+    requested, resolved = (load_run_config(LMConfig, tmp_path / "run", w) for w in ("requested", "resolved"))
+    assert requested == given and resolved.model.vocab_size != given.model.vocab_size
+    assert resolved == dataclasses.replace(given, model=dataclasses.replace(given.model,
+                                                                            vocab_size=resolved.model.vocab_size))
+    assert load_checkpoint(tmp_path / "run").state["config"] == config_to_dict(resolved)
 
 
 def test_unknown_yaml_key(tmp_path):

@@ -4,6 +4,7 @@ sweep, plot) -- on small synthetic CSVs."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -16,12 +17,14 @@ from structured_attention.cli.main import main
 from structured_attention.data.timeseries import load_series
 from structured_attention.experiments.forecasting import (
     ForecastTask,
+    TSConfig,
     forecast_metrics,
     load_forecaster,
     load_ts_config,
     train_ts,
 )
 from structured_attention.models.forecasting import ForecasterConfig, build_forecaster
+from structured_attention.training.config import load_run_config
 
 ETTH1 = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "ett" / "ETTh1.csv"
 
@@ -70,7 +73,7 @@ def test_metrics_equal_numpy_over_every_window_including_the_last_partial_batch(
 
 def test_batches_are_a_pure_function_of_seed_and_index_and_cover_each_epoch(tmp_path):
     task = ForecastTask(small_config(tmp_path, "run.batch_size=8"))
-    task.setup(None)
+    task.prepare(None)
     n = task.data.n_windows("train")
     per_epoch = n // 8
     epoch = np.concatenate([task.train_windows(i, 0, 1) for i in range(per_epoch)])
@@ -81,11 +84,11 @@ def test_batches_are_a_pure_function_of_seed_and_index_and_cover_each_epoch(tmp_
     torch.testing.assert_close(x, torch.from_numpy(wx))
     torch.testing.assert_close(y, torch.from_numpy(wy))
     again = ForecastTask(small_config(tmp_path, "run.batch_size=8"))
-    again.setup(None)
+    again.prepare(None)
     np.testing.assert_array_equal(again.train_windows(3, 0, 1), task.train_windows(3, 0, 1))
     # two ranks of a step together are the one-process global batch of twice the size
     big = ForecastTask(small_config(tmp_path, "run.batch_size=16"))
-    big.setup(None)
+    big.prepare(None)
     both = np.concatenate([task.train_windows(5, 0, 2), task.train_windows(5, 1, 2)])
     np.testing.assert_array_equal(both, big.train_windows(5, 0, 1))
 
@@ -105,6 +108,11 @@ def test_training_beats_the_last_value_baseline_and_scores_the_best_model(tmp_pa
     # the reported numbers are the best-validation model's, as reloaded from <out_dir>/best
     model, loaded, ckpt = load_forecaster(tmp_path / "run" / "best")
     assert ckpt.step == result["best_step"] and loaded.model.n_channels == 2
+    # config.json: the config as given, and as run, with the data's lookback, horizon and channels
+    assert load_run_config(TSConfig, tmp_path / "run", "requested") == config
+    resolved = load_run_config(TSConfig, tmp_path / "run")
+    assert resolved == loaded and resolved.model == dataclasses.replace(config.model, lookback=48, horizon=24, n_channels=2)
+    assert (config.model.lookback, config.model.n_channels) == (512, 7)  # the defaults, as given
     assert ckpt.state["columns"] == ["a", "OT"]
     assert forecast_metrics(model, data, "test")["mse"] == pytest.approx(result["test_mse"], rel=1e-6)
     # PatchTST's published figures dropped the last partial test batch of 128: scored apart, by hand here
@@ -262,7 +270,7 @@ def test_the_real_etth1_file_has_the_standard_window_counts():
 def test_linear_skip_starts_at_the_ridge_fit_of_the_training_windows(tmp_path):
     config = small_config(tmp_path, "model.linear_skip=true", "run.skip_ridge=3.0")
     task = ForecastTask(config)
-    task.setup(None)
+    task.prepare(None)
     model = task.build_model()
     data = task.data
     feats, targets = [], []
@@ -287,7 +295,7 @@ def test_a_frozen_linear_skip_keeps_its_ridge_fit_while_the_encoder_learns(tmp_p
     config = small_config(tmp_path, "model.linear_skip=true", "model.skip_trainable=false", "run.steps=6",
                           "run.eval_every=3")
     fresh = ForecastTask(config)
-    fresh.setup(None)
+    fresh.prepare(None)
     start = fresh.build_model()
     train_ts(config)
     trained, _, _ = load_forecaster(Path(config.run.out_dir) / "best")

@@ -193,12 +193,13 @@ def _metrics(run_dir: Path) -> list[dict[str, Any]]:
 def _trajectory(run_dir: Path) -> list[tuple[float, float]]:
     """The validation error after each evaluation of a run against the training FLOPs spent by then,
     counted along the curriculum as the sweep's budgets are (the log's own count assumes full prompts)."""
-    from ..experiments.icl import build_icl_model, load_icl_config, training_flops
+    from ..experiments.icl import ICLConfig, build_icl_model, training_flops
+    from ..training.config import load_run_config
 
     rows = {r["step"]: r["val_mse_last"] for r in _metrics(run_dir) if "val_mse_last" in r}  # a resumed run logs a step twice
     if not rows or not (run_dir / "config.json").is_file():
         return []
-    config = load_icl_config(run_dir / "config.json")
+    config = load_run_config(ICLConfig, run_dir)
     model = build_icl_model(config)
     return [(training_flops(model, config, step), mse) for step, mse in sorted(rows.items())]
 

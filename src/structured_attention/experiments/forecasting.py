@@ -95,13 +95,16 @@ class TSConfig:
     run: TSRunConfig = field(default_factory=TSRunConfig)
 
     def __post_init__(self) -> None:
-        # The model's lookback and horizon are the data's; channels are filled in from the file.
-        if (self.model.lookback, self.model.horizon) != (self.data.lookback, self.data.horizon):
-            model = dataclasses.replace(self.model, lookback=self.data.lookback, horizon=self.data.horizon)
-            object.__setattr__(self, "model", model)
         # An unknown kind, bad ranks or MLR block sizes that do not divide the token count
         # (the context) fail here with the layer's one-line message.
-        self.model.backbone_config().check_attention()
+        self.model_for_data().backbone_config().check_attention()
+
+    def model_for_data(self, n_channels: int | None = None) -> ForecasterConfig:
+        """``model`` with what the data decides: the data section's lookback and horizon, and the
+        file's ``n_channels`` once it is read (what :meth:`ForecastTask.resolve` fills in)."""
+        channels = self.model.n_channels if n_channels is None else n_channels
+        return dataclasses.replace(self.model, lookback=self.data.lookback, horizon=self.data.horizon,
+                                   n_channels=channels)
 
 
 def load_ts_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> TSConfig:
@@ -171,8 +174,11 @@ class ForecastTask(Task):
 
     def setup(self, info: DistInfo) -> None:
         self.data = _load_data(self.config.data)
-        self.config = dataclasses.replace(
-            self.config, model=dataclasses.replace(self.config.model, n_channels=self.data.n_channels))
+
+    def resolve(self) -> TSConfig:
+        """The model's lookback and horizon are the data section's, its channels the file's."""
+        assert self.data is not None
+        return dataclasses.replace(self.requested, model=self.requested.model_for_data(self.data.n_channels))
 
     def describe(self) -> str:
         assert self.data is not None

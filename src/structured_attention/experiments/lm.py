@@ -149,9 +149,12 @@ class LMTask(Task):
         if len(corpus.val) < 2:
             raise ValueError(f"data.source: the validation split has {len(corpus.val)} tokens; at least 2 are needed")
         self.corpus = corpus
-        # The model's vocabulary is the tokenizer's (a char vocabulary depends on the corpus).
-        self.config = dataclasses.replace(
-            self.config, model=dataclasses.replace(self.config.model, vocab_size=corpus.vocab_size))
+
+    def resolve(self) -> LMConfig:
+        """The model's vocabulary is the tokenizer's (a char vocabulary depends on the corpus)."""
+        assert self.corpus is not None
+        return dataclasses.replace(self.requested,
+                                   model=dataclasses.replace(self.requested.model, vocab_size=self.corpus.vocab_size))
 
     def describe(self) -> str:
         c = self.corpus

@@ -20,6 +20,7 @@ type (``int``, ``float``, ``bool``, ``str``, optionally ``| None`` where ``none`
 from __future__ import annotations
 
 import dataclasses
+import json
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -195,6 +196,21 @@ def _check_size(d: Any, path: str) -> None:
 def apply_overrides(config: C, overrides: list[str] | tuple[str, ...]) -> C:
     """``config`` with ``section.key=value`` overrides applied."""
     return config_from_dict(type(config), config_to_dict(config), overrides)
+
+
+def load_run_config(cls: type[C], run_dir: str | Path, which: str = "resolved") -> C:
+    """The config a training run in ``run_dir`` recorded in its ``config.json``: ``"resolved"``
+    (what it ran with) or ``"requested"`` (what the user gave). A run older than the two records
+    holds only the resolved one."""
+    path = Path(run_dir) / "config.json"
+    require(which in ("resolved", "requested"), "which", "'resolved' or 'requested'", which)
+    if not path.is_file():
+        raise FileNotFoundError(f"run_dir: no config.json in {str(run_dir)!r}")
+    recorded = json.loads(path.read_text(encoding="utf-8"))
+    if "resolved" not in recorded:  # one record: the resolved config
+        require(which == "resolved", "which", f"'resolved' ({path} records nothing else)", which)
+        return config_from_dict(cls, recorded)
+    return config_from_dict(cls, recorded[which])
 
 
 def config_keys(cls: type) -> list[tuple[str, str, Any]]:

@@ -128,16 +128,31 @@ def _stop_signals() -> Any:
 
 
 class Task(ABC):
-    """An experiment as :func:`fit` sees it. ``config`` is the experiment's config dataclass, with
-    ``optim: OptimConfig`` and ``run: RunConfig`` sections and usually ``model``; ``setup`` is
-    called once per process before anything else (load data there: rank 0 first, so it can write
-    caches the others then read) and may refine ``config`` (a vocabulary size from the data)."""
+    """An experiment as :func:`fit` sees it. Its config is the experiment's config dataclass, with
+    ``optim: OptimConfig`` and ``run: RunConfig`` sections and usually ``model``, and flows one
+    way: ``requested`` is what the user gave and never changes; ``setup`` is called once per
+    process before anything else (load data there: rank 0 first, so it can write caches the
+    others then read); then :meth:`resolve` derives what the data decides (a vocabulary size, the
+    channels), once, and the result is ``config``, what the run uses and its checkpoints record.
+    ``config.json`` in the run's folder holds both."""
 
     def __init__(self, config: Any) -> None:
+        self.requested = config
         self.config = config
 
     def setup(self, info: DistInfo) -> None:
-        """Load or generate the data; called on every rank, rank 0 before the others."""
+        """Load or generate the data (never the config); called on every rank, rank 0 before the others."""
+
+    def resolve(self) -> Any:
+        """The config the run uses: ``requested`` with what the data decides filled in; called
+        once, after :meth:`setup`. By default nothing is derived."""
+        return self.requested
+
+    def prepare(self, info: DistInfo | None) -> None:
+        """:meth:`setup`, then ``config`` set to :meth:`resolve`'s: what :func:`fit` does first on
+        each rank, and what using a task outside it takes."""
+        self.setup(info)
+        self.config = self.resolve()
 
     def describe(self) -> str:
         """One line about the data, printed when training starts."""
@@ -488,11 +503,11 @@ class _Training:
         if self.device.type == "cuda":
             torch.set_float32_matmul_precision("high")
         if info.is_main:  # rank 0 first: it may write data caches that the other ranks then read
-            task.setup(info)
+            task.prepare(info)
             barrier(info)
         else:
             barrier(info)
-            task.setup(info)
+            task.prepare(info)
         if task.describe():
             self.say(task.describe())
         check_training_memory(task, self.run.batch_size, self.run.max_memory, self.device)
@@ -577,7 +592,8 @@ class _Training:
                          f"(use --resume to continue it)")
         barrier(self.info)
         if self.info.is_main:
-            (self.out_dir / "config.json").write_text(json.dumps(self.config, indent=2) + "\n", encoding="utf-8")
+            configs = {"requested": config_to_dict(self.task.requested), "resolved": self.config}
+            (self.out_dir / "config.json").write_text(json.dumps(configs, indent=2) + "\n", encoding="utf-8")
         if self.run.compile:
             self.step_model = torch.compile(self.model)
         self.progress = Progress(self.run.steps, self.start_step, self.stream)
