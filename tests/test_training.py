@@ -93,7 +93,19 @@ def test_config_json_records_the_requested_and_the_resolved_config(tmp_path):
     assert requested == given and resolved.model.vocab_size != given.model.vocab_size
     assert resolved == dataclasses.replace(given, model=dataclasses.replace(given.model,
                                                                             vocab_size=resolved.model.vocab_size))
-    assert load_checkpoint(tmp_path / "run").state["config"] == config_to_dict(resolved)
+    state = load_checkpoint(tmp_path / "run").state
+    assert state["config"] == config_to_dict(resolved) and state["experiment"] == "lm"
+
+
+def test_a_checkpoint_names_its_experiment_and_an_old_one_is_inferred_with_a_warning():
+    from structured_attention.experiments import checkpoint_experiment
+
+    assert checkpoint_experiment({"experiment": "icl", "config": {}}) == "icl"
+    with pytest.raises(ValueError, match=r"^checkpoint x: expected an experiment among \['icl', 'lm', 'ts'\]"):
+        checkpoint_experiment({"experiment": "speech"}, "x")
+    for config, found in [({"task": {}}, "icl"), ({"data": {"lookback": 96}}, "ts"), ({"data": {}}, "lm")]:
+        with pytest.warns(UserWarning, match=f"checkpoint old records no experiment .*taken as '{found}'"):
+            assert checkpoint_experiment({"config": config}, "old") == found
 
 
 def test_unknown_yaml_key(tmp_path):

@@ -88,7 +88,7 @@ def run_eval(args: argparse.Namespace) -> int:
     args.device = parse_device(args.device)
     with one_line_warnings("eval"):
         ckpt = load_checkpoint(args.checkpoint)
-    return EXPERIMENTS[checkpoint_experiment(ckpt.state)].run_eval(args, ckpt)
+    return EXPERIMENTS[checkpoint_experiment(ckpt.state, str(ckpt.path))].run_eval(args, ckpt)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

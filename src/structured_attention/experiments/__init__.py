@@ -8,6 +8,7 @@ points:
 - :mod:`structured_attention.experiments.forecasting`: long-range time-series forecasting (ETT).
 """
 
+import warnings
 from typing import Any
 
 __all__ = ["checkpoint_experiment", "require_experiment"]
@@ -15,19 +16,31 @@ __all__ = ["checkpoint_experiment", "require_experiment"]
 _NAMES = {"lm": "a language model", "icl": "an in-context regression model", "ts": "a forecaster"}
 
 
-def checkpoint_experiment(state: dict[str, Any]) -> str:
-    """Which experiment wrote a checkpoint (``'lm'``, ``'icl'`` or ``'ts'``), from its config's
-    sections: only in-context regression has ``task``, only forecasting ``data.lookback``."""
+def checkpoint_experiment(state: dict[str, Any], where: str = "a checkpoint") -> str:
+    """Which experiment wrote a checkpoint (``'lm'``, ``'icl'`` or ``'ts'``): the name it records
+    (``state['experiment']``, the task's :attr:`~structured_attention.training.Task.experiment`);
+    a checkpoint from before names were recorded has it inferred from its config's sections (only
+    in-context regression has ``task``, only forecasting ``data.lookback``), with a warning."""
+    recorded = state.get("experiment")
+    if recorded is not None:
+        if recorded not in _NAMES:
+            raise ValueError(f"checkpoint {where}: expected an experiment among {sorted(_NAMES)}, it records "
+                             f"{recorded!r}")
+        return recorded
     config = state.get("config")
     if isinstance(config, dict) and "task" in config:
-        return "icl"
-    if isinstance(config, dict) and "lookback" in (config.get("data") or {}):
-        return "ts"
-    return "lm"
+        found = "icl"
+    elif isinstance(config, dict) and "lookback" in (config.get("data") or {}):
+        found = "ts"
+    else:
+        found = "lm"
+    warnings.warn(f"checkpoint {where} records no experiment (written before names were): taken as {found!r} "
+                  f"from its config", stacklevel=2)
+    return found
 
 
 def require_experiment(state: dict[str, Any], where: str, experiment: str) -> None:
     """One-line ``ValueError`` unless the checkpoint at ``where`` is ``experiment``'s."""
-    found = checkpoint_experiment(state)
+    found = checkpoint_experiment(state, where)
     if found != experiment:
         raise ValueError(f"checkpoint {where}: expected {_NAMES[experiment]}'s checkpoint, it holds {_NAMES[found]}")

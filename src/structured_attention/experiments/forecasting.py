@@ -166,6 +166,8 @@ class ForecastTask(Task):
     """Direct multi-step forecasting: MSE between forecast and truth (normalised) on shuffled
     training windows, a fresh permutation of all of them every epoch."""
 
+    experiment = "ts"
+
     config: TSConfig
 
     def __init__(self, config: TSConfig) -> None:

@@ -232,6 +232,8 @@ def steps_for_budget(model: RegressionTransformer, config: ICLConfig, budget: fl
 class ICLTask(Task):
     """Fresh prompts every step (curriculum-sized), a fixed full-size validation set."""
 
+    experiment = "icl"
+
     config: ICLConfig
 
     def __init__(self, config: ICLConfig) -> None:

@@ -131,6 +131,8 @@ class LMTask(Task):
     first ``run.eval_batches`` batches of consecutive windows for evaluation; with
     ``data.pack_documents`` a batch is ``(x, y, document_ids)`` and both use the document ids."""
 
+    experiment = "lm"
+
     config: LMConfig
 
     def __init__(self, config: LMConfig) -> None:

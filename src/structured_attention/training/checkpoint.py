@@ -398,6 +398,9 @@ def _check_state(folder: Path, state: dict[str, Any]) -> None:
         _require_field(isinstance(metrics, list) and all(isinstance(r, dict) and _is_int(r.get("step"))
                                                          and 0 < r["step"] <= step for r in metrics),
                        folder, "metrics", f"a list of records of steps 1..{step}", metrics)
+    if "experiment" in state:
+        _require_field(isinstance(state["experiment"], str), folder, "experiment", "an experiment's name",
+                       state["experiment"])
     if "wandb_id" in state:
         _require_field(isinstance(state["wandb_id"], str) and state["wandb_id"].isalnum(), folder, "wandb_id",
                        "a W&B run id (letters and digits)", state["wandb_id"])

@@ -136,6 +136,9 @@ class Task(ABC):
     channels), once, and the result is ``config``, what the run uses and its checkpoints record.
     ``config.json`` in the run's folder holds both."""
 
+    # the experiment's name, recorded in every checkpoint (``sattn eval`` dispatches by it)
+    experiment: str = ""
+
     def __init__(self, config: Any) -> None:
         self.requested = config
         self.config = config
@@ -677,6 +680,7 @@ class _Training:
             "losses": self.losses,
             "metrics": self.logger.records,
             "tracker": asdict(self.tracker),
+            **({"experiment": self.task.experiment} if self.task.experiment else {}),
             **({"wandb_id": self.logger.wandb_id} if self.logger.wandb_id else {}),
         }
         return save_checkpoint(root, self.done, msd, osd, state, aliases=self.aliases, keep=keep)
