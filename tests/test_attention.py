@@ -11,6 +11,7 @@ import torch
 from structured_attention.attention import (
     ATTENTION_KINDS,
     AttentionConfig,
+    MLRAttention,
     build_attention,
     build_attention_layers,
     parse_attention_pattern,
@@ -21,28 +22,9 @@ from structured_attention.functional import mlr_depth
 
 D, H, CTX = 32, 4, 64
 
-# One spec per kind, with GQA where it applies; small block sizes so decoding crosses blocks.
-SPECS = {
-    "mha": "mha",
-    "gqa": "mha:n_kv_heads=2",
-    "swa": "swa:5",
-    "swa_gqa": "swa:3:n_kv_heads=1",
-    "global_swa": "global_swa:4|4:window=6",
-    "global_swa_gqa": "global_swa:6|2:window=3:n_kv_heads=2",
-    "bilinear_btt": "bilinear_btt:2",
-    "bilinear_mlr": "bilinear_mlr:4|2|1",
-    "bilinear_mlr_gqa": "bilinear_mlr:4|2:n_kv_heads=2",
-    "bilinear_mlr_key_map": "bilinear_mlr:4|2|1:n_blocks=1|2|8:key_map=true",
-    "mlr": "mlr:4|2|1|1",
-    "mlr_gqa": "mlr:5|3:n_kv_heads=2:block_sizes=64|8",
-    "mlr_depth_norm": "mlr:2|2|2|2:depth_normalize=true:block_sizes=64|16|8|4",
-    "mlr_qk_norm_mup": "mlr:4|4:qk_norm=true:attn_scale=mup",
-    "mha_qk_norm_mup": "mha:qk_norm=true:attn_scale=mup",
-    "mha_rotary": "mha:rotary=true:n_kv_heads=2",
-    "swa_rotary": "swa:5:rotary=true",
-    "global_swa_rotary": "global_swa:6|2:window=3:rotary=true",
-    "mlr_rotary": "mlr:4|2|2:rotary=true:block_sizes=64|16|4",
-}
+# Every registered kind's own examples (GQA where it applies; small block sizes so decoding
+# crosses blocks): a new kind in ATTENTION_KINDS is checked by every test over SPECS.
+SPECS = {name: spec for cls in ATTENTION_KINDS.values() for name, spec in cls.examples.items()}
 
 
 def make(spec: str, dtype: torch.dtype = torch.float32, **kw) -> torch.nn.Module:
@@ -52,15 +34,19 @@ def make(spec: str, dtype: torch.dtype = torch.float32, **kw) -> torch.nn.Module
     return build_attention(spec, **base).to(dtype).eval()
 
 
-def test_registry_has_every_kind():
+def test_registry_has_every_kind_each_with_examples():
     assert set(ATTENTION_KINDS) == {"mha", "swa", "global_swa", "bilinear_btt", "bilinear_mlr", "mlr"}
+    for kind, cls in ATTENTION_KINDS.items():
+        assert cls.kind == kind and cls.examples
+        assert all(parse_attention_spec(spec)["kind"] == kind for spec in cls.examples.values())
 
 
 def test_spec_parsing():
     assert parse_attention_spec("mlr:48|16:depth_normalize=true:block_sizes=1024|64") == {
         "kind": "mlr", "ranks": (48, 16), "depth_normalize": True, "block_sizes": (1024, 64)}
     assert parse_attention_spec("swa:128") == {"kind": "swa", "window": 128}
-    assert parse_attention_spec("bilinear_mlr:8") == {"kind": "bilinear_mlr", "ranks": (8,)}
+    assert parse_attention_spec("bilinear_mlr:8") == {"kind": "bilinear_mlr", "feature_ranks": (8,)}
+    assert parse_attention_spec("bilinear_mlr:ranks=8") == parse_attention_spec("bilinear_mlr:8")  # its old name
     # '+' separates levels too (no shell quoting needed)
     assert parse_attention_spec("mlr:48+16:block_sizes=1024+64") == parse_attention_spec("mlr:48|16:block_sizes=1024|64")
     for bad in ("mlr:48+", "mlr:48|+16", "mlr:+48"):
@@ -94,7 +80,7 @@ def heads(x, n):
 
 def reference_forward(layer, x, causal):
     """Each kind's definition written out densely from its parameters."""
-    cfg, t = layer.config, x.shape[1]
+    options, t = layer.options, x.shape[1]
     v = heads(layer.v_proj(x), layer.n_kv_heads)
     kind = layer.kind
     if kind in ("mha", "swa", "global_swa"):
@@ -109,7 +95,7 @@ def reference_forward(layer, x, causal):
             g = layer.global_dims
             out = naive_attention(q[..., :g], k[..., :g], v, 1 / math.sqrt(g), band(t, causal)) + naive_attention(
                 q[..., g:], k[..., g:], v, 1 / math.sqrt(layer.window_dims), band(t, causal, layer.window))
-    elif kind == "bilinear_btt" or (kind == "bilinear_mlr" and cfg.key_map):
+    elif kind == "bilinear_btt" or (kind == "bilinear_mlr" and options.key_map):
         m = layer.key_map.to_dense().view(layer.n_heads, D, D)  # M_h: rows of head h's keys
         keys = torch.einsum("hed,btd->bhte", m, x)
         keys = torch.nn.functional.layer_norm(keys, (D,)) * layer.key_gain.view(layer.n_heads, 1, D)
@@ -135,7 +121,7 @@ def reference_forward(layer, x, causal):
             scores = scores + (q[..., off:off + r] @ k[..., off:off + r].transpose(-1, -2)) * within
             off += r
         scores = scores * layer.scale
-        if cfg.depth_normalize:
+        if options.depth_normalize:
             scores = scores / dep
         a = torch.softmax(scores.masked_fill(~band(t, causal), float("-inf")), -1)
         out = a @ v.repeat_interleave(g, 1)
@@ -342,7 +328,7 @@ def test_bad_inputs_name_the_parameter():
 
 
 def test_config_is_typed_and_validated():
-    cfg = AttentionConfig(d_model=64, n_heads=4, max_seq_len=128, kind="mlr", ranks=(8, 8))
+    cfg = AttentionConfig(d_model=64, n_heads=4, max_seq_len=128, kind="mlr", options=MLRAttention.Config(ranks=(8, 8)))
     assert cfg.dim_head == 16 and cfg.kv_heads == 4
     with pytest.raises(ValueError, match="dropout"):
         AttentionConfig(d_model=64, n_heads=4, max_seq_len=128, dropout=1.5)

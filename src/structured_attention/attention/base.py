@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, TypeVar
+from typing import Any
 
 import torch
 from torch import nn
@@ -15,7 +15,7 @@ from .._checks import require
 from ..functional import scaled_dot_product_attention, sliding_window_attention
 from ..functional.decode import masked_decode
 from .cache import KVCache, StaticKVCache, TokenBuffer, append_all, full_slots
-from .config import AttentionConfig, config_from_spec, parse_attention_pattern
+from .config import AttentionConfig
 from .rotary import Rotary
 from .segments import CachePadding, Segments, build_segments, left_padding, position_mask
 
@@ -142,11 +142,23 @@ class Attention(nn.Module):
     Subclasses set ``self.v_proj``-style layers and implement ``_forward`` and ``_forward_cached``.
     """
 
-    kind: str = ""
+    kind: str = ""  # the name specs and configs select this kind by (see .kinds)
+    # Spec strings that exercise the kind's options, by name, valid at width 32, 4 heads and a
+    # 64-token context: the shape at which the test suite checks every kind in ATTENTION_KINDS
+    # against its dense definition, its cache and padded rows.
+    examples: dict[str, str] = {}
+
+    @dataclass(frozen=True)
+    class Config:
+        """The kind's own options (none here); each kind declares its own, read by the spec parser."""
 
     def __init__(self, config: AttentionConfig) -> None:
         super().__init__()
+        options = config.options if config.options is not None else type(self).Config()
+        require(isinstance(options, type(self).Config), "options", f"a {type(self).__name__}.Config",
+                type(options).__name__)
         self.config = config
+        self.options = options
         self.d_model = config.d_model
         self.n_heads = config.n_heads
         self.n_kv_heads = config.kv_heads
@@ -357,36 +369,3 @@ class FullScoreAttention(Attention):
 
     def kv_cache_numel(self, seq_len: int) -> int:
         return seq_len * self.n_kv_heads * (self.score_dims + self.head_dim)
-
-
-ATTENTION_KINDS: dict[str, type[Attention]] = {}
-_A = TypeVar("_A", bound=type[Attention])
-
-
-def register_attention(name: str) -> Callable[[_A], _A]:
-    """Class decorator adding an attention kind to the registry under ``name``."""
-
-    def add(cls: _A) -> _A:
-        cls.kind = name
-        ATTENTION_KINDS[name] = cls
-        return cls
-
-    return add
-
-
-def build_attention(config: AttentionConfig | str, **base: Any) -> Attention:
-    """An attention layer from a config, or from a spec string plus shared settings
-    (``build_attention('mlr:48|16', d_model=512, n_heads=8, max_seq_len=1024)``)."""
-    if isinstance(config, str):
-        config = config_from_spec(config, **base)
-    require(config.kind in ATTENTION_KINDS, "kind", f"one of {sorted(ATTENTION_KINDS)}", config.kind)
-    return ATTENTION_KINDS[config.kind](config)
-
-
-def build_attention_layers(pattern: str, n_layers: int, **base: Any) -> nn.ModuleList:
-    """One layer per spec of a comma-separated pattern repeated over ``n_layers`` layers, e.g. the
-    per-layer mix ``'mha,swa:128,swa:128'`` gives MHA|SWA|SWA|MHA|SWA|SWA for six layers."""
-    require(isinstance(n_layers, int) and n_layers > 0, "n_layers", "a positive integer", n_layers)
-    return nn.ModuleList(
-        build_attention(AttentionConfig(**{**base, **spec})) for spec in parse_attention_pattern(pattern, n_layers)
-    )

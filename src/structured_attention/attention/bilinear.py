@@ -6,14 +6,16 @@ BTT or MLR matrix whose rank can reach ``d_model`` at a fraction of a dense matr
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .._checks import require
 from ..matrices import BTT, MLR, BlockDiag
-from .base import FullScoreAttention, register_attention
-from .config import AttentionConfig, default_scale
+from .base import FullScoreAttention
+from .config import AttentionConfig, default_scale, positional
 
 
 def _inputs_as_queries(layer: FullScoreAttention, config: AttentionConfig, key_map: nn.Module) -> None:
@@ -36,15 +38,22 @@ def _inputs_as_queries_qk(layer: FullScoreAttention, x: torch.Tensor) -> tuple[t
     return q, keys * layer.key_gain.view(layer.n_heads, 1, d)
 
 
-@register_attention("bilinear_btt")
 class BilinearBTTAttention(FullScoreAttention):
     """``score_h(i, j) = x_i^T M_h x_j / tau`` with ``M_h`` a (full-rank) BTT matrix, computed as
     queries ``x_i`` and keys ``LN(M_h x_j)``; a learned gain per head and dim follows the LayerNorm."""
 
+    kind = "bilinear_btt"
+    examples = {"bilinear_btt": "bilinear_btt:2"}
+
+    @dataclass(frozen=True)
+    class Config:
+        btt_rank: int = positional(1)  # TT-rank of the BTT matrix
+
     def __init__(self, config: AttentionConfig) -> None:
         super().__init__(config)
         require(not config.rotary, "rotary", "False: bilinear_btt's queries are the inputs themselves (use learned positions)", config.rotary)
-        _inputs_as_queries(self, config, BTT(config.d_model, self.n_heads * config.d_model, tt_rank=config.btt_rank))
+        _inputs_as_queries(self, config,
+                           BTT(config.d_model, self.n_heads * config.d_model, tt_rank=self.options.btt_rank))
 
     def qk(self, x: torch.Tensor, positions: int | torch.Tensor = 0) -> tuple[torch.Tensor, torch.Tensor]:
         return _inputs_as_queries_qk(self, x)
@@ -53,7 +62,6 @@ class BilinearBTTAttention(FullScoreAttention):
         return self.key_map.flops(1)
 
 
-@register_attention("bilinear_mlr")
 class BilinearMLRAttention(FullScoreAttention):
     """``M_h`` multi-level low-rank over the feature axis: level ``l`` splits ``x`` into ``p_l``
     chunks and projects each to ``r_l`` dims for queries and for keys; each level's features get
@@ -63,18 +71,30 @@ class BilinearMLRAttention(FullScoreAttention):
     ``LN(M_h x_j)`` with a gain per head and dim, ``M_h`` the same MLR matrix (``d`` score dims,
     the same projection FLOPs); the LayerNorm then sees the whole ``M_h x`` rather than each level."""
 
+    kind = "bilinear_mlr"
+    examples = {"bilinear_mlr": "bilinear_mlr:4|2|1", "bilinear_mlr_gqa": "bilinear_mlr:4|2:n_kv_heads=2",
+                "bilinear_mlr_key_map": "bilinear_mlr:4|2|1:n_blocks=1|2|8:key_map=true"}
+
+    @dataclass(frozen=True)
+    class Config:
+        # rank of each feature chunk, per level (spec: the positional argument, or ranks=)
+        feature_ranks: tuple[int, ...] | None = positional(None, aliases=("ranks",))
+        n_blocks: tuple[int, ...] | None = None  # feature chunks per level; None: 2^(l-1)
+        key_map: bool = False  # queries x and keys LN(M_h x), as bilinear_btt
+
     def __init__(self, config: AttentionConfig) -> None:
         super().__init__(config)
         require(not config.rotary, "rotary", "False: bilinear_mlr scores features, not rotated positions (use learned positions)", config.rotary)
         d = config.d_model
-        ranks = config.ranks or (max(self.head_dim // 2, 1), max(self.head_dim // 4, 1), max(self.head_dim // 8, 1))
-        n_blocks = config.n_blocks or tuple(2**level for level in range(len(ranks)))
-        require(all(isinstance(r, int) and r > 0 for r in ranks), "ranks", "positive integers", ranks)
+        ranks = self.options.feature_ranks or (max(self.head_dim // 2, 1), max(self.head_dim // 4, 1),
+                                               max(self.head_dim // 8, 1))
+        n_blocks = self.options.n_blocks or tuple(2**level for level in range(len(ranks)))
+        require(all(isinstance(r, int) and r > 0 for r in ranks), "feature_ranks", "positive integers", ranks)
         require(len(n_blocks) == len(ranks), "n_blocks", f"one chunk count per level ({len(ranks)} levels)", n_blocks)
         for p in n_blocks:
             require(isinstance(p, int) and p > 0 and d % p == 0, "n_blocks", f"positive divisors of d_model={d}", n_blocks)
         self.ranks, self.n_blocks = tuple(ranks), tuple(n_blocks)
-        if config.key_map:
+        if self.options.key_map:
             _inputs_as_queries(self, config, MLR(d, self.n_heads * d, ranks, n_blocks, n_stacks=self.n_heads))
             return
         self.q_maps = nn.ModuleList(BlockDiag(d, p * self.n_heads * r, n_blocks=p) for p, r in zip(n_blocks, ranks))
@@ -92,7 +112,7 @@ class BilinearMLRAttention(FullScoreAttention):
         return out
 
     def qk(self, x: torch.Tensor, positions: int | torch.Tensor = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.config.key_map:
+        if self.options.key_map:
             return _inputs_as_queries_qk(self, x)
         q_levels = self._levels(self.q_maps, x, self.n_heads)
         q = torch.cat([g * ql for g, ql in zip(self.level_scale, q_levels)], dim=-1)
@@ -100,6 +120,6 @@ class BilinearMLRAttention(FullScoreAttention):
         return q, k
 
     def _structured_projection_flops(self) -> int:
-        if self.config.key_map:
+        if self.options.key_map:
             return self.key_map.flops(1)
         return sum(m.flops(1) for m in (*self.q_maps, *self.k_maps))

@@ -8,6 +8,7 @@ token but keys of level ``l > 1`` only for the current level-``l`` block.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -16,20 +17,32 @@ from torch import nn
 from .._checks import require
 from ..ops.mlr import mlr_attention, mlr_block_sizes, mlr_prefill, mlr_prefill_reference, mlr_score_flops
 from ..ops.mlr.static import mlr_decode_static, prepare_static
-from .base import Attention, cached_segments, register_attention
+from .base import Attention, cached_segments
 from .cache import KVCache, StaticKVCache, TokenBuffer, append_all, full_slots, ring_slots
-from .config import AttentionConfig, default_scale
+from .config import AttentionConfig, default_scale, positional
 from .segments import Segments
 
 
-@register_attention("mlr")
 class MLRAttention(Attention):
     """Multi-level low-rank attention over positions, with GQA, per-level scales and KV cache."""
+
+    kind = "mlr"
+    examples = {"mlr": "mlr:4|2|1|1", "mlr_gqa": "mlr:5|3:n_kv_heads=2:block_sizes=64|8",
+                "mlr_depth_norm": "mlr:2|2|2|2:depth_normalize=true:block_sizes=64|16|8|4",
+                "mlr_qk_norm_mup": "mlr:4|4:qk_norm=true:attn_scale=mup",
+                "mlr_rotary": "mlr:4|2|2:rotary=true:block_sizes=64|16|4"}
+
+    @dataclass(frozen=True)
+    class Config:
+        # rank of each level over positions, summing to the head dim; None: four equal levels
+        ranks: tuple[int, ...] | None = positional(None)
+        block_sizes: tuple[int, ...] | None = None  # per level; None: max_seq_len / 2^(l-1)
+        depth_normalize: bool = False  # divide a pair's score by the levels it shares
 
     def __init__(self, config: AttentionConfig) -> None:
         super().__init__(config)
         hd = self.head_dim
-        ranks = config.ranks or ((hd // 4,) * 4 if hd % 4 == 0 else (hd,))
+        ranks = self.options.ranks or ((hd // 4,) * 4 if hd % 4 == 0 else (hd,))
         require(
             all(isinstance(r, int) and r > 0 for r in ranks) and sum(ranks) == hd,
             "ranks",
@@ -37,7 +50,7 @@ class MLRAttention(Attention):
             ranks,
         )
         self.ranks = tuple(ranks)
-        self.block_sizes = mlr_block_sizes(self.ranks, config.max_seq_len, config.block_sizes)
+        self.block_sizes = mlr_block_sizes(self.ranks, config.max_seq_len, self.options.block_sizes)
         self.q_proj = nn.Linear(config.d_model, self.n_heads * hd, bias=config.bias)
         self.k_proj = nn.Linear(config.d_model, self.n_kv_heads * hd, bias=config.bias)
         self.level_scale = nn.Parameter(torch.ones(len(self.ranks)))
@@ -68,7 +81,7 @@ class MLRAttention(Attention):
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                    document_ids: torch.Tensor | None) -> torch.Tensor:
         out = mlr_attention(q, k, v, self.ranks, block_sizes=self.block_sizes, causal=causal, scale=self.scale,
-                            depth_normalize=self.config.depth_normalize, document_ids=document_ids)
+                            depth_normalize=self.options.depth_normalize, document_ids=document_ids)
         return torch.nn.functional.dropout(out, self.attn_dropout) if self.attn_dropout else out
 
     def _forward(self, x: torch.Tensor, segments: Segments | None) -> torch.Tensor:
@@ -116,8 +129,8 @@ class MLRAttention(Attention):
                 # A single token that is still padding in some row (a prompt prefilled in chunks):
                 # the decoding kernels take real queries only; the reference takes any.
                 return mlr_prefill_reference(q, keys, key_starts, values, self.ranks, self.scale,
-                                             self.config.depth_normalize, self.block_sizes, row_starts)
-        return mlr_prefill(q, keys, key_starts, values, self.ranks, self.scale, self.config.depth_normalize,
+                                             self.options.depth_normalize, self.block_sizes, row_starts)
+        return mlr_prefill(q, keys, key_starts, values, self.ranks, self.scale, self.options.depth_normalize,
                            self.block_sizes, row_starts=row_starts)
 
     def _cache_buffers(self, batch: int, dtype: torch.dtype, device: Any) -> dict[str, TokenBuffer]:
@@ -155,7 +168,7 @@ class MLRAttention(Attention):
             keys[level].index_copy_(2, torch.remainder(slot, s).view(1), k_levels[level])
         cache.buffers["v"].index_copy_(2, slot.view(1), v)
         out = mlr_decode_static(q, keys, cache.buffers["v"], slot, offsets, list(self.ranks), list(self.block_sizes),
-                                self.scale, self.config.depth_normalize)
+                                self.scale, self.options.depth_normalize)
         return self.merge_heads(out)
 
     def score_flops(self, seq_len: int) -> int:

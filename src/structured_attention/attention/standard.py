@@ -3,6 +3,7 @@ Global+SWA split of the head dimensions."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -16,11 +17,10 @@ from .base import (
     attend,
     cached_segments,
     causal_pairs,
-    register_attention,
     window_pairs,
 )
 from .cache import KVCache, StaticKVCache, TokenBuffer, append_all, full_slots, ring_slots
-from .config import AttentionConfig, default_scale
+from .config import AttentionConfig, default_scale, positional
 from .segments import Segments
 
 
@@ -46,9 +46,12 @@ class _QKAttention(Attention):
         return q, k
 
 
-@register_attention("mha")
 class MultiHeadAttention(_QKAttention, FullScoreAttention):
     """Softmax attention with scores ``q_h(i) . k_h(j)``; GQA when ``n_kv_heads < n_heads``."""
+
+    kind = "mha"
+    examples = {"mha": "mha", "gqa": "mha:n_kv_heads=2", "mha_qk_norm_mup": "mha:qk_norm=true:attn_scale=mup",
+                "mha_rotary": "mha:rotary=true:n_kv_heads=2"}
 
     def __init__(self, config: AttentionConfig) -> None:
         super().__init__(config)
@@ -56,14 +59,21 @@ class MultiHeadAttention(_QKAttention, FullScoreAttention):
         self.scale = default_scale(config.attn_scale, self.head_dim)
 
 
-@register_attention("swa")
 class SlidingWindowAttention(_QKAttention):
     """Query ``i`` sees keys ``i - window <= j <= i`` (``|i - j| <= window`` when bidirectional)."""
 
+    kind = "swa"
+    examples = {"swa": "swa:5", "swa_gqa": "swa:3:n_kv_heads=1", "swa_rotary": "swa:5:rotary=true"}
+
+    @dataclass(frozen=True)
+    class Config:
+        window: int = positional(128)  # query i sees keys i - window <= j <= i
+
     def __init__(self, config: AttentionConfig) -> None:
         super().__init__(config)
-        require(isinstance(config.window, int) and config.window >= 0, "window", "a non-negative integer", config.window)
-        self.window = config.window
+        window = self.options.window
+        require(isinstance(window, int) and window >= 0, "window", "a non-negative integer", window)
+        self.window = window
         self.scale = default_scale(config.attn_scale, self.head_dim)
 
     def _forward(self, x: torch.Tensor, segments: Segments | None) -> torch.Tensor:
@@ -111,23 +121,32 @@ class SlidingWindowAttention(_QKAttention):
         return min(seq_len, self.window) * self.n_kv_heads * 2 * self.head_dim
 
 
-@register_attention("global_swa")
 class GlobalSlidingWindowAttention(_QKAttention):
     """Head dims split ``global | windowed``: a full map on the first dims and a windowed map on
     the rest; the two softmax maps are added before multiplying the values (as the authors did)."""
 
+    kind = "global_swa"
+    examples = {"global_swa": "global_swa:4|4:window=6", "global_swa_gqa": "global_swa:6|2:window=3:n_kv_heads=2",
+                "global_swa_rotary": "global_swa:6|2:window=3:rotary=true"}
+
+    @dataclass(frozen=True)
+    class Config:
+        split: tuple[int, ...] | None = positional(None)  # head dims (global, windowed); None: half and half
+        window: int = 128  # the windowed part's window
+
     def __init__(self, config: AttentionConfig) -> None:
         super().__init__(config)
-        require(isinstance(config.window, int) and config.window >= 0, "window", "a non-negative integer", config.window)
+        window = self.options.window
+        require(isinstance(window, int) and window >= 0, "window", "a non-negative integer", window)
         self.global_dims, self.window_dims = self.rotary_segments()
-        self.window = config.window
+        self.window = window
         self.global_scale = default_scale(config.attn_scale, self.global_dims)
         self.window_scale = default_scale(config.attn_scale, self.window_dims)
 
     def rotary_segments(self) -> tuple[int, ...]:
         """The ``(global, windowed)`` split of the head dims, each part rotated on its own."""
         hd = self.head_dim
-        split = self.config.split or (hd // 2, hd - hd // 2)
+        split = self.options.split or (hd // 2, hd - hd // 2)
         require(len(split) == 2 and min(split) > 0 and sum(split) == hd, "split",
                 f"two positive dims (global|windowed) summing to head_dim={hd}", split)
         return tuple(split)

@@ -18,8 +18,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._checks import require
-from ..attention import Attention, AttentionConfig, KVCache, StaticKVCache, parse_attention_pattern
-from ..attention.base import bind_padding, build_attention
+from ..attention import (Attention, AttentionConfig, KVCache, StaticKVCache, build_attention, config_from_spec,
+                         parse_attention_pattern)
+from ..attention.base import bind_padding
 from ..attention.segments import Segments, build_segments
 from ..matrices.base import Fan, StructuredMatrix
 
@@ -82,7 +83,7 @@ class TransformerConfig:
             rotary=self.positions == "rotary", causal=self.causal,
         )
         n = min(self.n_layers, len(self.attention.split(","))) if distinct else self.n_layers
-        return [AttentionConfig(**{**shared, **spec}) for spec in parse_attention_pattern(self.attention, n)]
+        return [config_from_spec(spec, **shared) for spec in parse_attention_pattern(self.attention, n)]
 
     def check_attention(self) -> None:
         """Raise ``ValueError("model.attention=...: <the layer's one-line message>")`` for an
