@@ -397,3 +397,49 @@ def test_spec_values_are_parsed_by_their_declared_type(spec, needle):
 def test_spec_booleans_take_1_and_0():
     assert parse_attention_spec("mha:rotary=1:bias=0:dropout=0.5") == {"kind": "mha", "rotary": True, "bias": False,
                                                                        "dropout": 0.5}
+
+
+def test_mlr_with_the_paper_authors_conventions_follows_their_equations():
+    """qk_norm_scope=head and level_scale=inverse_rank, written from the equations: score(i, j) =
+    sum over the levels l whose block holds both i and j of <LN(q_i)_l, LN(k_j)_l> / r_l, the
+    LayerNorm over the whole head and no other scale; causal softmax over the values."""
+    spec = "mlr:4|2|2:qk_norm=true:qk_norm_scope=head:level_scale=inverse_rank:block_sizes=64|16|4"
+    layer, x = make(spec), torch.randn(2, 40, D, generator=torch.Generator().manual_seed(1))
+    b, t, hd = x.shape[0], x.shape[1], D // H
+    norm = layer.q_norms[0], layer.k_norms[0]
+    q = torch.nn.functional.layer_norm(heads(layer.q_proj(x), H), (hd,), norm[0].weight, norm[0].bias)
+    k = torch.nn.functional.layer_norm(heads(layer.k_proj(x), H), (hd,), norm[1].weight, norm[1].bias)
+    pos, scores, start = torch.arange(t), torch.zeros(b, H, t, t), 0
+    for r, s in zip((4, 2, 2), (64, 16, 4)):
+        shared = (pos // s)[:, None] == (pos // s)[None, :]
+        scores = scores + (q[..., start:start + r] @ k[..., start:start + r].transpose(-1, -2)) / r * shared
+        start += r
+    weights = torch.softmax(scores.masked_fill(~band(t, True), float("-inf")), -1)
+    out = (weights @ heads(layer.v_proj(x), H)).transpose(1, 2).reshape(b, t, D)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), layer.out_proj(out), rtol=1e-5, atol=1e-5)
+        # learned scales starting at 1/r_l give the same layer at initialisation
+        learned = make(spec.replace("inverse_rank", "inverse_rank_learned"))
+        assert isinstance(learned.level_scale, torch.nn.Parameter) and "level_scale" not in dict(layer.named_parameters())
+        torch.testing.assert_close(learned(x), layer(x), rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"^level_scale: expected one of \['learned', 'inverse_rank', 'inverse_rank_learned'\]"):
+        make("mlr:4|4:level_scale=fixed")
+    with pytest.raises(ValueError, match=r"^qk_norm_scope: expected 'level' or 'head'"):
+        make("mlr:4|4:qk_norm_scope=all")
+
+
+@pytest.mark.parametrize("spec", ["mha", "swa:5", "global_swa:6|2:window=3"])
+def test_the_paper_authors_mup_logits_are_8_over_d(spec):
+    """attn_scale=mup8: scores q.k * 8/d (d the score dims of each map), the authors' muP logits,
+    against the layer's dense definition written with that scale."""
+    layer, x = make(f"{spec}:attn_scale=mup8"), torch.randn(1, 20, D, generator=torch.Generator().manual_seed(2))
+    q, k, v = (heads(p(x), H) for p in (layer.q_proj, layer.k_proj, layer.v_proj))
+    t = x.shape[1]
+    if layer.kind == "global_swa":
+        g, w = layer.global_dims, layer.window_dims
+        out = (naive_attention(q[..., :g], k[..., :g], v, 8 / g, band(t, True))
+               + naive_attention(q[..., g:], k[..., g:], v, 8 / w, band(t, True, 3)))
+    else:
+        out = naive_attention(q, k, v, 8 / (D // H), band(t, True, 5 if layer.kind == "swa" else None))
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), layer.out_proj(out.transpose(1, 2).reshape(1, t, D)), rtol=1e-5, atol=1e-5)

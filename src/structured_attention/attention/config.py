@@ -28,7 +28,8 @@ class AttentionConfig:
     causal: bool = True
     dropout: float = 0.0
     qk_norm: bool = False
-    attn_scale: str = "sp"  # "sp": 1/sqrt(d), "mup": 1/d, d = score dims per head
+    # "sp": 1/sqrt(d), "mup": 1/d, "mup8": 8/d (the paper authors' muP logits), d = score dims per head
+    attn_scale: str = "sp"
     bias: bool = False
     # rotary position embedding on queries and keys (kinds with query/key projections)
     rotary: bool = False
@@ -39,7 +40,8 @@ class AttentionConfig:
         for name in ("d_model", "n_heads", "max_seq_len"):
             value = getattr(self, name)
             require(isinstance(value, int) and value > 0, name, "a positive integer", value)
-        require(self.attn_scale in ("sp", "mup"), "attn_scale", "'sp' (1/sqrt(d)) or 'mup' (1/d)", self.attn_scale)
+        require(self.attn_scale in ("sp", "mup", "mup8"), "attn_scale", "'sp' (1/sqrt(d)), 'mup' (1/d) or 'mup8' (8/d)",
+                self.attn_scale)
         require(0.0 <= self.dropout < 1.0, "dropout", "a probability in [0, 1)", self.dropout)
         require(math.isfinite(self.rotary_base) and self.rotary_base > 1, "rotary_base",
                 "a finite number above 1 (the rotary frequencies are its powers)", self.rotary_base)
@@ -84,8 +86,11 @@ SPEC_SHARED = ("n_kv_heads", "head_dim", "causal", "dropout", "qk_norm", "attn_s
 
 
 def default_scale(convention: str, dims: int) -> float:
-    """Logit scale for ``dims`` score dimensions: SP ``1/sqrt(dims)`` or muP ``1/dims``."""
-    return 1.0 / dims if convention == "mup" else 1.0 / math.sqrt(dims)
+    """Logit scale for ``dims`` score dimensions: SP ``1/sqrt(dims)``, muP ``1/dims``, or the paper
+    authors' muP ``8/dims`` (equal to SP's at 64 dims)."""
+    if convention == "sp":
+        return 1.0 / math.sqrt(dims)
+    return (8.0 if convention == "mup8" else 1.0) / dims
 
 
 def parse_levels(text: str) -> tuple[int, ...]:

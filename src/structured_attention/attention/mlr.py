@@ -23,6 +23,9 @@ from .config import AttentionConfig, default_scale, positional
 from .segments import Segments
 
 
+_LEVEL_SCALES = ("learned", "inverse_rank", "inverse_rank_learned")
+
+
 class MLRAttention(Attention):
     """Multi-level low-rank attention over positions, with GQA, per-level scales and KV cache."""
 
@@ -30,7 +33,8 @@ class MLRAttention(Attention):
     examples = {"mlr": "mlr:4|2|1|1", "mlr_gqa": "mlr:5|3:n_kv_heads=2:block_sizes=64|8",
                 "mlr_depth_norm": "mlr:2|2|2|2:depth_normalize=true:block_sizes=64|16|8|4",
                 "mlr_qk_norm_mup": "mlr:4|4:qk_norm=true:attn_scale=mup",
-                "mlr_rotary": "mlr:4|2|2:rotary=true:block_sizes=64|16|4"}
+                "mlr_rotary": "mlr:4|2|2:rotary=true:block_sizes=64|16|4",
+                "mlr_paper": "mlr:4|2|2:qk_norm=true:qk_norm_scope=head:level_scale=inverse_rank:block_sizes=64|16|4"}
 
     @dataclass(frozen=True)
     class Config:
@@ -38,6 +42,13 @@ class MLRAttention(Attention):
         ranks: tuple[int, ...] | None = positional(None)
         block_sizes: tuple[int, ...] | None = None  # per level; None: max_seq_len / 2^(l-1)
         depth_normalize: bool = False  # divide a pair's score by the levels it shares
+        # with qk_norm: a LayerNorm over each level's dims ("level"), or over the whole head before
+        # it is split into levels ("head", the paper authors' code)
+        qk_norm_scope: str = "level"
+        # per-level score scales: "learned" gains starting at 1 under the global scale (1/sqrt(R),
+        # 1/R with attn_scale=mup); "inverse_rank" a fixed 1/r_l per level and no global scale (the
+        # paper authors' code); "inverse_rank_learned" gains starting at 1/r_l, no global scale
+        level_scale: str = "learned"
 
     def __init__(self, config: AttentionConfig) -> None:
         super().__init__(config)
@@ -53,10 +64,24 @@ class MLRAttention(Attention):
         self.block_sizes = mlr_block_sizes(self.ranks, config.max_seq_len, self.options.block_sizes)
         self.q_proj = nn.Linear(config.d_model, self.n_heads * hd, bias=config.bias)
         self.k_proj = nn.Linear(config.d_model, self.n_kv_heads * hd, bias=config.bias)
-        self.level_scale = nn.Parameter(torch.ones(len(self.ranks)))
-        self.q_norms = nn.ModuleList(nn.LayerNorm(r) for r in self.ranks) if config.qk_norm else None
-        self.k_norms = nn.ModuleList(nn.LayerNorm(r) for r in self.ranks) if config.qk_norm else None
-        self.scale = default_scale(config.attn_scale, hd)
+        options = self.options
+        require(options.qk_norm_scope in ("level", "head"), "qk_norm_scope", "'level' or 'head'", options.qk_norm_scope)
+        require(options.level_scale in _LEVEL_SCALES, "level_scale", f"one of {list(_LEVEL_SCALES)}", options.level_scale)
+        # Learned per-level scales start at 1 under the global scale, else at 1/r_l with none: the
+        # default keeps the dense-attention logit scale of the whole head at initialisation.
+        if options.level_scale == "learned":
+            self.level_scale = nn.Parameter(torch.ones(len(self.ranks)))
+            self.scale = default_scale(config.attn_scale, hd)
+        else:
+            inverse = torch.tensor([1.0 / r for r in self.ranks])
+            if options.level_scale == "inverse_rank":
+                self.register_buffer("level_scale", inverse, persistent=False)
+            else:
+                self.level_scale = nn.Parameter(inverse)
+            self.scale = 1.0
+        sizes = self.ranks if options.qk_norm_scope == "level" else (hd,)
+        self.q_norms = nn.ModuleList(nn.LayerNorm(r) for r in sizes) if config.qk_norm else None
+        self.k_norms = nn.ModuleList(nn.LayerNorm(r) for r in sizes) if config.qk_norm else None
         self.rotary = self._rotary(self.ranks)  # each level rotated on its own
         # output_size lets the layer be built on the meta device (sizes counted, nothing allocated)
         level_index = torch.repeat_interleave(torch.arange(len(self.ranks)), torch.tensor(self.ranks),
@@ -66,6 +91,8 @@ class MLRAttention(Attention):
     def _per_level_norm(self, x: torch.Tensor, norms: nn.ModuleList | None) -> torch.Tensor:
         if norms is None:
             return x
+        if len(norms) == 1 and len(self.ranks) > 1:  # qk_norm_scope="head"
+            return norms[0](x)
         return torch.cat([norm(part) for norm, part in zip(norms, x.split(self.ranks, dim=-1))], dim=-1)
 
     def project(
