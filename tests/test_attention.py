@@ -329,7 +329,8 @@ def test_bad_inputs_name_the_parameter():
 
 def test_config_is_typed_and_validated():
     cfg = AttentionConfig(d_model=64, n_heads=4, max_seq_len=128, kind="mlr", options=MLRAttention.Config(ranks=(8, 8)))
-    assert cfg.dim_head == 16 and cfg.kv_heads == 4
+    layer = build_attention(cfg)
+    assert (layer.head_dim, layer.n_kv_heads) == (16, 4) and (cfg.head_dim, cfg.n_kv_heads) == (None, None)
     with pytest.raises(ValueError, match="dropout"):
         AttentionConfig(d_model=64, n_heads=4, max_seq_len=128, dropout=1.5)
 

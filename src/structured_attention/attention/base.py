@@ -161,8 +161,9 @@ class Attention(nn.Module):
         self.options = options
         self.d_model = config.d_model
         self.n_heads = config.n_heads
-        self.n_kv_heads = config.kv_heads
-        self.head_dim = config.dim_head
+        # the config's None means the default: as many kv heads as heads, d_model / n_heads dims
+        self.n_kv_heads = config.n_heads if config.n_kv_heads is None else config.n_kv_heads
+        self.head_dim = config.d_model // config.n_heads if config.head_dim is None else config.head_dim
         self.v_proj = nn.Linear(config.d_model, self.n_kv_heads * self.head_dim, bias=config.bias)
         self.out_proj = nn.Linear(config.n_heads * self.head_dim, config.d_model, bias=config.bias)
 

@@ -21,7 +21,7 @@ from .config import AttentionConfig, default_scale, positional
 def _inputs_as_queries(layer: FullScoreAttention, config: AttentionConfig, key_map: nn.Module) -> None:
     """Set up ``score_h(i, j) = x_i^T M_h x_j / tau`` with ``key_map`` stacking every head's ``M_h``
     (``d -> n_heads * d``): queries ``x_i``, keys ``LN(M_h x_j)`` with a learned gain per head and dim."""
-    require(config.kv_heads == config.n_heads, "n_kv_heads",
+    require(layer.n_kv_heads == config.n_heads, "n_kv_heads",
             f"n_heads={config.n_heads} (GQA does not apply: every head's query is x itself)", config.n_kv_heads)
     d = config.d_model
     layer.key_map = key_map

@@ -54,21 +54,13 @@ class AttentionConfig:
             )
         else:
             require(self.head_dim > 0, "head_dim", "a positive integer", self.head_dim)
-        kv = self.kv_heads
+        kv = self.n_heads if self.n_kv_heads is None else self.n_kv_heads
         require(
             isinstance(kv, int) and kv > 0 and self.n_heads % kv == 0,
             "n_kv_heads",
             f"a positive divisor of n_heads={self.n_heads}",
             self.n_kv_heads,
         )
-
-    @property
-    def dim_head(self) -> int:
-        return self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
-
-    @property
-    def kv_heads(self) -> int:
-        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
 
     def replace(self, **changes: Any) -> AttentionConfig:
         return dataclasses.replace(self, **changes)
