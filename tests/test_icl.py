@@ -15,7 +15,6 @@ from structured_attention.experiments.icl import (
     build_icl_model,
     error_curves,
     load_icl_config,
-    steps_for_budget,
     train_icl,
     training_flops,
 )
@@ -27,6 +26,7 @@ from structured_attention.experiments.icl_baselines import (
     nearest_neighbours,
     ridge,
 )
+from structured_attention.training.budget import steps_for_flops
 
 # -- samplers ----------------------------------------------------------------------------------------
 
@@ -223,8 +223,10 @@ def test_training_flops_follow_the_curriculum():
     backbone = model.backbone.forward_flops_per_position(17)
     assert model.forward_flops_per_token(17) == pytest.approx(4 * 16 + backbone + 16 * 9 / 17)
     budget = training_flops(model, cfg, 40)
-    assert steps_for_budget(model, cfg, budget) == 40
-    assert steps_for_budget(model, cfg, budget + 0.4 * 16 * 17 * per_pos(17)) == 40
+    flops_after = lambda steps: training_flops(model, cfg, steps)  # noqa: E731
+    assert steps_for_flops(budget, flops_after) == 40
+    assert steps_for_flops(budget + 0.4 * 16 * 17 * per_pos(17), flops_after) == 40
+    assert steps_for_flops(budget + 0.6 * 16 * 17 * per_pos(17), flops_after) == 41
 
 
 def test_error_curves_score_the_model_and_every_baseline_on_the_same_prompts():

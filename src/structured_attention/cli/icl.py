@@ -143,7 +143,8 @@ def parse_kinds(text: str, default_heads: int) -> list[tuple[str, int]]:
 
 def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every run of the sweep: its name, overrides, steps and training FLOPs."""
-    from ..experiments.icl import build_icl_model, load_icl_config, steps_for_budget, training_flops
+    from ..experiments.icl import build_icl_model, load_icl_config, training_flops
+    from ..training.budget import steps_for_flops
 
     base = load_icl_config(args.config, args.overrides)
     if args.heads <= 0:
@@ -167,7 +168,8 @@ def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
         for spec, heads in kinds:
             shape, config = configs[(spec, heads)]
             model = build_icl_model(config)
-            steps = args.base_steps if (spec, heads) == kinds[0] else steps_for_budget(model, config, budget)
+            steps = (args.base_steps if (spec, heads) == kinds[0]
+                     else steps_for_flops(budget, lambda s, m=model, c=config: training_flops(m, c, s)))
             for lr in lrs:
                 name = f"{slug(spec)}-h{heads}-w{width}-lr{lr:g}"
                 runs.append({

@@ -30,6 +30,7 @@ from typing import Any
 
 from ..experiments.lm import LMConfig
 from ..models.gpt import GPT
+from ..training.budget import steps_for_flops
 from ..training.checkpoint import LoadedCheckpoint
 from .common import add_sweep_parser, add_train_parser, best_per_kind_width, markdown_cell, number_list, one_line_warnings, parse_device, print_plan, pyplot, run_grid, slug
 
@@ -190,7 +191,7 @@ def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
             per_token[kind] = GPT(model_cfg).training_flops_per_token(base.run.seq_len)
         budget = args.base_steps * tokens_per_step * per_token[kinds[0]]
         for kind in kinds:
-            steps = max(1, round(budget / (tokens_per_step * per_token[kind])))
+            steps = steps_for_flops(budget, lambda s, k=kind: s * tokens_per_step * per_token[k])
             for lr in lrs:
                 name = f"{slug(kind)}-w{width}-lr{lr:g}"
                 overrides = [*args.overrides, f"model.d_model={width}", f"model.n_heads={shape['n_heads']}",

@@ -46,7 +46,6 @@ __all__ = [
     "error_curves",
     "load_icl",
     "load_icl_config",
-    "steps_for_budget",
     "train_icl",
     "training_flops",
 ]
@@ -216,17 +215,6 @@ def training_flops(model: RegressionTransformer, config: ICLConfig, steps: int) 
             per_step_cache[points] = run.batch_size * run.grad_accum * t * model.training_flops_per_token(t)
         total += per_step_cache[points]
     return total
-
-
-def steps_for_budget(model: RegressionTransformer, config: ICLConfig, budget: float) -> int:
-    """The number of steps (at least 1) whose :func:`training_flops` is closest to ``budget``."""
-    lo, hi = 1, 1
-    while training_flops(model, config, hi) < budget:
-        lo, hi = hi, hi * 2
-    while hi - lo > 1:  # training_flops grows with the steps: bisect for the last step below the budget
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if training_flops(model, config, mid) < budget else (lo, mid)
-    return min((lo, hi), key=lambda s: abs(training_flops(model, config, s) - budget))
 
 
 class ICLTask(Task):

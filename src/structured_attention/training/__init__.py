@@ -5,7 +5,8 @@
   ``--resume``, DDP/FSDP under ``torchrun``;
 - typed configs: :class:`OptimConfig` and :class:`RunConfig` sections, :func:`load_config`
   (YAML + ``section.key=value`` overrides);
-- :func:`save_checkpoint` / :func:`load_checkpoint` (safetensors + JSON, checksummed, atomic).
+- :func:`save_checkpoint` / :func:`load_checkpoint` (safetensors + JSON, checksummed, atomic);
+- :func:`~.budget.steps_for_flops`: the steps that match a training-FLOP budget (every sweep's).
 
 The experiments themselves (language modelling, ...) live in :mod:`structured_attention.experiments`.
 """
