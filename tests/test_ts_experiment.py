@@ -54,8 +54,9 @@ def small_config(tmp_path: Path, *overrides: str):
 def test_metrics_equal_numpy_over_every_window_including_the_last_partial_batch(tmp_path):
     data = load_series(sinusoid_csv(tmp_path / "s.csv", n=600), lookback=48, horizon=24)
     torch.manual_seed(0)
-    model = build_forecaster(ForecasterConfig(family="point", n_channels=2, lookback=48, horizon=24, n_layers=1,
-                                              d_model=16, n_heads=2, dropout=0.0)).eval()
+    encoder = dataclasses.replace(ForecasterConfig().backbone, n_layers=1, d_model=16, n_heads=2, dropout=0.0)
+    model = build_forecaster(ForecasterConfig(family="point", n_channels=2, lookback=48, horizon=24,
+                                              backbone=encoder)).eval()
     a, _ = data.borders["test"]
     n = data.n_windows("test")
     assert n % 7 != 0
@@ -330,3 +331,28 @@ def test_generate_and_the_lm_loader_refuse_a_forecaster_checkpoint(tmp_path, cap
                                                f"model's checkpoint, it holds a forecaster")
     with pytest.raises(ValueError, match="expected a language model's checkpoint, it holds a forecaster"):
         load_lm(tmp_path / "run")
+
+
+def test_the_encoder_is_a_transformer_config_set_flat_or_nested():
+    """model.backbone is the encoder's TransformerConfig: its keys set flat (model.d_model, as
+    configs and checkpoints from before hold them), dotted or as a mapping give one config; its
+    context and causality are derived, so setting them is an unknown key."""
+    from structured_attention.training.config import config_from_dict, config_to_dict
+
+    flat = load_ts_config(None, ["model.d_model=32", "model.attention=mlr:4|4", "model.n_layers=2"])
+    dotted = load_ts_config(None, ["model.backbone.d_model=32", "model.backbone.attention=mlr:4|4",
+                                   "model.n_layers=2"])
+    mapping = config_from_dict(TSConfig, {"model": {"backbone": {"d_model": 32, "attention": "mlr:4|4"},
+                                                    "n_layers": 2}})
+    assert flat == dotted == mapping and flat.model.backbone.d_model == 32
+    saved = config_to_dict(flat)
+    assert saved["model"]["backbone"]["n_layers"] == 2 and "d_model" not in saved["model"]
+    old = {**saved, "model": {**{k: v for k, v in saved["model"].items() if k != "backbone"},
+                              **{k: v for k, v in saved["model"]["backbone"].items()
+                                 if k not in ("max_seq_len", "causal")}}}
+    assert config_from_dict(TSConfig, old) == flat  # a checkpoint's flat model section
+    for key in ("model.max_seq_len=64", "model.causal=true"):
+        with pytest.raises(ValueError, match=f"^unknown config key {key.split('=')[0]};"):
+            load_ts_config(None, [key])
+    model = flat.model_for_data(3)
+    assert (model.backbone_config().max_seq_len, model.backbone_config().causal) == (model.n_tokens, False)

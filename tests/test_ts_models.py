@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,9 +22,13 @@ KINDS = ["mha", "swa:8", "mlr:4|2|1|1", "bilinear_mlr:2|2", "bilinear_btt:1"]
 
 
 def tiny(family: str, attention: str = "mha", **kw) -> ForecasterConfig:
-    base = dict(family=family, n_channels=3, lookback=32, horizon=8, n_layers=1, d_model=16, n_heads=2,
-                attention=attention, patch_len=8, stride=4, dropout=0.0)
-    return ForecasterConfig(**{**base, **kw})
+    """A small forecaster; ``kw`` sets its own fields and its encoder's, flat."""
+    own = {f.name for f in dataclasses.fields(ForecasterConfig)}
+    base = dict(family=family, n_channels=3, lookback=32, horizon=8, patch_len=8, stride=4)
+    encoder = dict(n_layers=1, d_model=16, n_heads=2, attention=attention, dropout=0.0)
+    encoder.update({k: v for k, v in kw.items() if k not in own})
+    backbone = dataclasses.replace(ForecasterConfig().backbone, **encoder)
+    return ForecasterConfig(**{**base, **{k: v for k, v in kw.items() if k in own}}, backbone=backbone)
 
 
 @pytest.mark.parametrize("affine", [True, False])
@@ -190,8 +196,10 @@ def test_batch_norm_needs_a_bidirectional_model_and_names_the_parameter():
 
     with pytest.raises(ValueError, match="norm"):
         TransformerConfig(norm="batch", causal=True)
-    with pytest.raises(ValueError, match="model.norm"):
-        tiny("patch", norm="group")
+    from structured_attention.experiments.forecasting import load_ts_config
+
+    with pytest.raises(ValueError, match="^model.norm: expected 'layer' or 'batch', got 'group'$"):
+        load_ts_config(None, ["model.norm=group"])  # a key of the encoder, set flat
 
 
 @pytest.mark.parametrize("kind", ["mha", "mlr:4|2|1|1"])

@@ -92,7 +92,7 @@ def run_eval(args: argparse.Namespace, ckpt: LoadedCheckpoint) -> int:
     rows = [("val", "val", data.n_windows("val"), None), ("test", "test", n_test, None)]
     if n_published:
         rows.append((f"test, first {n_published:,} (PatchTST's windows)", "test", n_published, np.arange(n_published)))
-    print(f"checkpoint {ckpt.path} (step {ckpt.step}), {config.model.family} model, attention {config.model.attention}")
+    print(f"checkpoint {ckpt.path} (step {ckpt.step}), {config.model.family} model, attention {config.model.backbone.attention}")
     print(data.describe())
     print("| split | windows | MSE | MAE |")
     print("|---|---|---|---|")

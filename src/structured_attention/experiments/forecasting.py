@@ -186,7 +186,7 @@ class ForecastTask(Task):
         assert self.data is not None
         m, run = self.config.model, self.config.run
         per_epoch = max(self.data.n_windows("train") // run.batch_size, 1)
-        return (f"{self.data.describe()} | {m.family} model, {m.n_tokens} tokens per sequence, attention {m.attention} "
+        return (f"{self.data.describe()} | {m.family} model, {m.n_tokens} tokens per sequence, attention {m.backbone.attention} "
                 f"| {per_epoch} steps per epoch")
 
     def build_model(self) -> nn.Module:

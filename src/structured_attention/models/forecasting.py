@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -89,32 +89,29 @@ class RevIN(nn.Module):
         return y * std + mean
 
 
+def _encoder() -> TransformerConfig:
+    # the encoder's own defaults (its context and causality are derived: see backbone_config)
+    return TransformerConfig(n_layers=3, d_model=64, n_heads=4, dropout=0.2, final_norm=False, causal=False)
+
+
 @dataclass(frozen=True)
 class ForecasterConfig:
-    """A forecaster. ``n_channels``, ``lookback`` and ``horizon`` come from the data (the
-    experiment fills them in); the rest is the architecture."""
+    """A forecaster: its encoder, ``backbone`` (a :class:`TransformerConfig`; its keys are also
+    set flat, ``model.d_model=64``), and what is a forecaster's own. ``n_channels``, ``lookback``
+    and ``horizon`` come from the data (the experiment fills them in). The encoder's context is
+    the token count and it is bidirectional, so ``backbone.max_seq_len`` and ``backbone.causal``
+    are derived, not set."""
 
     family: str = "patch"  # "point" (a token per time step) or "patch" (PatchTST-style)
     n_channels: int = 7
     lookback: int = 512
     horizon: int = 96
-    n_layers: int = 3
-    d_model: int = 64
-    n_heads: int = 4
-    # an attention spec, or a comma-separated per-layer pattern; always bidirectional here
-    attention: str = "mha"
-    positions: str = "learned"  # "learned", "rotary" or "none" (bilinear kinds need learned or none)
-    mlp_ratio: float = 4.0
-    dropout: float = 0.2
-    attn_dropout: float | None = None  # inside attention; None: the same as dropout (PatchTST: 0)
+    # the encoder: an attention spec (or per-layer pattern), positions ("learned", "rotary" or
+    # "none"; bilinear kinds need learned or none), norm "layer" or "batch" (PatchTST), prenorm
+    # False for post-norm blocks (PatchTST), final_norm False so that the head sees the residual
+    # stream (a linear forecaster, embedding -> head, plus what attention and the MLPs add)
+    backbone: TransformerConfig = field(default_factory=_encoder)
     head_dropout: float = 0.0  # before the output head
-    qk_norm: bool = False
-    # False: no LayerNorm after the encoder, so the head sees the residual stream and the model
-    # holds a linear forecaster (embedding -> head) plus what attention and the MLPs add to it
-    final_norm: bool = False
-    norm: str = "layer"  # "layer" or "batch" (PatchTST)
-    prenorm: bool = True  # False: post-norm blocks (PatchTST)
-    bias: bool = False  # biases in the encoder's linear layers
     patch_len: int = 16  # patch family only
     stride: int = 8  # patch family only
     # patch family: add a linear map over time, Linear(L -> H) shared by the channels, of each
@@ -125,13 +122,14 @@ class ForecasterConfig:
     revin: bool = True
     revin_affine: bool = True
 
+    derived_fields = ("max_seq_len", "causal")  # of the backbone: set from the token count
+
     def __post_init__(self) -> None:
         require(self.family in ("point", "patch"), "model.family", "'point' or 'patch'", self.family)
         for name in ("n_channels", "lookback", "horizon", "patch_len", "stride"):
             check_positive_int(getattr(self, name), f"model.{name}")
-        require(self.norm in ("layer", "batch"), "model.norm", "'layer' or 'batch'", self.norm)
-        require(self.attn_dropout is None or 0 <= self.attn_dropout < 1, "model.attn_dropout",
-                "a probability in [0, 1), or null for model.dropout", self.attn_dropout)
+        require(self.backbone.attn_dropout is None or 0 <= self.backbone.attn_dropout < 1, "model.attn_dropout",
+                "a probability in [0, 1), or null for model.dropout", self.backbone.attn_dropout)
         require(0 <= self.head_dropout < 1, "model.head_dropout", "a probability in [0, 1)", self.head_dropout)
         if self.family == "patch":
             require(self.patch_len <= self.lookback, "model.patch_len", f"at most the lookback {self.lookback}", self.patch_len)
@@ -152,13 +150,7 @@ class ForecasterConfig:
     def backbone_config(self) -> TransformerConfig:
         """The bidirectional encoder; its context is exactly the token count, so MLR attention's
         default block sizes are ``n_tokens / 2^(l-1)``."""
-        return TransformerConfig(
-            n_layers=self.n_layers, d_model=self.d_model, n_heads=self.n_heads, max_seq_len=self.n_tokens,
-            attention=self.attention, positions=self.positions, mlp_ratio=self.mlp_ratio, dropout=self.dropout,
-            attn_dropout=self.attn_dropout,
-            qk_norm=self.qk_norm, causal=False, final_norm=self.final_norm, norm=self.norm, prenorm=self.prenorm,
-            bias=self.bias,
-        )
+        return dataclasses.replace(self.backbone, max_seq_len=self.n_tokens, causal=False)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -216,10 +208,10 @@ class PointForecaster(_Forecaster):
 
     def __init__(self, config: ForecasterConfig) -> None:
         super().__init__(config)
-        self.embed = nn.Linear(config.n_channels, config.d_model)
+        self.embed = nn.Linear(config.n_channels, config.backbone.d_model)
         self.time_proj = nn.Linear(config.lookback, config.horizon)
         self.head_drop = nn.Dropout(config.head_dropout)
-        self.out = nn.Linear(config.d_model, config.n_channels)
+        self.out = nn.Linear(config.backbone.d_model, config.n_channels)
 
     def _forecast(self, x: torch.Tensor) -> torch.Tensor:
         h = self.backbone(self.embed(x))  # (B, L, D)
@@ -228,7 +220,7 @@ class PointForecaster(_Forecaster):
 
     def _io_flops_per_example(self) -> float:
         c = self.config
-        return c.lookback * c.n_channels * c.d_model + c.d_model * c.lookback * c.horizon + c.horizon * c.d_model * c.n_channels
+        return c.lookback * c.n_channels * c.backbone.d_model + c.backbone.d_model * c.lookback * c.horizon + c.horizon * c.backbone.d_model * c.n_channels
 
 
 class PatchForecaster(_Forecaster):
@@ -239,9 +231,9 @@ class PatchForecaster(_Forecaster):
 
     def __init__(self, config: ForecasterConfig) -> None:
         super().__init__(config)
-        self.embed = nn.Linear(config.patch_len, config.d_model)
+        self.embed = nn.Linear(config.patch_len, config.backbone.d_model)
         self.head_drop = nn.Dropout(config.head_dropout)
-        self.head = nn.Linear(config.n_tokens * config.d_model, config.horizon)
+        self.head = nn.Linear(config.n_tokens * config.backbone.d_model, config.horizon)
         self.skip = nn.Linear(config.lookback, config.horizon) if config.linear_skip else None
         if self.skip is not None:  # start as the linear forecaster; the encoder adds to it
             nn.init.zeros_(self.head.weight)
@@ -261,7 +253,7 @@ class PatchForecaster(_Forecaster):
     def _io_flops_per_example(self) -> float:
         c = self.config
         skip = c.lookback * c.horizon if c.linear_skip else 0
-        return c.n_channels * (c.n_tokens * c.patch_len * c.d_model + c.n_tokens * c.d_model * c.horizon + skip)
+        return c.n_channels * (c.n_tokens * c.patch_len * c.backbone.d_model + c.n_tokens * c.backbone.d_model * c.horizon + skip)
 
 
 def build_forecaster(config: ForecasterConfig) -> PointForecaster | PatchForecaster:

@@ -114,18 +114,59 @@ def _field_types(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+def _nested(cls: type) -> dict[str, type]:
+    """The fields of a section dataclass that are dataclasses themselves (a forecaster's backbone)."""
+    hints = _field_types(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if dataclasses.is_dataclass(hints[f.name])}
+
+
 def _section_updates(section: str, cls: type, values: Any) -> dict[str, Any]:
+    """``values`` parsed by ``cls``'s field types. A field that is a dataclass takes a mapping
+    (``backbone: {d_model: 64}``) or dotted keys (``backbone.d_model``), and its keys also flat
+    (``d_model``), unless ``cls`` lists them in ``derived_fields`` (set from other fields)."""
     require(isinstance(values, dict), section, "a mapping of keys to values", type(values).__name__)
     hints = _field_types(cls)
-    out = {}
+    nested = _nested(cls)
+    derived = getattr(cls, "derived_fields", ())
+    flat = {k: name for name, sub in nested.items() for k in _field_types(sub) if k not in hints and k not in derived}
+    out: dict[str, Any] = {}
     for key, raw in values.items():
-        if key not in hints:
+        head, _, rest = key.partition(".") if isinstance(key, str) else (key, "", "")
+        if head in nested and (rest or isinstance(raw, dict)):
+            inner = {rest: raw} if rest else raw
+            out.setdefault(head, {}).update(_section_updates(f"{section}.{head}", nested[head], inner))
+        elif key in flat:
+            out.setdefault(flat[key], {}).update(_section_updates(section, nested[flat[key]], {key: raw}))
+        elif key in hints and key not in nested:
+            out[key] = parse_typed(raw, hints[key], f"{section}.{key}")
+        else:
             shown = key if isinstance(key, str) and key.isprintable() else repr(key)  # one line, whatever the key
-            raise ValueError(
-                f"unknown config key {section}.{shown}; valid keys in '{section}': {', '.join(sorted(hints))}"
-            )
-        out[key] = parse_typed(raw, hints[key], f"{section}.{key}")
+            valid = sorted({*hints, *flat} - set(nested)) + [f"{n}.<key>" for n in nested]
+            raise ValueError(f"unknown config key {section}.{shown}; valid keys in '{section}': {', '.join(valid)}")
     return out
+
+
+def _merge(into: dict[str, Any], new: dict[str, Any]) -> None:
+    """``into`` updated with ``new``, a nested field's updates merged rather than replaced."""
+    for key, value in new.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            into[key].update(value)
+        else:
+            into[key] = value
+
+
+def _build(section: str, cls: type, updates: dict[str, Any]) -> Any:
+    """``cls`` from parsed updates; a nested dataclass field's updates apply to its default (its
+    one-line errors name the section: ``model.norm: ...``)."""
+    for name in _nested(cls):
+        if name in updates:
+            default = next(f for f in dataclasses.fields(cls) if f.name == name)
+            base = default.default_factory() if default.default_factory is not dataclasses.MISSING else default.default
+            try:
+                updates = {**updates, name: dataclasses.replace(base, **updates[name])}
+            except ValueError as e:
+                raise ValueError(f"{section}.{e}") from None
+    return cls(**updates)
 
 
 def config_from_dict(cls: type[C], d: dict[str, Any] | None, overrides: list[str] | tuple[str, ...] = ()) -> C:
@@ -138,7 +179,7 @@ def config_from_dict(cls: type[C], d: dict[str, Any] | None, overrides: list[str
         if section not in sections:
             raise ValueError(f"unknown config section {section!r}; valid sections: {', '.join(sections)}")
         # An empty section (``model:`` alone) is no change; 0, [], "" or false is a mistake.
-        updates[section].update(_section_updates(section, sections[section], {} if values is None else values))
+        _merge(updates[section], _section_updates(section, sections[section], {} if values is None else values))
     for item in overrides:
         require(isinstance(item, str) and "=" in item, "override", "'section.key=value'", item)
         key, raw = item.split("=", 1)
@@ -147,8 +188,8 @@ def config_from_dict(cls: type[C], d: dict[str, Any] | None, overrides: list[str
             valid = ", ".join(f"{s}.<key>" for s in sections)
             raise ValueError(f"unknown config key {key!r}; expected one of {valid}")
         section, name = key.split(".", 1)
-        updates[section].update(_section_updates(section, sections[section], {name: raw}))
-    parts = {s: sections[s](**updates[s]) for s in sections}
+        _merge(updates[section], _section_updates(section, sections[section], {name: raw}))
+    parts = {s: _build(s, sections[s], updates[s]) for s in sections}
     return cls(**parts)
 
 
@@ -220,8 +261,15 @@ def config_keys(cls: type) -> list[tuple[str, str, Any]]:
     keys = []
     for section, section_cls in _sections(cls).items():
         values = getattr(defaults, section)
+        nested, derived = _nested(section_cls), getattr(section_cls, "derived_fields", ())
         for f in dataclasses.fields(section_cls):
-            keys.append((f"{section}.{f.name}", str(f.type), getattr(values, f.name)))
+            if f.name not in nested:
+                keys.append((f"{section}.{f.name}", str(f.type), getattr(values, f.name)))
+                continue
+            inner = getattr(values, f.name)  # listed flat, as they are set
+            for g in dataclasses.fields(inner):
+                if g.name not in derived:
+                    keys.append((f"{section}.{g.name}", str(g.type), getattr(inner, g.name)))
     return keys
 
 
