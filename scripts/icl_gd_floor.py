@@ -5,14 +5,14 @@ for what a transformer of a few layers can do (one layer of linear attention com
 
 For each ``d``, with ``n = 2d`` noise-free Gaussian examples (the experiment's ``N = 2d`` point),
 prints the expected normalised error of ``k`` steps from ``w = 0`` with the best step sizes
-(:func:`structured_attention.experiments.icl_baselines.best_gradient_descent`).
+(:func:`structured_attention.experiments.icl.baselines.best_gradient_descent`).
 """
 
 from __future__ import annotations
 
 import argparse
 
-from structured_attention.experiments.icl_baselines import best_gradient_descent
+from structured_attention.experiments.icl.baselines import best_gradient_descent
 
 
 def main() -> None:

@@ -18,7 +18,7 @@ from structured_attention.experiments.icl import (
     train_icl,
     training_flops,
 )
-from structured_attention.experiments.icl_baselines import (
+from structured_attention.experiments.icl.baselines import (
     averaging,
     best_gradient_descent,
     gradient_step,

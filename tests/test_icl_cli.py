@@ -8,7 +8,7 @@ from unittest import mock
 import pytest
 import torch
 
-from structured_attention.cli.icl import _trajectory
+from structured_attention.experiments.icl.cli import _trajectory
 from structured_attention.cli.main import main
 from structured_attention.experiments.icl import ICLConfig, build_icl_model, load_icl_config, training_flops, validation_prompts
 from structured_attention.training.checkpoint import load_checkpoint

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from structured_attention._files import claim, release
-from structured_attention.cli.common import run_grid
+from structured_attention.experiments.common import run_grid
 
 
 def _dead_pid() -> int:

@@ -305,7 +305,7 @@ def test_a_frozen_linear_skip_keeps_its_ridge_fit_while_the_encoder_learns(tmp_p
 
 
 def test_the_table_compares_the_published_windows_with_the_published_figures():
-    from structured_attention.cli.ts import PUBLISHED, table
+    from structured_attention.experiments.forecasting.cli import PUBLISHED, table
 
     def result(kind, seed, mse, published):
         return {"family": "patch", "horizon": 96, "kind": kind, "seed": seed, "test_mse": mse, "test_mae": 0.4,

@@ -1,3 +1,3 @@
-"""The ``sattn`` command: ``main.py`` parses and dispatches to one module per experiment (``lm``,
-``icl``, ``ts``: train, sweep, eval, plot), to the benchmarks (``bench*``) and to ``describe``;
-``common.py`` holds what they share."""
+"""The ``sattn`` command: ``main.py`` parses the command line and dispatches to each experiment's
+own command line (``experiments.EXPERIMENTS``: train, sweep, eval, plot), to the benchmarks
+(``bench*``; ``common.py`` holds what they share) and to ``describe``."""

@@ -36,7 +36,8 @@ from ..ops.mlr import mlr_attention, mlr_attention_reference
 from ..ops.mlr.blocked import mlr_attention_blocked
 from ..models import GPT, GPTConfig
 from . import bench_batches, bench_generate, bench_hf
-from .common import add_timing_options, bench_environment, check_bench_memory, parse_ranks, pyplot, time_ms
+from .._cli import pyplot
+from .common import add_timing_options, bench_environment, check_bench_memory, parse_ranks, time_ms
 
 LAYER_KINDS = "mha,swa:128,global_swa:32|32:window=128,mlr:8|8|8|8|8|8|8|8"
 LM_KINDS = "mha,swa:128,global_swa:32|32:window=128,mlr:16|16|16|16,mlr:32|16|8|8"

@@ -27,8 +27,9 @@ from typing import Any
 import torch
 
 from ..models import GPT, GPTConfig
-from .common import (add_timing_options, bench_environment, check_bench_memory, check_positive_options, number_list,
-                     pyplot, records_table, time_ms)
+from .._cli import number_list, pyplot
+from .common import (add_timing_options, bench_environment, check_bench_memory, check_positive_options, records_table,
+                     time_ms)
 
 GENERATE_KINDS = "mha,mlr:8|8|8|8|8|8|8|8"
 MODES = ("eager", "static", "compiled")

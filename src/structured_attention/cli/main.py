@@ -2,8 +2,9 @@
 the machine refuses (a full disk, a read-only or forbidden folder, memory) with one line naming
 the path and exit status 1; Ctrl-C before training starts with one line and exit status 130.
 
-Each experiment's CLI module (``cli/lm.py``, ...) adds its own ``sattn train <experiment>`` and
-``sattn sweep <experiment>`` subcommands and knows how to plot its sweeps (``plot(results, out)``).
+The commands are generic: each experiment's ``cli`` module (``experiments/lm/cli.py``, ...,
+listed in ``experiments.EXPERIMENTS``) adds its own ``sattn train <experiment>`` and ``sattn sweep
+<experiment>`` subcommands, evaluates its checkpoints and plots its sweeps (``plot(results, out)``).
 """
 
 from __future__ import annotations
@@ -15,10 +16,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from ..experiments import checkpoint_experiment
-from . import bench, describe, icl, lm, ts
-
-EXPERIMENTS = {module.EXPERIMENT: module for module in (lm, icl, ts)}
+from ..experiments import EXPERIMENTS, checkpoint_experiment
+from . import bench, describe
 
 
 class _Parser(argparse.ArgumentParser):
@@ -81,7 +80,7 @@ def run_eval(args: argparse.Namespace) -> int:
     checkpoint's error by number of examples beside the baselines', or a forecaster's validation
     and test MSE/MAE; the checkpoint's config says which."""
     from ..training.checkpoint import load_checkpoint
-    from .common import one_line_warnings, parse_device
+    from .._cli import one_line_warnings, parse_device
 
     if args.batch_size is not None and args.batch_size < 1:
         raise ValueError(f"--batch-size: expected a positive integer, got {args.batch_size}")

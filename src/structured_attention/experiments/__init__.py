@@ -1,17 +1,21 @@
-"""The experiments (docs/design.md, 'Experiments'), each a
-:class:`~structured_attention.training.Task` for the shared training loop plus its config and entry
-points:
+"""The experiments (docs/design.md, 'Experiments'), one folder each: its package holds its config,
+its :class:`~structured_attention.training.Task` for the shared training loop, loading and
+evaluation; its ``cli`` module its command line (``sattn train|sweep|eval|plot <name>``: the
+sweep's plan, the report's tables and plots), which :data:`EXPERIMENTS` lists by name:
 
 - :mod:`structured_attention.experiments.lm`: byte/char-level language modelling;
 - :mod:`structured_attention.experiments.icl`: in-context linear regression (baselines in
-  :mod:`structured_attention.experiments.icl_baselines`);
-- :mod:`structured_attention.experiments.forecasting`: long-range time-series forecasting (ETT).
+  :mod:`structured_attention.experiments.icl.baselines`);
+- :mod:`structured_attention.experiments.forecasting`: long-range time-series forecasting (ETT),
+  ``ts`` on the command line.
+
+Adding an experiment: its folder and one line in :data:`EXPERIMENTS`.
 """
 
 import warnings
 from typing import Any
 
-__all__ = ["checkpoint_experiment", "require_experiment"]
+__all__ = ["EXPERIMENTS", "checkpoint_experiment", "require_experiment"]
 
 _NAMES = {"lm": "a language model", "icl": "an in-context regression model", "ts": "a forecaster"}
 
@@ -44,3 +48,12 @@ def require_experiment(state: dict[str, Any], where: str, experiment: str) -> No
     found = checkpoint_experiment(state, where)
     if found != experiment:
         raise ValueError(f"checkpoint {where}: expected {_NAMES[experiment]}'s checkpoint, it holds {_NAMES[found]}")
+
+
+# Last: each experiment's modules import the helpers above.
+from .forecasting import cli as _forecasting  # noqa: E402
+from .icl import cli as _icl  # noqa: E402
+from .lm import cli as _lm  # noqa: E402
+
+# Each experiment's command line by its name (checkpoints and sweep folders record it).
+EXPERIMENTS = {module.EXPERIMENT: module for module in (_lm, _icl, _forecasting)}

@@ -24,16 +24,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from .._checks import require
-from ..data.timeseries import Scaler, SeriesData, load_series
-from ..models.forecasting import ForecasterConfig, build_forecaster
-from ..models.protocol import TrainableModel
-from ..models.transformer import TransformerConfig
-from ..training.checkpoint import LoadedCheckpoint, check_compatible, load_checkpoint
-from ..training.config import OptimConfig, RunConfig, config_from_dict, load_config
-from ..training.distributed import DistInfo
-from ..training.loop import Task, fit
-from . import require_experiment
+from ..._checks import require
+from ...data.timeseries import Scaler, SeriesData, load_series
+from ...models.forecasting import ForecasterConfig, build_forecaster
+from ...models.protocol import TrainableModel
+from ...models.transformer import TransformerConfig
+from ...training.checkpoint import LoadedCheckpoint, check_compatible, load_checkpoint
+from ...training.config import OptimConfig, RunConfig, config_from_dict, load_config
+from ...training.distributed import DistInfo
+from ...training.loop import Task, fit
+from .. import require_experiment
 
 __all__ = [
     "ForecastTask",

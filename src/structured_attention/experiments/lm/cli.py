@@ -28,11 +28,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..experiments.lm import LMConfig
-from ..models.gpt import GPT
-from ..training.budget import steps_for_flops
-from ..training.checkpoint import LoadedCheckpoint
-from .common import add_sweep_parser, add_train_parser, best_per_kind_width, markdown_cell, number_list, one_line_warnings, parse_device, print_plan, pyplot, run_grid, slug
+from . import LMConfig
+from ...models.gpt import GPT
+from ...training.budget import steps_for_flops
+from ...training.checkpoint import LoadedCheckpoint
+from ..._cli import markdown_cell, number_list, one_line_warnings, parse_device, pyplot
+from ..common import add_sweep_parser, add_train_parser, best_per_kind_width, print_plan, run_grid, slug
 
 EXPERIMENT = "lm"
 
@@ -70,7 +71,7 @@ def add_parsers(top: argparse._SubParsersAction, train: argparse._SubParsersActi
 
 
 def run_train_lm(args: argparse.Namespace) -> int:
-    from ..experiments.lm import load_lm_config, train_lm
+    from . import load_lm_config, train_lm
 
     config = load_lm_config(args.config, args.overrides)
     with one_line_warnings("train"):
@@ -88,8 +89,8 @@ def run_eval(args: argparse.Namespace, ckpt: LoadedCheckpoint) -> int:
     """``sattn eval`` on a language-model checkpoint: validation loss and bits per byte."""
     import numpy as np
 
-    from ..data import load_corpus
-    from ..experiments.lm import evaluate_lm, load_lm
+    from ...data import load_corpus
+    from . import evaluate_lm, load_lm
 
     if args.examples is not None:
         raise ValueError(f"--examples: applies to in-context regression checkpoints; {ckpt.path} is a language model's")
@@ -118,7 +119,7 @@ def run_eval(args: argparse.Namespace, ckpt: LoadedCheckpoint) -> int:
 def run_generate(args: argparse.Namespace) -> int:
     import torch
 
-    from ..experiments.lm import load_lm
+    from . import load_lm
 
     if not args.prompt:
         raise ValueError("--prompt: expected at least one character, got ''")
@@ -168,7 +169,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every run of the sweep: its name, overrides, steps and training FLOPs."""
-    from ..experiments.lm import load_lm_config
+    from . import load_lm_config
 
     base = load_lm_config(args.config, args.overrides)
     kinds = [k.strip() for k in args.kinds.split(";") if k.strip()]
@@ -224,7 +225,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     print_plan(out, runs)
     if args.dry_run:
         return 0
-    from ..experiments.lm import load_lm_config, train_lm
+    from . import load_lm_config, train_lm
 
     def train_one(r: dict[str, Any], resume: bool) -> dict[str, Any]:
         train_lm(load_lm_config(args.config, r["overrides"]), resume=resume)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_positive_int, require
+from ..._checks import check_positive_int, require
 
 __all__ = ["BASELINES", "averaging", "baseline_predictions", "best_gradient_descent", "gradient_step", "least_squares", "nearest_neighbours", "ridge"]
 

@@ -22,16 +22,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from .._checks import require
-from ..data import Corpus, Tokenizer, eval_batches, load_corpus, sample_batch, tokenizer_from_json
-from ..models.gpt import GPT, GPTConfig
-from ..models.protocol import TrainableModel
-from ..models.transformer import TransformerConfig
-from ..training.checkpoint import LoadedCheckpoint, check_compatible, load_checkpoint
-from ..training.config import OptimConfig, RunConfig, config_from_dict, load_config
-from ..training.distributed import DistInfo
-from ..training.loop import Task, autocast_context, fit
-from . import require_experiment
+from ..._checks import require
+from ...data import Corpus, Tokenizer, eval_batches, load_corpus, sample_batch, tokenizer_from_json
+from ...models.gpt import GPT, GPTConfig
+from ...models.protocol import TrainableModel
+from ...models.transformer import TransformerConfig
+from ...training.checkpoint import LoadedCheckpoint, check_compatible, load_checkpoint
+from ...training.config import OptimConfig, RunConfig, config_from_dict, load_config
+from ...training.distributed import DistInfo
+from ...training.loop import Task, autocast_context, fit
+from .. import require_experiment
 
 __all__ = [
     "DataConfig",

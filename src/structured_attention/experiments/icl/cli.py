@@ -30,9 +30,10 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from ..experiments.icl import ICLConfig
-from ..training.checkpoint import LoadedCheckpoint
-from .common import add_sweep_parser, add_train_parser, best_per_kind_width, markdown_cell, number_list, one_line_warnings, print_plan, pyplot, run_grid, slug
+from . import ICLConfig
+from ...training.checkpoint import LoadedCheckpoint
+from ..._cli import markdown_cell, number_list, one_line_warnings, pyplot
+from ..common import add_sweep_parser, add_train_parser, best_per_kind_width, print_plan, run_grid, slug
 
 EXPERIMENT = "icl"
 
@@ -68,7 +69,7 @@ def _summary(result: dict[str, Any], n_dims: int) -> list[str]:
 
 
 def run_train_icl(args: argparse.Namespace) -> int:
-    from ..experiments.icl import load_icl_config, train_icl
+    from . import load_icl_config, train_icl
 
     config = load_icl_config(args.config, args.overrides)
     with one_line_warnings("train"):
@@ -94,7 +95,7 @@ def example_counts(n_examples: int) -> list[int]:
 def run_eval(args: argparse.Namespace, ckpt: LoadedCheckpoint) -> int:
     """``sattn eval`` on an in-context regression checkpoint: the model's and every baseline's
     normalised MSE by number of in-context examples, on the run's validation prompts."""
-    from ..experiments.icl import error_curves, load_icl, validation_prompts
+    from . import error_curves, load_icl, validation_prompts
 
     for flag, value in (("--source", args.source), ("--max-batches", args.max_batches),
                         ("--pack-documents", args.pack_documents)):
@@ -143,8 +144,8 @@ def parse_kinds(text: str, default_heads: int) -> list[tuple[str, int]]:
 
 def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every run of the sweep: its name, overrides, steps and training FLOPs."""
-    from ..experiments.icl import build_icl_model, load_icl_config, training_flops
-    from ..training.budget import steps_for_flops
+    from . import build_icl_model, load_icl_config, training_flops
+    from ...training.budget import steps_for_flops
 
     base = load_icl_config(args.config, args.overrides)
     if args.heads <= 0:
@@ -195,8 +196,8 @@ def _metrics(run_dir: Path) -> list[dict[str, Any]]:
 def _trajectory(run_dir: Path) -> list[tuple[float, float]]:
     """The validation error after each evaluation of a run against the training FLOPs spent by then,
     counted along the curriculum as the sweep's budgets are (the log's own count assumes full prompts)."""
-    from ..experiments.icl import ICLConfig, build_icl_model, training_flops
-    from ..training.config import load_run_config
+    from . import ICLConfig, build_icl_model, training_flops
+    from ...training.config import load_run_config
 
     rows = {r["step"]: r["val_mse_last"] for r in _metrics(run_dir) if "val_mse_last" in r}  # a resumed run logs a step twice
     if not rows or not (run_dir / "config.json").is_file():
@@ -212,7 +213,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     print_plan(out, runs)
     if args.dry_run:
         return 0
-    from ..experiments.icl import load_icl_config, train_icl
+    from . import load_icl_config, train_icl
 
     def train_one(r: dict[str, Any], resume: bool) -> dict[str, Any]:
         with one_line_warnings("sweep"):

@@ -28,9 +28,10 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from ..experiments.forecasting import TSConfig
-from ..training.checkpoint import LoadedCheckpoint
-from .common import add_sweep_parser, add_train_parser, markdown_cell, number_list, one_line_warnings, print_plan, pyplot, run_grid, slug
+from . import TSConfig
+from ...training.checkpoint import LoadedCheckpoint
+from ..._cli import markdown_cell, number_list, one_line_warnings, pyplot
+from ..common import add_sweep_parser, add_train_parser, print_plan, run_grid, slug
 
 EXPERIMENT = "ts"
 
@@ -60,7 +61,7 @@ def _report(result: dict[str, Any]) -> str:
 
 
 def run_train_ts(args: argparse.Namespace) -> int:
-    from ..experiments.forecasting import load_ts_config, train_ts
+    from . import load_ts_config, train_ts
 
     config = load_ts_config(args.config, args.overrides)
     with one_line_warnings("train"):
@@ -77,7 +78,7 @@ def run_eval(args: argparse.Namespace, ckpt: LoadedCheckpoint) -> int:
     published figures used."""
     import numpy as np
 
-    from ..experiments.forecasting import PUBLISHED_TEST_BATCH, checkpoint_series, forecast_metrics, load_forecaster
+    from . import PUBLISHED_TEST_BATCH, checkpoint_series, forecast_metrics, load_forecaster
 
     for flag, value, kind in (("--examples", args.examples, "in-context regression"),
                               ("--max-batches", args.max_batches, "language-model"),
@@ -105,7 +106,7 @@ def run_eval(args: argparse.Namespace, ckpt: LoadedCheckpoint) -> int:
 def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every run of the sweep: its name, horizon, kind, seed and overrides (each checked by
     building its config, so a bad kind or horizon fails before anything trains)."""
-    from ..experiments.forecasting import load_ts_config
+    from . import load_ts_config
 
     base = load_ts_config(args.config, args.overrides)
     horizons = number_list(args.horizons, "--horizons")
@@ -132,7 +133,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     print_plan(out, runs)
     if args.dry_run:
         return 0
-    from ..experiments.forecasting import load_ts_config, train_ts
+    from . import load_ts_config, train_ts
 
     def train_one(r: dict[str, Any], resume: bool) -> dict[str, Any]:
         with one_line_warnings("sweep"):

@@ -8,7 +8,7 @@ every ``y_i`` from the examples before it.
   as the shared loop (:func:`training.fit`) sees them; the training loss is the squared error of
   the ``y`` predictions divided by the active dimensions;
 - :func:`error_curves`: MSE normalised by ``d`` against the number of in-context examples, for the
-  model and the baselines of :mod:`.icl_baselines` on the same prompts;
+  model and the baselines of :mod:`.baselines` on the same prompts;
 - :func:`train_icl` -> dict (per-step losses, error curves, curriculum-exact training FLOPs);
 - :func:`load_icl`: a trained model and its config back from a checkpoint.
 
@@ -25,17 +25,17 @@ from typing import Any, TextIO
 import torch
 from torch import nn
 
-from .._checks import require
-from ..data.regression import Curriculum, Prompts, sample_prompts
-from ..models.regression import RegressionTransformer
-from ..models.protocol import TrainableModel
-from ..models.transformer import TransformerConfig
-from ..training.checkpoint import LoadedCheckpoint, check_compatible, load_checkpoint
-from ..training.config import OptimConfig, RunConfig, config_from_dict, load_config
-from ..training.distributed import DistInfo
-from ..training.loop import Task, fit
-from . import require_experiment
-from .icl_baselines import baseline_predictions
+from ..._checks import require
+from ...data.regression import Curriculum, Prompts, sample_prompts
+from ...models.regression import RegressionTransformer
+from ...models.protocol import TrainableModel
+from ...models.transformer import TransformerConfig
+from ...training.checkpoint import LoadedCheckpoint, check_compatible, load_checkpoint
+from ...training.config import OptimConfig, RunConfig, config_from_dict, load_config
+from ...training.distributed import DistInfo
+from ...training.loop import Task, fit
+from .. import require_experiment
+from .baselines import baseline_predictions
 
 __all__ = [
     "ICLConfig",
@@ -192,7 +192,7 @@ def error_curves(
 ) -> dict[str, list[float]]:
     """Normalised MSE against the number of in-context examples for the model (``"model"``, when
     given) and every baseline, on the same prompts (``noise_to_signal``: see
-    :func:`.icl_baselines.gradient_step`)."""
+    :func:`.baselines.gradient_step`)."""
     curves = {}
     if model is not None:
         curves["model"] = normalised_errors(model_predictions(model, prompts, batch_size), prompts)
