@@ -9,15 +9,14 @@ sweep's plan, the report's tables and plots), which :data:`EXPERIMENTS` lists by
 - :mod:`structured_attention.experiments.forecasting`: long-range time-series forecasting (ETT),
   ``ts`` on the command line.
 
-Adding an experiment: its folder and one line in :data:`EXPERIMENTS`.
+Adding an experiment: its folder (its ``cli`` module names it: ``EXPERIMENT``, and ``NOUN`` for
+messages) and one line in :data:`EXPERIMENTS`.
 """
 
 import warnings
 from typing import Any
 
 __all__ = ["EXPERIMENTS", "checkpoint_experiment", "require_experiment"]
-
-_NAMES = {"lm": "a language model", "icl": "an in-context regression model", "ts": "a forecaster"}
 
 
 def checkpoint_experiment(state: dict[str, Any], where: str = "a checkpoint") -> str:
@@ -27,8 +26,8 @@ def checkpoint_experiment(state: dict[str, Any], where: str = "a checkpoint") ->
     in-context regression has ``task``, only forecasting ``data.lookback``), with a warning."""
     recorded = state.get("experiment")
     if recorded is not None:
-        if recorded not in _NAMES:
-            raise ValueError(f"checkpoint {where}: expected an experiment among {sorted(_NAMES)}, it records "
+        if recorded not in EXPERIMENTS:
+            raise ValueError(f"checkpoint {where}: expected an experiment among {sorted(EXPERIMENTS)}, it records "
                              f"{recorded!r}")
         return recorded
     config = state.get("config")
@@ -47,7 +46,8 @@ def require_experiment(state: dict[str, Any], where: str, experiment: str) -> No
     """One-line ``ValueError`` unless the checkpoint at ``where`` is ``experiment``'s."""
     found = checkpoint_experiment(state, where)
     if found != experiment:
-        raise ValueError(f"checkpoint {where}: expected {_NAMES[experiment]}'s checkpoint, it holds {_NAMES[found]}")
+        raise ValueError(f"checkpoint {where}: expected {EXPERIMENTS[experiment].NOUN}'s checkpoint, it holds "
+                         f"{EXPERIMENTS[found].NOUN}")
 
 
 # Last: each experiment's modules import the helpers above.

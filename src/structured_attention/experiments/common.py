@@ -14,7 +14,7 @@ from typing import Any
 from .._files import atomic_write, claim, release
 from ..training.checkpoint import find_checkpoints
 
-__all__ = ["add_sweep_parser", "add_train_parser", "best_per_kind_width", "print_plan", "run_grid", "slug"]
+__all__ = ["add_sweep_parser", "add_train_parser", "best_per_kind_width", "print_plan", "run_grid", "run_sweep", "slug"]
 
 
 def add_train_parser(train: argparse._SubParsersAction, name: str, help: str, description: str,
@@ -124,3 +124,16 @@ def run_grid(
         results.append(json.loads(done.read_text()))
         print(f"done {r['name']}", flush=True)
     return results
+
+
+def run_sweep(args: argparse.Namespace, experiment: str, runs: list[dict[str, Any]],
+              train_one: Callable[[dict[str, Any], bool], dict[str, Any]], report: Callable[[dict[str, Any]], str]) -> int:
+    """``sattn sweep <experiment>``: print the plan (and stop there with ``--dry-run``), train the
+    runs in ``args.out`` with :func:`run_grid`, and print one ``report`` line per finished run."""
+    out = Path(args.out)
+    print_plan(out, runs)
+    if args.dry_run:
+        return 0
+    for result in run_grid(out, experiment, runs, train_one):
+        print(f"{result['name']}: {report(result)}")
+    return 0

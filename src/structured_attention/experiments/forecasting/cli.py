@@ -31,9 +31,10 @@ from typing import Any
 from . import TSConfig
 from ...training.checkpoint import LoadedCheckpoint
 from ..._cli import markdown_cell, number_list, one_line_warnings, pyplot
-from ..common import add_sweep_parser, add_train_parser, print_plan, run_grid, slug
+from ..common import add_sweep_parser, add_train_parser, slug, run_sweep as sweep
 
 EXPERIMENT = "ts"
+NOUN = "a forecaster"  # in messages: "expected a forecaster's checkpoint"
 
 # Published ETTh1 multivariate test (MSE, MAE) on normalised data, as the papers report them:
 # PatchTST/64 (Nie et al., 2023, lookback 512) and DLinear (Zeng et al., 2023, lookback 336).
@@ -128,21 +129,13 @@ def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def run_sweep(args: argparse.Namespace) -> int:
-    runs = plan(args)
-    out = Path(args.out)
-    print_plan(out, runs)
-    if args.dry_run:
-        return 0
     from . import load_ts_config, train_ts
 
     def train_one(r: dict[str, Any], resume: bool) -> dict[str, Any]:
         with one_line_warnings("sweep"):
             return train_ts(load_ts_config(args.config, r["overrides"]), resume=resume)
 
-    results = run_grid(out, EXPERIMENT, runs, train_one)
-    for r in results:
-        print(f"{r['name']}: {_report(r)}")
-    return 0
+    return sweep(args, EXPERIMENT, plan(args), train_one, _report)
 
 
 # -- plots and tables ------------------------------------------------------------------------------

@@ -33,9 +33,10 @@ from typing import Any
 from . import ICLConfig
 from ...training.checkpoint import LoadedCheckpoint
 from ..._cli import markdown_cell, number_list, one_line_warnings, pyplot
-from ..common import add_sweep_parser, add_train_parser, best_per_kind_width, print_plan, run_grid, slug
+from ..common import add_sweep_parser, add_train_parser, best_per_kind_width, slug, run_sweep as sweep
 
 EXPERIMENT = "icl"
+NOUN = "an in-context regression model"  # in messages: "expected an in-context regression model's checkpoint"
 
 
 def add_parsers(top: argparse._SubParsersAction, train: argparse._SubParsersAction,
@@ -208,24 +209,17 @@ def _trajectory(run_dir: Path) -> list[tuple[float, float]]:
 
 
 def run_sweep(args: argparse.Namespace) -> int:
-    runs = plan(args)
-    out = Path(args.out)
-    print_plan(out, runs)
-    if args.dry_run:
-        return 0
     from . import load_icl_config, train_icl
 
     def train_one(r: dict[str, Any], resume: bool) -> dict[str, Any]:
         with one_line_warnings("sweep"):
             result = train_icl(load_icl_config(args.config, r["overrides"]), resume=resume)
         return {"mse_last": result["mse_last"], "curves": result["curves"], "flops": result["flops"],
-                "steps_done": result["steps"], "wall_s": result["wall_s"], "tokens_per_s": _throughput(out / r["name"]),
-                "n_dims": result["config"]["task"]["n_dims"]}
+                "steps_done": result["steps"], "wall_s": result["wall_s"],
+                "tokens_per_s": _throughput(Path(args.out) / r["name"]), "n_dims": result["config"]["task"]["n_dims"]}
 
-    results = run_grid(out, EXPERIMENT, runs, train_one)
-    for r in results:
-        print(f"{r['name']}: normalised MSE {r['mse_last']:.4f} with {len(r['curves']['model']) - 1} examples")
-    return 0
+    return sweep(args, EXPERIMENT, plan(args), train_one,
+                 lambda r: f"normalised MSE {r['mse_last']:.4f} with {len(r['curves']['model']) - 1} examples")
 
 
 def matched_flops_table(best: list[dict[str, Any]]) -> list[str]:

@@ -33,9 +33,10 @@ from ...models.gpt import GPT
 from ...training.budget import steps_for_flops
 from ...training.checkpoint import LoadedCheckpoint
 from ..._cli import markdown_cell, number_list, one_line_warnings, parse_device, pyplot
-from ..common import add_sweep_parser, add_train_parser, best_per_kind_width, print_plan, run_grid, slug
+from ..common import add_sweep_parser, add_train_parser, best_per_kind_width, slug, run_sweep as sweep
 
 EXPERIMENT = "lm"
+NOUN = "a language model"  # in messages: "expected a language model's checkpoint"
 
 
 def add_parsers(top: argparse._SubParsersAction, train: argparse._SubParsersAction,
@@ -220,24 +221,16 @@ def _result(run_dir: Path) -> dict[str, Any] | None:
 
 
 def run_sweep(args: argparse.Namespace) -> int:
-    runs = plan(args)
-    out = Path(args.out)
-    print_plan(out, runs)
-    if args.dry_run:
-        return 0
     from . import load_lm_config, train_lm
 
     def train_one(r: dict[str, Any], resume: bool) -> dict[str, Any]:
         train_lm(load_lm_config(args.config, r["overrides"]), resume=resume)
-        result = _result(out / r["name"])
+        result = _result(Path(args.out) / r["name"])
         if result is None:
-            raise ValueError(f"sweep: run {r['name']} left no validation metrics in {out / r['name']}")
+            raise ValueError(f"sweep: run {r['name']} left no validation metrics in {Path(args.out) / r['name']}")
         return result
 
-    results = run_grid(out, EXPERIMENT, runs, train_one)
-    for r in results:
-        print(f"{r['name']}: {r['val_bpb']:.4f} bits/byte")
-    return 0
+    return sweep(args, EXPERIMENT, plan(args), train_one, lambda r: f"{r['val_bpb']:.4f} bits/byte")
 
 
 def plot(results: list[dict[str, Any]], out: Path) -> int:
