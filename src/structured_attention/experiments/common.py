@@ -24,8 +24,9 @@ def add_train_parser(train: argparse._SubParsersAction, name: str, help: str, de
     from ..configs import shipped_configs
     from ..training.config import config_keys
 
-    width = max(len(key) for key, _, _ in config_keys(config_cls))
-    keys = "\n".join(f"  {key:<{width}}  {kind}, default {default!r}" for key, kind, default in config_keys(config_cls))
+    listed = config_keys(config_cls)
+    width = max(len(key) for key, _, _ in listed)
+    keys = "\n".join(f"  {key:<{width}}  {kind}, default {default!r}" for key, kind, default in listed)
     t = train.add_parser(name, help=help, description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
                          epilog=f"config keys (section.key=value):\n{keys}")
     shipped = ", ".join(c for c in shipped_configs() if c.startswith(f"{name}-"))

@@ -28,12 +28,12 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from . import TSConfig
+from . import ForecastTask, TSConfig
 from ...training.checkpoint import LoadedCheckpoint
 from ..._cli import markdown_cell, number_list, one_line_warnings, pyplot
 from ..common import add_sweep_parser, add_train_parser, slug, run_sweep as sweep
 
-EXPERIMENT = "ts"
+EXPERIMENT = ForecastTask.experiment  # the name its checkpoints record
 NOUN = "a forecaster"  # in messages: "expected a forecaster's checkpoint"
 
 # Published ETTh1 multivariate test (MSE, MAE) on normalised data, as the papers report them:
@@ -46,11 +46,11 @@ PUBLISHED = {
 
 def add_parsers(top: argparse._SubParsersAction, train: argparse._SubParsersAction,
                 sweep: argparse._SubParsersAction) -> None:
-    add_train_parser(train, "ts", "train a forecaster (ETT or any CSV) and report test MSE/MAE",
+    add_train_parser(train, EXPERIMENT, "train a forecaster (ETT or any CSV) and report test MSE/MAE",
                      "Train a point-token or patch forecaster from a YAML config plus section.key=value "
                      "overrides, e.g. data.source=ETTh1.csv data.horizon=336 model.attention=mlr:8|4|4.", run_train_ts, TSConfig)
 
-    s = add_sweep_parser(sweep, "ts", "horizons x attention kinds x seeds; test MSE/MAE of each", "runs/sweep-ts", run_sweep)
+    s = add_sweep_parser(sweep, EXPERIMENT, "horizons x attention kinds x seeds; test MSE/MAE of each", "runs/sweep-ts", run_sweep)
     s.add_argument("--horizons", default="96,192,336,720", help="comma-separated horizons (default 96,192,336,720)")
     s.add_argument("--kinds", default="mha;mlr:8|4|4", help="';'-separated attention specs (default mha;mlr:8|4|4)")
     s.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")

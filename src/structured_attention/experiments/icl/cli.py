@@ -30,23 +30,23 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from . import ICLConfig
+from . import ICLConfig, ICLTask
 from ...training.checkpoint import LoadedCheckpoint
 from ..._cli import markdown_cell, number_list, one_line_warnings, pyplot
 from ..common import add_sweep_parser, add_train_parser, best_per_kind_width, slug, run_sweep as sweep
 
-EXPERIMENT = "icl"
+EXPERIMENT = ICLTask.experiment  # the name its checkpoints record
 NOUN = "an in-context regression model"  # in messages: "expected an in-context regression model's checkpoint"
 
 
 def add_parsers(top: argparse._SubParsersAction, train: argparse._SubParsersAction,
                 sweep: argparse._SubParsersAction) -> None:
-    add_train_parser(train, "icl", "train an in-context linear regression model",
+    add_train_parser(train, EXPERIMENT, "train an in-context linear regression model",
                      "Train a causal transformer on in-context linear regression from a YAML config plus "
                      "section.key=value overrides, e.g. task.n_dims=16 model.attention=bilinear_btt:1 model.d_model=32.",
                      run_train_icl, ICLConfig)
 
-    s = add_sweep_parser(sweep, "icl", "widths x attention kinds x learning rates at matched training FLOPs",
+    s = add_sweep_parser(sweep, EXPERIMENT, "widths x attention kinds x learning rates at matched training FLOPs",
                          "runs/sweep-icl", run_sweep)
     s.add_argument("--widths", default="16,32,64", help="comma-separated d_model values (default 16,32,64)")
     s.add_argument("--kinds", default="mha@8;mha@1;bilinear_btt:1@8;bilinear_mlr:8|4|2@8",

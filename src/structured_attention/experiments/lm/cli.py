@@ -28,20 +28,20 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from . import LMConfig
+from . import LMConfig, LMTask
 from ...models.gpt import GPT
 from ...training.budget import steps_for_flops
 from ...training.checkpoint import LoadedCheckpoint
 from ..._cli import markdown_cell, number_list, one_line_warnings, parse_device, pyplot
 from ..common import add_sweep_parser, add_train_parser, best_per_kind_width, slug, run_sweep as sweep
 
-EXPERIMENT = "lm"
+EXPERIMENT = LMTask.experiment  # the name its checkpoints record
 NOUN = "a language model"  # in messages: "expected a language model's checkpoint"
 
 
 def add_parsers(top: argparse._SubParsersAction, train: argparse._SubParsersAction,
                 sweep: argparse._SubParsersAction) -> None:
-    add_train_parser(train, "lm", "train a GPT language model",
+    add_train_parser(train, EXPERIMENT, "train a GPT language model",
                      "Train a GPT language model from a YAML config plus section.key=value overrides, "
                      "e.g. model.attention=mlr:16|16|16|16 optim.lr=3e-3 run.steps=2000.", run_train_lm, LMConfig)
 
@@ -61,7 +61,7 @@ def add_parsers(top: argparse._SubParsersAction, train: argparse._SubParsersActi
                         "reduce-overhead, CUDA graphs, or a backend name)")
     g.set_defaults(run=run_generate)
 
-    s = add_sweep_parser(sweep, "lm", "widths x attention kinds x learning rates at matched training FLOPs",
+    s = add_sweep_parser(sweep, EXPERIMENT, "widths x attention kinds x learning rates at matched training FLOPs",
                          "runs/sweep-lm", run_sweep)
     s.add_argument("--widths", default="64,128,256", help="comma-separated d_model values (default 64,128,256)")
     s.add_argument("--head-dim", type=int, default=32, help="head dim; heads = width / head-dim (default 32)")
