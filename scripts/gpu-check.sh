@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check of the kernels, for a machine with one CUDA GPU: the Triton and compile tests on the GPU, the
 # tile-setting and decoding timings, and the issue-3 benchmarks in bfloat16.
-#   scripts/gpu-check.sh [OUT_DIR] [tests|tune|decode|varlen|generate|ncu|bench|all]
+#   scripts/gpu-check.sh [OUT_DIR] [tests|tune|decode|varlen|generate|ncu|bench|all|suite] [K/N]
 # (default OUT_DIR runs/gpu-check, or $OUT on the lent device machine; default all). On an H100 the
 # tests take about 5 minutes (most of it compiling), tune about 4 and bench about 3, so a machine
 # that stops a command after 10 minutes needs two calls. decode is the short one for a small
@@ -12,6 +12,10 @@
 # generate (about 6 minutes, not part of all) runs the static-cache tests on the GPU and times
 # generation per kind, growing and static caches, eager and CUDA-graph-captured. ncu (about 2 minutes, not part of all)
 # writes Nsight Compute's profile of the decoding and prefill kernels beside flash attention's.
+# suite K/N (not part of all) runs the K-th of N shards of the whole test suite (every N-th test
+# file) on 14 workers, one line per test as it finishes, so a run stopped by the machine's time
+# limit still names its failures; on an H200 the whole suite takes more than 400 s, so use 1/2
+# and 2/2 in two calls.
 # Needs python3 with torch (CUDA), triton, numpy, pyyaml, safetensors, pytest, matplotlib; the
 # package is used from src/ without installing it.
 set -uo pipefail
@@ -34,6 +38,20 @@ if [[ $step == tests || $step == all ]]; then
     python3 -m pytest -q -p no:cacheprovider tests/test_mlr_grid.py tests/test_mlr_triton.py tests/test_mlr_decode.py \
         tests/test_compile.py -k "not inductor and not training_step" 2>&1 \
         | tee "$out/tests.log" | tail -n 5 || status=1
+fi
+if [[ $step == suite ]]; then
+    shard=${3:-1/1}
+    mapfile -t files < <(python3 - "$shard" <<'PY'
+import pathlib, sys
+k, n = map(int, sys.argv[1].split("/"))
+files = sorted(str(p) for p in pathlib.Path("tests").glob("test_*.py"))
+print("\n".join(files[k - 1::n]))
+PY
+)
+    # the project's addopts say -q, which would cancel -v: cleared here so every test is named
+    timeout 540 python3 -m pytest -o addopts= -p no:cacheprovider -n 14 -v -rfE --tb=short \
+        "${files[@]}" > "$out/suite-${shard/\//of}.log" 2>&1 || status=1
+    grep -E "^(FAILED|ERROR) |[0-9]+ (passed|failed)" "$out/suite-${shard/\//of}.log" | tail -n 40
 fi
 if [[ $step == tune || $step == all ]]; then
     python3 scripts/tune_mlr_triton.py --out "$out/tune.json" 2>&1 | tee "$out/tune.log" || status=1
