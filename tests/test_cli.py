@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -60,3 +61,18 @@ def test_train_prints_its_config_and_help_lists_every_key(tmp_path, capsys):
             main(["train", experiment, "--help"])
         help_text = capsys.readouterr().out
         assert any(row.split()[:1] == [line] and ", default " in row for row in help_text.splitlines())
+
+
+def test_eval_help_lists_each_experiments_flags_under_its_checkpoints(capsys):
+    """Every flag an experiment declares for ``sattn eval`` is listed in a group naming that
+    experiment's checkpoints (a flag several declare: one group naming them all)."""
+    from structured_attention.experiments import EXPERIMENTS
+
+    with pytest.raises(SystemExit):
+        main(["eval", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    sections = help_text.split("the checkpoints of ")[1:]
+    for module in EXPERIMENTS.values():
+        for flag in module.EVAL_FLAGS:
+            owners = [m.NOUN for m in EXPERIMENTS.values() if flag in m.EVAL_FLAGS]
+            assert any(s.startswith(" or ".join(owners) + ":") and re.search(rf" {flag}[ ,]", s) for s in sections), flag

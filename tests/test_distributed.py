@@ -29,9 +29,9 @@ WORKER = textwrap.dedent(
     # a wrapper that outlives training holds the process group until interpreter exit (a SIGABRT there)
     gc.disable()
     assert not any(isinstance(o, DistributedDataParallel) for o in gc.get_objects()), "the DDP wrapper outlived train_lm"
-    if result["rank"] == 0:
+    if result.rank == 0:
         with open(sys.argv[2], "w") as f:
-            json.dump({"losses": result["losses"], "world_size": result["world_size"], "bpb": result["final_val_bpb"]}, f)
+            json.dump({"losses": result.losses, "world_size": result.world_size, "bpb": result.val_bpb}, f)
     """
 )
 
@@ -79,10 +79,10 @@ def test_two_processes_match_one(tmp_path, fsdp):
     single = train_lm(load_lm_config(None, common + ["run.batch_size=8", f"run.out_dir={tmp_path / 'single'}"]))
     multi = launch(tmp_path, common + ["run.batch_size=4", f"run.out_dir={tmp_path / 'multi'}", f"run.fsdp={fsdp}"])
     assert multi["world_size"] == 2
-    assert len(multi["losses"]) == len(single["losses"]) == 4
-    for a, b in zip(multi["losses"], single["losses"]):
-        assert abs(a - b) < 1e-5, (multi["losses"], single["losses"])
-    assert abs(multi["bpb"] - single["final_val_bpb"]) < 1e-4  # both evaluate the whole validation split
+    assert len(multi["losses"]) == len(single.losses) == 4
+    for a, b in zip(multi["losses"], single.losses):
+        assert abs(a - b) < 1e-5, (multi["losses"], single.losses)
+    assert abs(multi["bpb"] - single.val_bpb) < 1e-4  # both evaluate the whole validation split
     # only rank 0 wrote the checkpoint and the metrics
     assert (tmp_path / "multi" / "ckpt").is_dir() and (tmp_path / "multi" / "metrics.jsonl").is_file()
     # the checkpoint has the plain model's parameter names (no DDP "module." prefix): it loads as is

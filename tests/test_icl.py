@@ -250,8 +250,8 @@ def test_a_short_training_run_learns_in_context(tmp_path):
         "run.steps=300", "run.batch_size=32", "run.eval_every=0", "run.eval_batches=8", f"run.out_dir={tmp_path}",
     ])
     result = train_icl(cfg)
-    model, avg = result["curves"]["model"], result["curves"]["averaging"]
-    assert sum(result["losses"][-20:]) < 0.5 * sum(result["losses"][:20])
+    model, avg = result.curves["model"], result.curves["averaging"]
+    assert sum(result.losses[-20:]) < 0.5 * sum(result.losses[:20])
     assert max(model[2:]) < 0.5
     assert sum(model[1:]) < sum(avg[1:])
-    assert result["flops"] == pytest.approx(training_flops(build_icl_model(cfg), cfg, 300))
+    assert result.flops == pytest.approx(training_flops(build_icl_model(cfg), cfg, 300))

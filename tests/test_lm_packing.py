@@ -119,9 +119,9 @@ def test_bad_pack_documents_value_is_one_line(tmp_path, capsys, value):
 
 def test_train_packed_and_eval_both_protocols(tmp_path, capsys):
     result = train_lm(load_lm_config(None, overrides(tmp_path, "data.pack_documents=true")))
-    assert len(result["losses"]) == 4 and all(np.isfinite(result["losses"]))
+    assert len(result.losses) == 4 and all(np.isfinite(result.losses))
     rows = [json.loads(s) for s in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert rows[-1]["val_loss"] == result["final_val_loss"]
+    assert rows[-1]["val_loss"] == result.val_loss
     model, _, config, _ = load_lm(tmp_path / "run")
     assert config.data.pack_documents is True  # the checkpoint keeps the protocol it trained with
     capsys.readouterr()
@@ -134,5 +134,5 @@ def test_train_packed_and_eval_both_protocols(tmp_path, capsys):
     own, own_loss = eval_cli()
     packed, packed_loss = eval_cli("--pack-documents")
     unpacked, unpacked_loss = eval_cli("--no-pack-documents")
-    assert "documents, packed)" in own and own_loss == packed_loss == pytest.approx(result["final_val_loss"], abs=5e-5)
+    assert "documents, packed)" in own and own_loss == packed_loss == pytest.approx(result.val_loss, abs=5e-5)
     assert "documents, not packed)" in unpacked and abs(unpacked_loss - packed_loss) > 1e-4

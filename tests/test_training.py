@@ -203,9 +203,9 @@ def test_weight_decay_and_mup_groups():
 def test_train_tiny(tmp_path, capsys):
     cfg = load_lm_config(None, tiny_overrides(tmp_path))
     result = train_lm(cfg)
-    assert len(result["losses"]) == 8 and all(math.isfinite(v) for v in result["losses"])
-    assert result["losses"][-1] < result["losses"][0]
-    assert math.isfinite(result["final_val_bpb"]) and result["sample"]
+    assert len(result.losses) == 8 and all(math.isfinite(v) for v in result.losses)
+    assert result.losses[-1] < result.losses[0]
+    assert math.isfinite(result.val_bpb) and result.sample
     lines = [json.loads(s) for s in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [2, 4, 6, 8]
     assert {"step", "loss", "lr", "tokens", "flops", "tokens_per_s"} <= set(lines[0])
@@ -219,14 +219,14 @@ def test_train_tiny(tmp_path, capsys):
 def test_resume_is_exact(tmp_path):
     """N steps in one go == N/2 steps, then --resume to N (cosine schedule, dropout on)."""
     base = tiny_overrides(tmp_path, steps=8, checkpoint_every=4) + ["model.dropout=0.1"]
-    full = train_lm(load_lm_config(None, base + [f"run.out_dir={tmp_path / 'full'}"]))["losses"]
+    full = train_lm(load_lm_config(None, base + [f"run.out_dir={tmp_path / 'full'}"])).losses
     # a run that "crashed" after its step-4 checkpoint: drop the final checkpoint and resume
     run2 = tmp_path / "crashed"
     train_lm(load_lm_config(None, base + [f"run.out_dir={run2}"]))
     import shutil
 
     shutil.rmtree(run2 / "ckpt" / "step-00000008")
-    resumed = train_lm(load_lm_config(None, base + [f"run.out_dir={run2}"]), resume=True)["losses"]
+    resumed = train_lm(load_lm_config(None, base + [f"run.out_dir={run2}"]), resume=True).losses
     assert resumed == full
     steps = [json.loads(s)["step"] for s in (run2 / "metrics.jsonl").read_text().splitlines()]
     assert steps == [2, 4, 6, 8]
@@ -234,10 +234,10 @@ def test_resume_is_exact(tmp_path):
 
 def test_half_then_resume_constant_lr(tmp_path):
     base = tiny_overrides(tmp_path, checkpoint_every=0) + ["optim.schedule=constant"]
-    full = train_lm(load_lm_config(None, base + ["run.steps=6", f"run.out_dir={tmp_path / 'a'}"]))["losses"]
+    full = train_lm(load_lm_config(None, base + ["run.steps=6", f"run.out_dir={tmp_path / 'a'}"])).losses
     train_lm(load_lm_config(None, base + ["run.steps=3", f"run.out_dir={tmp_path / 'b'}"]))
     resumed = train_lm(load_lm_config(None, base + ["run.steps=6", f"run.out_dir={tmp_path / 'b'}"]), resume=True)
-    assert resumed["losses"] == full
+    assert resumed.losses == full
 
 
 def test_resume_other_architecture(tmp_path):
@@ -315,12 +315,12 @@ def test_grad_accum_matches_bigger_batch(tmp_path):
     """grad_accum=2 draws different batches than batch_size*2 (by design), but runs and logs tokens."""
     cfg = load_lm_config(None, tiny_overrides(tmp_path, steps=2, grad_accum=2))
     r = train_lm(cfg)
-    assert r["tokens"] == 2 * 2 * 4 * 32
+    assert r.tokens == 2 * 2 * 4 * 32
 
 
 def test_mup_and_mlr_train(tmp_path):
     cfg = load_lm_config(None, tiny_overrides(tmp_path, steps=2) + ["optim.mup=true", "model.attention=mlr:8|8", "model.attn_scale=mup"])
-    assert len(train_lm(cfg)["losses"]) == 2
+    assert len(train_lm(cfg).losses) == 2
 
 
 # -- CLI -----------------------------------------------------------------------------------------------------

@@ -100,22 +100,22 @@ def test_training_beats_the_last_value_baseline_and_scores_the_best_model(tmp_pa
     data = load_series(config.data.source, lookback=48, horizon=24)
     x, y = data.windows("test", np.arange(data.n_windows("test")))
     last_value_mse = float(np.mean((x[:, -1:, :] - y) ** 2))
-    assert result["test_mse"] < 0.2 * last_value_mse
-    assert result["test_windows"] == data.n_windows("test") and result["steps"] == 60
+    assert result.scores.test_mse < 0.2 * last_value_mse
+    assert result.scores.test_windows == data.n_windows("test") and result.steps == 60
     saved = json.loads((tmp_path / "run" / "test.json").read_text())
-    assert saved["test_mse"] == pytest.approx(result["test_mse"])
+    assert saved == result.test_json() and saved["test_mse"] == result.scores.test_mse
     ex = saved["examples"][0]
     assert ex["channel"] == "OT" and len(ex["history"]) == 48 and len(ex["truth"]) == len(ex["forecast"]) == 24
     # the reported numbers are the best-validation model's, as reloaded from <out_dir>/best
     model, loaded, ckpt = load_forecaster(tmp_path / "run" / "best")
-    assert ckpt.step == result["best_step"] and loaded.model.n_channels == 2
+    assert ckpt.step == result.best_step and loaded.model.n_channels == 2
     # config.json: the config as given, and as run, with the data's lookback, horizon and channels
     assert load_run_config(TSConfig, tmp_path / "run", "requested") == config
     resolved = load_run_config(TSConfig, tmp_path / "run")
     assert resolved == loaded and resolved.model == dataclasses.replace(config.model, lookback=48, horizon=24, n_channels=2)
     assert (config.model.lookback, config.model.n_channels) == (512, 7)  # the defaults, as given
     assert ckpt.state["columns"] == ["a", "OT"]
-    assert forecast_metrics(model, data, "test")["mse"] == pytest.approx(result["test_mse"], rel=1e-6)
+    assert forecast_metrics(model, data, "test")["mse"] == pytest.approx(result.scores.test_mse, rel=1e-6)
     # PatchTST's published figures dropped the last partial test batch of 128: scored apart, by hand here
     kept = data.n_windows("test") // 128 * 128
     assert kept > 0 and saved["published_windows"] == kept
@@ -289,7 +289,7 @@ def test_linear_skip_starts_at_the_ridge_fit_of_the_training_windows(tmp_path):
     # the fresh model is that linear forecaster: its test MSE is what train_ts reports for it
     result = train_ts(config)
     fresh = forecast_metrics(model, data, "test")
-    assert result["skip_test_mse"] == pytest.approx(fresh["mse"], rel=1e-5)
+    assert result.scores.skip_test_mse == pytest.approx(fresh["mse"], rel=1e-5)
 
 
 def test_a_frozen_linear_skip_keeps_its_ridge_fit_while_the_encoder_learns(tmp_path):

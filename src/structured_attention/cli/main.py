@@ -14,7 +14,8 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
+from types import ModuleType
+from typing import Any, NoReturn
 
 from ..experiments import EXPERIMENTS, checkpoint_experiment
 from . import bench, describe
@@ -38,21 +39,21 @@ def build_parser() -> argparse.ArgumentParser:
     sweep_sub = sweep.add_subparsers(dest="experiment", required=True)
     for module in EXPERIMENTS.values():
         module.add_parsers(sub, train_sub, sweep_sub)
-    e = sub.add_parser("eval", help="metrics of a checkpoint: language model, in-context regression or forecaster")
+    e = sub.add_parser("eval", help="metrics of a checkpoint: " + ", ".join(m.NOUN for m in EXPERIMENTS.values()),
+                       description="Metrics of a checkpoint; the experiment it records says which, and which of "
+                                   "the flags below apply.")
     e.add_argument("--checkpoint", required=True, help="checkpoint folder, its ckpt/ folder or the run's out_dir")
-    e.add_argument("--source", default=None,
-                   help="language model: evaluate on this corpus's validation split instead of the training one; "
-                        "forecaster: score this CSV (the same columns) instead of the run's file")
-    e.add_argument("--max-batches", type=int, default=None,
-                   help="language model: cap on validation batches (default: the whole split)")
-    e.add_argument("--pack-documents", action=argparse.BooleanOptionalAction, default=None,
-                   help="language model: reset attention and positions at document boundaries, or not "
-                        "(default: as the checkpoint trained, its data.pack_documents)")
-    e.add_argument("--examples", default=None,
-                   help="in-context regression: comma-separated numbers of in-context examples "
-                        "(default: eight evenly spaced up to N - 1)")
     e.add_argument("--batch-size", type=int, default=None, help="sequences per batch (default: the run's)")
     e.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
+    groups: dict[str, Any] = {}  # argument groups by the experiments whose checkpoints their flags apply to
+    for flag, owners in _eval_flags().items():
+        keywords = dict(owners[0][1])
+        if len(owners) > 1:  # one flag, a meaning per experiment
+            keywords["help"] = "; ".join(f"{m.NOUN}: {kw['help']}" for m, kw in owners)
+        title = f"the checkpoints of {' or '.join(m.NOUN for m, _ in owners)}"
+        if title not in groups:
+            groups[title] = e.add_argument_group(title)
+        groups[title].add_argument(flag, default=None, **keywords)
     e.set_defaults(run=run_eval)
     plot = sub.add_parser("plot", help="the plots and markdown tables of a sweep")
     plot.add_argument("sweep_dir", help="a folder made by 'sattn sweep ...'")
@@ -75,10 +76,20 @@ def run_plot(args: argparse.Namespace) -> int:
     return EXPERIMENTS[experiment].plot(results, Path(args.out) if args.out else sweep)
 
 
+def _eval_flags() -> dict[str, list[tuple[ModuleType, dict[str, Any]]]]:
+    """Each experiment's ``sattn eval`` flags (its ``EVAL_FLAGS``), with the experiments that take them."""
+    flags: dict[str, list[tuple[ModuleType, dict[str, Any]]]] = {}
+    for module in EXPERIMENTS.values():
+        for flag, keywords in module.EVAL_FLAGS.items():
+            flags.setdefault(flag, []).append((module, keywords))
+    return flags
+
+
 def run_eval(args: argparse.Namespace) -> int:
-    """A language-model checkpoint's validation loss and bits per byte, an in-context regression
-    checkpoint's error by number of examples beside the baselines', or a forecaster's validation
-    and test MSE/MAE; the checkpoint's config says which."""
+    """``sattn eval``: the experiment the checkpoint records evaluates it (its ``run_eval``: a
+    language model's validation loss and bits per byte, an in-context regression model's error by
+    number of examples beside the baselines', a forecaster's validation and test MSE/MAE); the
+    flags that other experiments declare are refused with one line."""
     from ..training.checkpoint import load_checkpoint
     from .._cli import one_line_warnings, parse_device
 
@@ -87,7 +98,12 @@ def run_eval(args: argparse.Namespace) -> int:
     args.device = parse_device(args.device)
     with one_line_warnings("eval"):
         ckpt = load_checkpoint(args.checkpoint)
-    return EXPERIMENTS[checkpoint_experiment(ckpt.state, str(ckpt.path))].run_eval(args, ckpt)
+    module = EXPERIMENTS[checkpoint_experiment(ckpt.state, str(ckpt.path))]
+    for flag, owners in _eval_flags().items():
+        if flag not in module.EVAL_FLAGS and getattr(args, flag[2:].replace("-", "_")) is not None:
+            raise ValueError(f"{flag}: applies to the checkpoints of {' or '.join(m.NOUN for m, _ in owners)}; "
+                             f"{ckpt.path} holds {module.NOUN}")
+    return module.run_eval(args, ckpt)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -46,9 +46,9 @@ import sys
 import threading
 import time
 from abc import ABC, abstractmethod
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, TypeVar
 
 import numpy as np
 import torch
@@ -216,6 +216,15 @@ class FitResult:
     rank: int = 0
     world_size: int = 1
     model: nn.Module | None = field(default=None, repr=False)  # the trained model (full, on rank 0)
+
+    @classmethod
+    def extend(cls: type[_R], fit: FitResult, **own: Any) -> _R:
+        """An experiment's typed result (a subclass with its own fields, keyword-only) from ``fit``'s
+        fields and ``own``, which may also replace one of them (in-context regression's FLOPs)."""
+        return cls(**{**{f.name: getattr(fit, f.name) for f in fields(FitResult)}, **own})
+
+
+_R = TypeVar("_R", bound=FitResult)
 
 
 def seed_everything(seed: int) -> None:

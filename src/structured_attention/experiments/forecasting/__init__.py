@@ -8,8 +8,9 @@ test MSE and MAE on normalised data (docs/design.md, 'Long-range time-series for
   windows, validation is MSE (the ``val_loss`` that early stopping watches) and MAE;
 - :func:`forecast_metrics` (MSE and MAE over every window of a split, the last partial batch
   included) and :func:`predict`;
-- :func:`train_ts`: train, reload the best-validation model from ``<out_dir>/best/``, score it on
-  the test split, write ``<out_dir>/test.json``; :func:`load_forecaster` rebuilds a trained model.
+- :func:`train_ts` -> :class:`ForecastResult`: train, reload the best-validation model from
+  ``<out_dir>/best/``, score it on the test split (:class:`ForecastScores`), write
+  ``<out_dir>/test.json``; :func:`load_forecaster` rebuilds a trained model.
 """
 
 from __future__ import annotations
@@ -29,13 +30,15 @@ from ...data.timeseries import Scaler, SeriesData, load_series
 from ...models.forecasting import ForecasterConfig, build_forecaster
 from ...models.protocol import TrainableModel
 from ...models.transformer import TransformerConfig
-from ...training.checkpoint import LoadedCheckpoint, check_compatible, load_checkpoint
-from ...training.config import OptimConfig, RunConfig, config_from_dict, load_config
+from ...training.checkpoint import LoadedCheckpoint, load_checkpoint
+from ...training.config import OptimConfig, RunConfig, load_config
 from ...training.distributed import DistInfo
-from ...training.loop import Task, fit
-from .. import require_experiment
+from ...training.loop import FitResult, Task, fit
+from .. import load_trained
 
 __all__ = [
+    "ForecastResult",
+    "ForecastScores",
     "ForecastTask",
     "TSConfig",
     "TSDataConfig",
@@ -273,21 +276,55 @@ def fit_linear_skip(model: nn.Module, data: SeriesData, ridge: float, chunk: int
     model.skip.bias.zero_()
 
 
-def train_ts(config: TSConfig, *, resume: bool = False, stream: TextIO | None = None) -> dict[str, Any]:
+@dataclass(frozen=True, kw_only=True)
+class ForecastScores:
+    """The trained forecaster's scores (normalised units): MSE and MAE over every test window, the
+    best evaluation's on the validation windows, ``examples`` (test windows of the target channel:
+    the lookback, the truth and the forecast), and where they apply the scores over the test
+    windows PatchTST's published figures used (:data:`PUBLISHED_TEST_BATCH`; 0 windows when the
+    split has fewer) and the ridge-fitted linear skip's alone (``model.linear_skip``)."""
+
+    test_mse: float
+    test_mae: float
+    val_mse: float
+    val_mae: float
+    test_windows: int
+    params: int
+    examples: list[dict[str, Any]]
+    published_windows: int = 0
+    test_mse_published_windows: float | None = None
+    test_mae_published_windows: float | None = None
+    skip_test_mse: float | None = None
+    skip_test_mae: float | None = None
+
+
+@dataclass(kw_only=True)
+class ForecastResult(FitResult):
+    """What :func:`train_ts` returns: the loop's :class:`~structured_attention.training.FitResult`
+    and, on rank 0, the best-validation model's :class:`ForecastScores` (``None`` on other ranks)."""
+
+    scores: ForecastScores | None = None
+
+    def test_json(self) -> dict[str, Any]:
+        """``<out_dir>/test.json``: the scores that apply, with the run's steps, best step, early stop
+        and time."""
+        if self.scores is None:
+            return {}
+        scores = {k: v for k, v in dataclasses.asdict(self.scores).items() if v is not None}
+        if not self.scores.published_windows:
+            del scores["published_windows"]
+        return {**scores, "best_step": self.best_step, "steps": self.steps, "stopped_early": self.stopped_early,
+                "wall_s": self.wall_s}
+
+
+def train_ts(config: TSConfig, *, resume: bool = False, stream: TextIO | None = None) -> ForecastResult:
     """Train a forecaster as ``config`` says (see :func:`training.fit`), then score the
     best-validation model (``<out_dir>/best/``; the last one without ``run.keep_best``) on every
-    test window. Writes and returns ``<out_dir>/test.json``: ``test_mse``, ``test_mae``,
-    ``val_mse`` and ``val_mae`` (the best evaluation's, on the validation windows ``evaluate``
-    uses), ``best_step``, ``steps``, ``stopped_early``, ``wall_s``, ``params``, ``examples``
-    (``run.examples`` test windows of the target channel: the lookback, the truth and the
-    forecast, normalised) and, with ``model.linear_skip``, ``skip_test_mse`` / ``skip_test_mae``
-    (the ridge-fitted skip alone). With 128 or more test windows, ``test_mse_published_windows``
-    and ``test_mae_published_windows`` score the windows PatchTST's published figures used
-    (:data:`PUBLISHED_TEST_BATCH`), for a like-for-like comparison with them."""
+    test window and write :meth:`ForecastResult.test_json` to ``<out_dir>/test.json``."""
     task = ForecastTask(config)
     result = fit(task, resume=resume, stream=stream)
     if result.model is None:  # a non-zero rank under torchrun: rank 0 reports
-        return {}
+        return ForecastResult.extend(result)
     model = result.model
     best_dir = Path(result.out_dir) / "best"
     if config.run.keep_best and best_dir.is_dir():
@@ -300,45 +337,39 @@ def train_ts(config: TSConfig, *, resume: bool = False, stream: TextIO | None = 
     forecast = predict(model, data, "test", index, config.run.batch_size, device)
     x, y = data.windows("test", index)
     t = data.target_index
-    out = {
-        "test_mse": test["mse"], "test_mae": test["mae"], "val_mse": result.best["val_loss"], "val_mae": result.best["val_mae"],
-        "best_step": result.best_step, "steps": result.steps, "stopped_early": result.stopped_early,
-        "wall_s": result.wall_s, "params": sum(p.numel() for p in model.parameters()),
-        "test_windows": data.n_windows("test"),
-        "examples": [
+    extra: dict[str, Any] = {}
+    n_published = data.n_windows("test") // PUBLISHED_TEST_BATCH * PUBLISHED_TEST_BATCH
+    if n_published:
+        published = forecast_metrics(model, data, "test", config.run.batch_size, device, index=np.arange(n_published))
+        extra.update(test_mse_published_windows=published["mse"], test_mae_published_windows=published["mae"],
+                     published_windows=n_published)
+    if getattr(model, "skip", None) is not None:  # a fresh model is the ridge-fitted linear skip alone
+        skip = forecast_metrics(task.build_model().to(device), data, "test", config.run.batch_size, device)
+        extra.update(skip_test_mse=skip["mse"], skip_test_mae=skip["mae"])
+    scores = ForecastScores(
+        test_mse=test["mse"], test_mae=test["mae"], val_mse=result.best["val_loss"], val_mae=result.best["val_mae"],
+        test_windows=data.n_windows("test"), params=sum(p.numel() for p in model.parameters()),
+        examples=[
             {"window": int(i), "start_date": data.dates[int(data.start("test", int(i))) + data.lookback],
              "channel": data.target, "history": x[k, :, t].tolist(), "truth": y[k, :, t].tolist(),
              "forecast": forecast[k, :, t].tolist()}
             for k, i in enumerate(index)
         ],
-    }
-    n_published = data.n_windows("test") // PUBLISHED_TEST_BATCH * PUBLISHED_TEST_BATCH
-    if n_published:
-        published = forecast_metrics(model, data, "test", config.run.batch_size, device, index=np.arange(n_published))
-        out.update(test_mse_published_windows=published["mse"], test_mae_published_windows=published["mae"],
-                   published_windows=n_published)
-    if getattr(model, "skip", None) is not None:  # a fresh model is the ridge-fitted linear skip alone
-        skip = forecast_metrics(task.build_model().to(device), data, "test", config.run.batch_size, device)
-        out.update(skip_test_mse=skip["mse"], skip_test_mae=skip["mae"])
-    (Path(result.out_dir) / "test.json").write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")
+        **extra,
+    )
+    out = ForecastResult.extend(result, scores=scores)
+    (Path(result.out_dir) / "test.json").write_text(json.dumps(out.test_json(), indent=1) + "\n", encoding="utf-8")
     return out
 
 
 def load_forecaster(path: str | Path | LoadedCheckpoint, device: str | torch.device = "cpu"
                     ) -> tuple[nn.Module, TSConfig, LoadedCheckpoint]:
-    """``(model in eval mode, config, checkpoint)`` from a checkpoint folder (``<out_dir>/best``,
-    ``<out_dir>/ckpt``...) or a checkpoint already loaded. The scaler's statistics are in
-    ``checkpoint.state['scaler']``, the channels in ``checkpoint.state['columns']``."""
-    ckpt = path if isinstance(path, LoadedCheckpoint) else load_checkpoint(path)
-    require_experiment(ckpt.state, str(ckpt.path), "ts")
-    try:
-        config = config_from_dict(TSConfig, ckpt.state["config"])
-    except (KeyError, TypeError) as e:
-        raise ValueError(f"checkpoint {ckpt.path}: state.json lacks {e}") from None
-    model = build_forecaster(config.model)
-    check_compatible(model, ckpt.model_state, str(ckpt.path))
-    model.load_state_dict(ckpt.model_state)
-    return model.to(device).eval(), config, ckpt
+    """``(model in eval mode, config, checkpoint)`` from a forecasting checkpoint
+    (:func:`~structured_attention.experiments.load_trained`; ``<out_dir>/best``, ``<out_dir>/ckpt``...).
+    The scaler's statistics are in ``checkpoint.state['scaler']``, the channels in
+    ``checkpoint.state['columns']``."""
+    return load_trained(path, "ts", TSConfig, lambda c: build_forecaster(c.model), device)
+
 
 
 def checkpoint_series(config: TSConfig, ckpt: LoadedCheckpoint, source: str | Path | None = None) -> SeriesData:

@@ -35,6 +35,10 @@ from ..common import add_sweep_parser, add_train_parser, slug, run_sweep as swee
 
 EXPERIMENT = ForecastTask.experiment  # the name its checkpoints record
 NOUN = "a forecaster"  # in messages: "expected a forecaster's checkpoint"
+# sattn eval's own flags for this experiment's checkpoints (flag -> argparse keywords)
+EVAL_FLAGS: dict[str, dict[str, Any]] = {
+    "--source": {"help": "score this CSV (the same columns) instead of the run's file"},
+}
 
 # Published ETTh1 multivariate test (MSE, MAE) on normalised data, as the papers report them:
 # PatchTST/64 (Nie et al., 2023, lookback 512) and DLinear (Zeng et al., 2023, lookback 336).
@@ -67,9 +71,9 @@ def run_train_ts(args: argparse.Namespace) -> int:
     config = load_ts_config(args.config, args.overrides)
     with one_line_warnings("train"):
         result = train_ts(config, resume=args.resume)
-    if result:
-        print(_report(result))
-        print(f"trained in {result['wall_s']:.1f} s; metrics and example forecasts in {Path(config.run.out_dir) / 'test.json'}")
+    if result.scores is not None:  # rank 0
+        print(_report(result.test_json()))
+        print(f"trained in {result.wall_s:.1f} s; metrics and example forecasts in {Path(config.run.out_dir) / 'test.json'}")
     return 0
 
 
@@ -81,11 +85,6 @@ def run_eval(args: argparse.Namespace, ckpt: LoadedCheckpoint) -> int:
 
     from . import PUBLISHED_TEST_BATCH, checkpoint_series, forecast_metrics, load_forecaster
 
-    for flag, value, kind in (("--examples", args.examples, "in-context regression"),
-                              ("--max-batches", args.max_batches, "language-model"),
-                              ("--pack-documents", args.pack_documents, "language-model")):
-        if value is not None:
-            raise ValueError(f"{flag}: applies to {kind} checkpoints; {ckpt.path} is a forecasting run's")
     model, config, ckpt = load_forecaster(ckpt, device=args.device)
     data = checkpoint_series(config, ckpt, args.source)
     batch_size = args.batch_size or config.run.batch_size
@@ -133,7 +132,7 @@ def run_sweep(args: argparse.Namespace) -> int:
 
     def train_one(r: dict[str, Any], resume: bool) -> dict[str, Any]:
         with one_line_warnings("sweep"):
-            return train_ts(load_ts_config(args.config, r["overrides"]), resume=resume)
+            return train_ts(load_ts_config(args.config, r["overrides"]), resume=resume).test_json()
 
     return sweep(args, EXPERIMENT, plan(args), train_one, _report)
 

@@ -9,7 +9,8 @@ every ``y_i`` from the examples before it.
   the ``y`` predictions divided by the active dimensions;
 - :func:`error_curves`: MSE normalised by ``d`` against the number of in-context examples, for the
   model and the baselines of :mod:`.baselines` on the same prompts;
-- :func:`train_icl` -> dict (per-step losses, error curves, curriculum-exact training FLOPs);
+- :func:`train_icl` -> :class:`ICLResult` (the loop's result, error curves, curriculum-exact
+  training FLOPs);
 - :func:`load_icl`: a trained model and its config back from a checkpoint.
 
 Training FLOPs follow the curriculum: a step at ``T`` tokens per prompt costs
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
 import torch
 from torch import nn
@@ -30,15 +31,16 @@ from ...data.regression import Curriculum, Prompts, sample_prompts
 from ...models.regression import RegressionTransformer
 from ...models.protocol import TrainableModel
 from ...models.transformer import TransformerConfig
-from ...training.checkpoint import LoadedCheckpoint, check_compatible, load_checkpoint
-from ...training.config import OptimConfig, RunConfig, config_from_dict, load_config
+from ...training.checkpoint import LoadedCheckpoint
+from ...training.config import OptimConfig, RunConfig, load_config
 from ...training.distributed import DistInfo
-from ...training.loop import Task, fit
-from .. import require_experiment
+from ...training.loop import FitResult, Task, fit
+from .. import load_trained
 from .baselines import baseline_predictions
 
 __all__ = [
     "ICLConfig",
+    "ICLResult",
     "ICLRunConfig",
     "ICLTask",
     "RegressionConfig",
@@ -143,19 +145,10 @@ def build_icl_model(config: ICLConfig) -> RegressionTransformer:
 
 def load_icl(path: str | Path | LoadedCheckpoint, device: str | torch.device = "cpu"
              ) -> tuple[RegressionTransformer, ICLConfig, LoadedCheckpoint]:
-    """``(model in eval mode, config, checkpoint)`` from the newest valid checkpoint at ``path`` (a
-    checkpoint folder, a ``ckpt/`` folder or a run's ``out_dir``), or from a checkpoint already
-    loaded. ``ValueError`` (one line) when it was written by another experiment or its tensors do
-    not fit the architecture its config describes."""
-    ckpt = path if isinstance(path, LoadedCheckpoint) else load_checkpoint(path)
-    if "config" not in ckpt.state:
-        raise ValueError(f"checkpoint {ckpt.path}: state.json lacks 'config'")
-    require_experiment(ckpt.state, str(ckpt.path), "icl")
-    config = config_from_dict(ICLConfig, ckpt.state["config"])
-    model = build_icl_model(config)
-    check_compatible(model, ckpt.model_state, str(ckpt.path))
-    model.load_state_dict(ckpt.model_state)
-    return model.to(device).eval(), config, ckpt
+    """``(model in eval mode, config, checkpoint)`` from an in-context regression checkpoint
+    (:func:`~structured_attention.experiments.load_trained`)."""
+    return load_trained(path, "icl", ICLConfig, build_icl_model, device)
+
 
 
 def _prompts(task: RegressionConfig, batch_size: int, *, seed: int, index: int, active_dims: int | None = None,
@@ -275,26 +268,31 @@ class ICLTask(Task):
         return model.training_flops_per_token(self.config.task.seq_len)
 
 
-def train_icl(config: ICLConfig, *, resume: bool = False, stream: TextIO | None = None) -> dict[str, Any]:
-    """Train an in-context regression model as ``config`` says (see :func:`training.fit`), then
-    measure its error curve and the baselines' on the validation prompts.
+@dataclass(kw_only=True)
+class ICLResult(FitResult):
+    """What :func:`train_icl` returns: the loop's :class:`~structured_attention.training.FitResult`
+    and, on rank 0, its ``flops`` counted along the curriculum (:func:`training_flops`, every
+    rank's steps), the parameters and the error curves on the validation prompts (other ranks keep
+    the loop's count and have no curves)."""
 
-    Returns ``{"steps", "losses", "final" (last evaluation's metrics), "curves" (name -> normalised
-    MSE per number of in-context examples: "model" and every baseline), "mse_last" (the model's
-    error at the last position, ``N - 1`` examples), "flops" (training FLOPs with the curriculum),
-    "params", "wall_s", "out_dir", "checkpoint", "config", "rank"}``.
-    """
+    curves: dict[str, list[float]] | None = None  # name ("model" and every baseline) -> normalised MSE per number of examples
+    params: int | None = None
+
+    @property
+    def mse_last(self) -> float | None:
+        """The model's normalised MSE with ``N - 1`` in-context examples (the last position)."""
+        return self.curves["model"][-1] if self.curves is not None else None
+
+
+def train_icl(config: ICLConfig, *, resume: bool = False, stream: TextIO | None = None) -> ICLResult:
+    """Train an in-context regression model as ``config`` says (see :func:`training.fit`), then
+    measure its error curve and the baselines' on the validation prompts."""
     task = ICLTask(config)
     result = fit(task, resume=resume, stream=stream)
-    out: dict[str, Any] = {
-        "steps": result.steps, "losses": result.losses, "final": result.final, "wall_s": result.wall_s,
-        "out_dir": result.out_dir, "checkpoint": result.checkpoint, "config": result.config, "rank": result.rank,
-    }
-    if result.model is not None:
-        assert task.val is not None
-        model = result.model.eval()
-        curves = error_curves(model, task.val, config.task.ridge, config.run.batch_size, config.task.noise_to_signal)
-        out.update(curves=curves, mse_last=curves["model"][-1],
-                   flops=training_flops(model, config, result.steps) * result.world_size,
-                   params=sum(p.numel() for p in model.parameters()))
-    return out
+    if result.model is None:
+        return ICLResult.extend(result)
+    assert task.val is not None
+    model = result.model.eval()
+    curves = error_curves(model, task.val, config.task.ridge, config.run.batch_size, config.task.noise_to_signal)
+    return ICLResult.extend(result, curves=curves, flops=training_flops(model, config, result.steps) * result.world_size,
+                            params=sum(p.numel() for p in model.parameters()))

@@ -37,6 +37,10 @@ from ..common import add_sweep_parser, add_train_parser, best_per_kind_width, sl
 
 EXPERIMENT = ICLTask.experiment  # the name its checkpoints record
 NOUN = "an in-context regression model"  # in messages: "expected an in-context regression model's checkpoint"
+# sattn eval's own flags for this experiment's checkpoints (flag -> argparse keywords)
+EVAL_FLAGS: dict[str, dict[str, Any]] = {
+    "--examples": {"help": "comma-separated numbers of in-context examples (default: eight evenly spaced up to N - 1)"},
+}
 
 
 def add_parsers(top: argparse._SubParsersAction, train: argparse._SubParsersAction,
@@ -57,9 +61,8 @@ def add_parsers(top: argparse._SubParsersAction, train: argparse._SubParsersActi
     s.add_argument("--base-steps", type=int, default=3000, help="steps of the first kind at each width (default 3000)")
 
 
-def _summary(result: dict[str, Any], n_dims: int) -> list[str]:
+def _summary(curves: dict[str, list[float]], n_dims: int) -> list[str]:
     """A few points of the model's and the baselines' error curves (normalised MSE)."""
-    curves = result["curves"]
     n = len(curves["model"])
     ks = sorted({k for k in (0, n_dims // 2, n_dims, n - 1) if 0 <= k < n})
     head = "in-context examples | " + " | ".join(f"{k:>7d}" for k in ks)
@@ -75,16 +78,16 @@ def run_train_icl(args: argparse.Namespace) -> int:
     config = load_icl_config(args.config, args.overrides)
     with one_line_warnings("train"):
         result = train_icl(config, resume=args.resume)
-    if result["rank"] != 0:
+    if result.curves is None:  # a rank other than 0
         return 0
-    out = Path(result["out_dir"])
-    (out / "curves.json").write_text(json.dumps(result["curves"]) + "\n")
+    out = Path(result.out_dir)
+    (out / "curves.json").write_text(json.dumps(result.curves) + "\n")
     d, n = config.task.n_dims, config.task.points
-    print(f"normalised MSE with {n - 1} in-context examples (d={d}): model {result['mse_last']:.4f}, "
-          f"least squares {result['curves']['least_squares'][-1]:.4f}, averaging {result['curves']['averaging'][-1]:.4f}")
-    print("\n".join(_summary(result, d)))
-    print(f"trained {result['steps']} steps, {result['flops']:.3e} training FLOPs in {result['wall_s']:.1f} s; "
-          f"checkpoint {result['checkpoint']}; curves in {out / 'curves.json'}")
+    print(f"normalised MSE with {n - 1} in-context examples (d={d}): model {result.mse_last:.4f}, "
+          f"least squares {result.curves['least_squares'][-1]:.4f}, averaging {result.curves['averaging'][-1]:.4f}")
+    print("\n".join(_summary(result.curves, d)))
+    print(f"trained {result.steps} steps, {result.flops:.3e} training FLOPs in {result.wall_s:.1f} s; "
+          f"checkpoint {result.checkpoint}; curves in {out / 'curves.json'}")
     return 0
 
 
@@ -98,10 +101,6 @@ def run_eval(args: argparse.Namespace, ckpt: LoadedCheckpoint) -> int:
     normalised MSE by number of in-context examples, on the run's validation prompts."""
     from . import error_curves, load_icl, validation_prompts
 
-    for flag, value in (("--source", args.source), ("--max-batches", args.max_batches),
-                        ("--pack-documents", args.pack_documents)):
-        if value is not None:
-            raise ValueError(f"{flag}: applies to language-model checkpoints; {ckpt.path} is an in-context regression run's")
     model, config, ckpt = load_icl(ckpt, device=args.device)
     n = config.task.points - 1
     if args.examples is None:
@@ -214,9 +213,9 @@ def run_sweep(args: argparse.Namespace) -> int:
     def train_one(r: dict[str, Any], resume: bool) -> dict[str, Any]:
         with one_line_warnings("sweep"):
             result = train_icl(load_icl_config(args.config, r["overrides"]), resume=resume)
-        return {"mse_last": result["mse_last"], "curves": result["curves"], "flops": result["flops"],
-                "steps_done": result["steps"], "wall_s": result["wall_s"],
-                "tokens_per_s": _throughput(Path(args.out) / r["name"]), "n_dims": result["config"]["task"]["n_dims"]}
+        return {"mse_last": result.mse_last, "curves": result.curves, "flops": result.flops,
+                "steps_done": result.steps, "wall_s": result.wall_s,
+                "tokens_per_s": _throughput(Path(args.out) / r["name"]), "n_dims": result.config["task"]["n_dims"]}
 
     return sweep(args, EXPERIMENT, plan(args), train_one,
                  lambda r: f"normalised MSE {r['mse_last']:.4f} with {len(r['curves']['model']) - 1} examples")

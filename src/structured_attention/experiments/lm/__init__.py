@@ -6,7 +6,8 @@
 - :class:`LMTask`, the corpus and the GPT as the shared loop (:func:`training.fit`) sees them;
   with ``data.pack_documents`` every window's tokens attend only within their own document and
   their positions restart at its first token (training and evaluation alike);
-- :func:`train_lm` -> dict (per-step losses, final validation loss and bits per byte, a sample);
+- :func:`train_lm` -> :class:`LMResult` (the loop's result, the final validation loss and bits per
+  byte, a sample);
 - :func:`evaluate_lm`, :func:`generate_sample` and :func:`load_lm` (a trained GPT and its
   tokenizer from a checkpoint, for ``sattn eval`` and ``sattn generate``).
 """
@@ -27,15 +28,16 @@ from ...data import Corpus, Tokenizer, eval_batches, load_corpus, sample_batch, 
 from ...models.gpt import GPT, GPTConfig
 from ...models.protocol import TrainableModel
 from ...models.transformer import TransformerConfig
-from ...training.checkpoint import LoadedCheckpoint, check_compatible, load_checkpoint
-from ...training.config import OptimConfig, RunConfig, config_from_dict, load_config
+from ...training.checkpoint import LoadedCheckpoint
+from ...training.config import OptimConfig, RunConfig, load_config
 from ...training.distributed import DistInfo
-from ...training.loop import Task, autocast_context, fit
-from .. import require_experiment
+from ...training.loop import FitResult, Task, autocast_context, fit
+from .. import load_trained
 
 __all__ = [
     "DataConfig",
     "LMConfig",
+    "LMResult",
     "LMRunConfig",
     "LMTask",
     "evaluate_lm",
@@ -217,13 +219,21 @@ def generate_sample(
     return tokenizer.decode(out[0].tolist())
 
 
-def train_lm(config: LMConfig, *, resume: bool = False, stream: TextIO | None = None) -> dict[str, Any]:
-    """Train a GPT language model as ``config`` says (see :func:`training.fit`).
+@dataclass(kw_only=True)
+class LMResult(FitResult):
+    """What :func:`train_lm` returns: the loop's :class:`~structured_attention.training.FitResult`
+    (steps, per-step losses, tokens, FLOPs, time, folders, ranks) and the final evaluation's
+    numbers, with a sample of the trained model (``''`` when ``run.sample_tokens`` is 0 and on
+    ranks other than 0)."""
 
-    Returns ``{"steps", "losses" (per optimizer step, all steps 1..steps including those before a
-    resume), "final_val_loss", "final_val_bpb", "tokens", "flops", "wall_s", "sample", "out_dir",
-    "checkpoint", "config", "rank", "world_size"}``.
-    """
+    val_loss: float  # nats per token, the last evaluation's
+    val_bpb: float  # bits per byte of the corpus's text
+    sample: str = ""
+
+
+def train_lm(config: LMConfig, *, resume: bool = False, stream: TextIO | None = None) -> LMResult:
+    """Train a GPT language model as ``config`` says (see :func:`training.fit`); ``losses`` holds
+    every optimizer step's from step 1, those before a resume too."""
     task = LMTask(config)
     result = fit(task, resume=resume, stream=stream)
     run = config.run
@@ -233,41 +243,14 @@ def train_lm(config: LMConfig, *, resume: bool = False, stream: TextIO | None = 
         device = next(result.model.parameters()).device
         sample = generate_sample(result.model, task.corpus.tokenizer, run.sample_prompt, run.sample_tokens,
                                  seed=run.seed, device=device)
-    return {
-        "steps": result.steps,
-        "losses": result.losses,
-        "final_val_loss": result.final["val_loss"],
-        "final_val_bpb": result.final["val_bpb"],
-        "tokens": result.tokens,
-        "flops": result.flops,
-        "wall_s": result.wall_s,
-        "sample": sample,
-        "out_dir": result.out_dir,
-        "checkpoint": result.checkpoint,
-        "config": result.config,
-        "rank": result.rank,
-        "world_size": result.world_size,
-    }
+    return LMResult.extend(result, val_loss=result.final["val_loss"], val_bpb=result.final["val_bpb"], sample=sample)
 
 
 def load_lm(path: str | Path | LoadedCheckpoint, device: str | torch.device = "cpu"
             ) -> tuple[GPT, Tokenizer, LMConfig, LoadedCheckpoint]:
-    """``(model in eval mode, tokenizer, config, checkpoint)`` from the newest valid checkpoint at
-    ``path`` (a checkpoint folder, a ``ckpt/`` folder or a run's ``out_dir``), or from a checkpoint
-    already loaded.
-
-    ``FileNotFoundError`` when there is none; ``ValueError`` (one line) when it is corrupt, was
-    written by another format or experiment, or its tensors do not fit the architecture its
-    config describes.
-    """
-    ckpt = path if isinstance(path, LoadedCheckpoint) else load_checkpoint(path)
-    require_experiment(ckpt.state, str(ckpt.path), "lm")
-    try:
-        config = config_from_dict(LMConfig, ckpt.state["config"])
-        tokenizer = tokenizer_from_json(ckpt.state["tokenizer"])
-    except (KeyError, TypeError) as e:
-        raise ValueError(f"checkpoint {ckpt.path}: state.json lacks {e}") from None
-    model = GPT(config.model)
-    check_compatible(model, ckpt.model_state, str(ckpt.path))
-    model.load_state_dict(ckpt.model_state)
-    return model.to(device).eval(), tokenizer, config, ckpt
+    """``(model in eval mode, tokenizer, config, checkpoint)`` from a language model's checkpoint:
+    :func:`~structured_attention.experiments.load_trained` and the tokenizer the run recorded."""
+    model, config, ckpt = load_trained(path, "lm", LMConfig, lambda c: GPT(c.model), device)
+    if "tokenizer" not in ckpt.state:
+        raise ValueError(f"checkpoint {ckpt.path}: state.json lacks 'tokenizer'")
+    return model, tokenizer_from_json(ckpt.state["tokenizer"]), config, ckpt

@@ -37,6 +37,14 @@ from ..common import add_sweep_parser, add_train_parser, best_per_kind_width, sl
 
 EXPERIMENT = LMTask.experiment  # the name its checkpoints record
 NOUN = "a language model"  # in messages: "expected a language model's checkpoint"
+# sattn eval's own flags for this experiment's checkpoints (flag -> argparse keywords)
+EVAL_FLAGS: dict[str, dict[str, Any]] = {
+    "--source": {"help": "evaluate on this corpus's validation split instead of the training one"},
+    "--max-batches": {"type": int, "help": "cap on validation batches (default: the whole split)"},
+    "--pack-documents": {"action": argparse.BooleanOptionalAction,
+                         "help": "reset attention and positions at document boundaries, or not "
+                                 "(default: as the checkpoint trained, its data.pack_documents)"},
+}
 
 
 def add_parsers(top: argparse._SubParsersAction, train: argparse._SubParsersAction,
@@ -77,12 +85,12 @@ def run_train_lm(args: argparse.Namespace) -> int:
     config = load_lm_config(args.config, args.overrides)
     with one_line_warnings("train"):
         result = train_lm(config, resume=args.resume)
-    if result["rank"] == 0:
-        print(f"final validation loss {result['final_val_loss']:.4f} nats/token, {result['final_val_bpb']:.4f} bits per byte")
-        print(f"trained {result['steps']} steps, {result['tokens']:,} tokens in {result['wall_s']:.1f} s; checkpoint {result['checkpoint']}")
-        if result["sample"]:
+    if result.rank == 0:
+        print(f"final validation loss {result.val_loss:.4f} nats/token, {result.val_bpb:.4f} bits per byte")
+        print(f"trained {result.steps} steps, {result.tokens:,} tokens in {result.wall_s:.1f} s; checkpoint {result.checkpoint}")
+        if result.sample:
             print("sample:")
-            print(result["sample"])
+            print(result.sample)
     return 0
 
 
@@ -93,8 +101,6 @@ def run_eval(args: argparse.Namespace, ckpt: LoadedCheckpoint) -> int:
     from ...data import load_corpus
     from . import evaluate_lm, load_lm
 
-    if args.examples is not None:
-        raise ValueError(f"--examples: applies to in-context regression checkpoints; {ckpt.path} is a language model's")
     model, tokenizer, config, ckpt = load_lm(ckpt, device=args.device)
     d = config.data
     corpus = load_corpus(args.source if args.source is not None else d.source, tokenizer=d.tokenizer,
