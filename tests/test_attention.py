@@ -3,6 +3,7 @@ their size formulas, and the registry and validation."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -78,6 +79,20 @@ def heads(x, n):
     return x.view(b, t, n, -1).transpose(1, 2)
 
 
+def dense_matrix(matrix, weight_cap):
+    """A structured matrix as a dense one; with ``weight_cap`` from a copy whose every weight is
+    ``W / max(1, RMS(W) * sqrt(fan_in) / gain)``, written out from the cap's definition."""
+    if not weight_cap:
+        return matrix.to_dense()
+    capped = copy.deepcopy(matrix)
+    fans = matrix.parameter_fans()
+    with torch.no_grad():
+        for name, w in capped.named_parameters():
+            rms = w.pow(2).mean().sqrt().item()
+            w.div_(max(1.0, rms * math.sqrt(fans[name].fan_in) / fans[name].gain))
+    return capped.to_dense()
+
+
 def reference_forward(layer, x, causal):
     """Each kind's definition written out densely from its parameters."""
     options, t = layer.options, x.shape[1]
@@ -96,20 +111,27 @@ def reference_forward(layer, x, causal):
             out = naive_attention(q[..., :g], k[..., :g], v, 1 / math.sqrt(g), band(t, causal)) + naive_attention(
                 q[..., g:], k[..., g:], v, 1 / math.sqrt(layer.window_dims), band(t, causal, layer.window))
     elif kind == "bilinear_btt" or (kind == "bilinear_mlr" and options.key_map):
-        m = layer.key_map.to_dense().view(layer.n_heads, D, D)  # M_h: rows of head h's keys
+        m = dense_matrix(layer.key_map, options.weight_cap).view(layer.n_heads, D, D)  # M_h: rows of head h's keys
         keys = torch.einsum("hed,btd->bhte", m, x)
-        keys = torch.nn.functional.layer_norm(keys, (D,)) * layer.key_gain.view(layer.n_heads, 1, D)
+        if getattr(options, "key_norm", "head") == "shared":  # one LayerNorm(D), its gain and bias shared by the heads
+            keys = torch.nn.functional.layer_norm(keys, (D,), layer.key_norm.weight, layer.key_norm.bias)
+        else:
+            keys = torch.nn.functional.layer_norm(keys, (D,)) * layer.key_gain.view(layer.n_heads, 1, D)
         q = x.unsqueeze(1).expand(-1, layer.n_heads, -1, -1)
-        out = naive_attention(q, keys, v, 1 / math.sqrt(D), band(t, causal))
+        scale = {"sp": 1 / math.sqrt(D), "mup": 1 / D, "mup8": 8 / D}[layer.config.attn_scale]
+        out = naive_attention(q, keys, v, scale, band(t, causal))
     elif kind == "bilinear_mlr":
         qs, ks = [], []
+        fixed = options.level_scale == "inverse_sqrt_dims"  # 1/sqrt(p_l r_l) per level, no global scale
         for lvl, (p, r) in enumerate(zip(layer.n_blocks, layer.ranks)):
             for maps, lst, nh in ((layer.q_maps, qs, layer.n_heads), (layer.k_maps, ks, layer.n_kv_heads)):
-                dense = maps[lvl].to_dense()  # (p*nh*r, D), block-diagonal over p chunks
+                dense = dense_matrix(maps[lvl], options.weight_cap)  # (p*nh*r, D), block-diagonal over p chunks
                 y = (x @ dense.T).view(*x.shape[:2], p, nh, r).permute(0, 3, 1, 2, 4).flatten(-2)
                 y = torch.nn.functional.layer_norm(y, (p * r,))
-                lst.append(y * layer.level_scale[lvl] if lst is qs else y)
-        out = naive_attention(torch.cat(qs, -1), torch.cat(ks, -1), v, layer.scale, band(t, causal))
+                gain = 1 / math.sqrt(p * r) if fixed else layer.level_scale[lvl]
+                lst.append(y * gain if lst is qs else y)
+        scale = 1.0 if fixed else 1 / math.sqrt(sum(p * r for p, r in zip(layer.n_blocks, layer.ranks)))
+        out = naive_attention(torch.cat(qs, -1), torch.cat(ks, -1), v, scale, band(t, causal))
     else:  # mlr: dense per-level masks
         q, k = layer.project(x)[:2]
         g = layer.n_heads // layer.n_kv_heads
@@ -136,6 +158,24 @@ def test_forward_matches_dense_reference(name, causal):
     for t in (1, 7, 24, CTX):
         x = torch.randn(2, t, D, dtype=torch.float64)
         torch.testing.assert_close(layer(x), reference_forward(layer, x, causal), rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("name", [n for n in sorted(SPECS) if "weight_cap=true" in SPECS[n]])
+@pytest.mark.parametrize("factor", [0.5, 3.0])
+def test_weight_cap_matches_its_definition_above_and_below_the_init_scale(name, factor):
+    """With weight_cap, weights grown past their init scale are pulled back and smaller ones are
+    left alone, in the forward pass only (the parameters keep their values)."""
+    layer = make(SPECS[name], torch.float64)
+    matrices = [m for m in layer.modules() if hasattr(m, "parameter_fans") and m is not layer]
+    with torch.no_grad():
+        for m in matrices:
+            for w in m.parameters():
+                w.mul_(factor)
+    before = {k: w.clone() for k, w in layer.named_parameters()}
+    x = torch.randn(2, 24, D, dtype=torch.float64)
+    torch.testing.assert_close(layer(x), reference_forward(layer, x, True), rtol=1e-9, atol=1e-9)
+    for k, w in layer.named_parameters():
+        assert torch.equal(w, before[k]), k
 
 
 @pytest.mark.parametrize("name", sorted(SPECS))

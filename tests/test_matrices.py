@@ -179,6 +179,18 @@ def test_init_gives_unit_output_variance(kind: str) -> None:
     assert 0.5 < var < 2.0, var
 
 
+@pytest.mark.parametrize("kind", sorted(STRUCTURES))
+def test_each_parameter_is_drawn_with_its_declared_init_std(kind: str) -> None:
+    """``parameter_fans()[name].init_std`` is what ``reset_parameters`` draws (the RMS weight cap
+    and muP's initialisation read it): the sample RMS of every parameter is within 10 %."""
+    torch.manual_seed(4)
+    m = structured_linear(kind, WIDTH, WIDTH, **INIT_KWARGS[kind])
+    params = dict(m.named_parameters())
+    for name, fan in m.parameter_fans().items():
+        rms = params[name].detach().square().mean().sqrt().item()
+        assert rms == pytest.approx(fan.init_std, rel=0.1), name
+
+
 def test_stacked_mlr_is_independent_mlrs_one_above_the_other() -> None:
     torch.manual_seed(3)
     parts = [MLR(12, 8, ranks=(2, 1, 2), n_blocks=(1, 2, 4)).to(DTYPE) for _ in range(3)]

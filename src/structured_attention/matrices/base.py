@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import math
 from dataclasses import dataclass
 
 from torch import Tensor, nn
@@ -12,10 +13,16 @@ from .._checks import check_positive_int, check_tensor, require
 
 @dataclass(frozen=True)
 class Fan:
-    """A parameter seen as a stack of linear maps, each from ``fan_in`` to ``fan_out`` features."""
+    """A parameter seen as a stack of linear maps, each from ``fan_in`` to ``fan_out`` features,
+    initialised with standard deviation ``gain / sqrt(fan_in)`` (:attr:`init_std`)."""
 
     fan_in: int
     fan_out: int
+    gain: float = 1.0
+
+    @property
+    def init_std(self) -> float:
+        return self.gain / math.sqrt(self.fan_in)
 
 
 class StructuredMatrix(nn.Module, abc.ABC):
@@ -51,7 +58,8 @@ class StructuredMatrix(nn.Module, abc.ABC):
 
     @abc.abstractmethod
     def parameter_fans(self) -> dict[str, Fan]:
-        """``Fan`` of every parameter, keyed by its name in ``named_parameters()``."""
+        """``Fan`` of every parameter, keyed by its name in ``named_parameters()``; its ``init_std``
+        is the standard deviation ``reset_parameters`` draws it with."""
 
     @abc.abstractmethod
     def reset_parameters(self) -> None:

@@ -96,7 +96,7 @@ class MLR(StructuredMatrix):
     def parameter_fans(self) -> dict[str, Fan]:
         fans = {}
         for level, (p, r) in enumerate(zip(self.n_blocks, self.ranks)):
-            fans[f"L.{level}"] = Fan(r, self.out_features // (p * self.n_stacks))
+            fans[f"L.{level}"] = Fan(r, self.out_features // (p * self.n_stacks), gain=1.0 / math.sqrt(len(self.ranks)))
             fans[f"R.{level}"] = Fan(self.in_features // p, self.n_stacks * r)
         return fans
 
