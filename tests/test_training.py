@@ -157,14 +157,40 @@ def test_shipped_configs_load_by_name(tmp_path):
     loaders = {"lm": load_lm_config, "icl": load_icl_config, "ts": load_ts_config}
     names = shipped_configs()
     assert {"lm-default", "lm-cpu-sweep", "icl-d16", "ts-patch"} <= set(names)
+    assert {"paper/lm-mlr", "paper/icl-btt", "paper/ts-mlr"} <= set(names)
     for name in names:
-        loaders[name.split("-")[0]](name)
+        loaders[name.rsplit("/", 1)[-1].split("-")[0]](name)
     assert load_lm_config("lm-default", ["run.steps=7"]).run.steps == 7
     f = tmp_path / "lm-default"  # a file of that name is read as the file
     f.write_text("run: {steps: 3}\n")
     assert load_lm_config(f).run.steps == 3
     with pytest.raises(FileNotFoundError, match=r"^config: expected a YAML file or a shipped config \(icl-d16, "):
         load_lm_config("lm-defualt")
+
+
+def test_the_paper_configs_build_their_models_with_the_authors_options():
+    """configs/paper/: each builds its model with the authors' conventions in place, and a forward
+    pass gives finite outputs (the language model's logits, the regression predictions, a
+    forecast)."""
+    from structured_attention.experiments.forecasting import load_ts_config
+    from structured_attention.experiments.icl import build_icl_model, load_icl_config
+    from structured_attention.models.forecasting import build_forecaster
+
+    lm = load_lm_config("paper/lm-mlr")
+    gpt = GPT(lm.model)
+    attn = gpt.blocks[0].attn
+    assert (attn.ranks, attn.options.qk_norm_scope, attn.options.level_scale) == ((32, 8, 6, 4, 4, 4, 4, 2), "head", "inverse_rank")
+    assert attn.scale == 1.0 and gpt.logit_scale == 1.0 and lm.optim.mup and lm.model.mup_base_width == 256
+    assert torch.isfinite(gpt(torch.randint(0, 256, (1, 64)))[0]).all()
+    icl = load_icl_config("paper/icl-btt")
+    model = build_icl_model(icl)
+    attn = model.backbone.blocks[0].attn
+    assert attn.options.key_norm == "shared" and attn.options.weight_cap and attn.scale == 8 / icl.model.d_model
+    assert torch.isfinite(model(torch.randn(2, 65, 32), torch.randn(2, 65))).all()
+    ts = load_ts_config("paper/ts-mlr")
+    forecaster = build_forecaster(ts.model_for_data(n_channels=7))
+    assert forecaster.backbone.blocks[0].attn.ranks == (48, 16)
+    assert torch.isfinite(forecaster(torch.randn(2, 96, 7))).all()
 
 
 # -- optimizer -----------------------------------------------------------------------------------------
@@ -195,6 +221,51 @@ def test_weight_decay_and_mup_groups():
     assert mult["head.weight"] == pytest.approx(32 / 64)
     assert mult["tok_emb.weight"] == mult["backbone.pos_emb.weight"] == mult["backbone.ln_f.weight"] == 1.0
     assert sum(len(g["params"]) for g in groups) == len(list(model.parameters()))
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_mup_init_and_read_out_follow_the_fans_relative_to_the_base_width(tie):
+    """muP's init against its definition: at the base width the model is the standard one; at 4x
+    the width each hidden weight is drawn with std x sqrt(base fan_in / fan_in) (the MLP's down
+    projection: fan_in 4d), embeddings keep theirs, an untied read-out takes the ratio itself, and
+    a tied read-out's logits are multiplied by base / width."""
+    def build(width, base=None):
+        torch.manual_seed(0)
+        return GPT(GPTConfig(d_model=width, n_heads=width // 16, n_layers=2, max_seq_len=16, tie_embeddings=tie,
+                             mup_base_width=base))
+
+    for name, w in build(32, 32).state_dict().items():  # at the base width: the standard model
+        assert torch.equal(w, build(32).state_dict()[name]), name
+    wide, plain = build(128, 32), build(128)
+    params, plain_params = dict(wide.named_parameters()), dict(plain.named_parameters())
+    expected = {"backbone.blocks.0.attn.q_proj.weight": math.sqrt(32 / 128),
+                "backbone.blocks.1.mlp.down.weight": math.sqrt(4 * 32 / (4 * 128)),
+                "tok_emb.weight": 1.0, "backbone.pos_emb.weight": 1.0}
+    if not tie:
+        expected["head.weight"] = 32 / 128
+    for name, factor in expected.items():  # the same draw, scaled
+        torch.testing.assert_close(params[name], plain_params[name] * factor, msg=name)
+    idx = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        hidden = wide.backbone(wide.tok_emb(idx))
+        torch.testing.assert_close(wide(idx)[0], hidden @ wide.head.weight.T * (32 / 128 if tie else 1.0))
+    with pytest.raises(ValueError, match="optim.mup"):  # muP's init without its learning rates
+        load_lm_config(None, ["model.mup_base_width=64"])
+
+
+def test_coordinate_check_keeps_activation_sizes_across_widths_under_mup_only():
+    """sattn coordcheck's measurement: after a few Adam steps at lr 1e-2, every layer's mean
+    |output| varies by less than 2.5x from width 64 to 256 under muP for MHA, MLR and Bilinear
+    BTT, while in the standard parametrisation the attention outputs grow by more than 10x."""
+    from structured_attention.cli.coordcheck import coord_check, spreads
+
+    rows = coord_check(["mha", "mlr:8|8|8|8", "bilinear_btt:1"], [64, 128, 256], steps=3, seeds=2)
+    spread = spreads(rows)
+    for (kind, parametrisation, site), s in spread.items():
+        if parametrisation == "mup":
+            assert s < 2.5, (kind, site, s)
+    for kind in ("mha", "mlr:8|8|8|8", "bilinear_btt:1"):
+        assert max(s for (k, p, site), s in spread.items() if k == kind and p == "sp" and "attn" in site) > 10, kind
 
 
 # -- the loop ----------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from types import ModuleType
 from typing import Any, NoReturn
 
 from ..experiments import EXPERIMENTS, checkpoint_experiment
-from . import bench, describe
+from . import bench, coordcheck, describe
 
 
 class _Parser(argparse.ArgumentParser):
@@ -33,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     describe.add_parser(sub)
     bench.add_parser(sub)
+    coordcheck.add_parser(sub)
     train = sub.add_parser("train", help=f"train a model ({'|'.join(EXPERIMENTS)})")
     train_sub = train.add_subparsers(dest="experiment", required=True)
     sweep = sub.add_parser("sweep", help=f"grids of training runs ({'|'.join(EXPERIMENTS)})")

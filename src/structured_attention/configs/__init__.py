@@ -1,5 +1,6 @@
 """The shipped YAML configs, installed with the package and loadable by name:
-``sattn train lm --config lm-default`` reads ``lm-default.yaml`` here (a path works too)."""
+``sattn train lm --config lm-default`` reads ``lm-default.yaml`` here (a path works too);
+``paper/`` holds the paper's settings in this project's options (``--config paper/lm-mlr``)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,16 @@ from pathlib import Path
 
 __all__ = ["find_config", "shipped_configs"]
 
+PAPER = "paper"  # the folder of the paper's settings
+
 
 def shipped_configs() -> list[str]:
-    """The names of the shipped configs (file names without ``.yaml``)."""
-    return sorted(f.name[:-5] for f in resources.files(__name__).iterdir() if f.name.endswith(".yaml"))
+    """The names of the shipped configs (file names without ``.yaml``; ``paper/...`` for the
+    paper's)."""
+    root = resources.files(__name__)
+    names = [f.name[:-5] for f in root.iterdir() if f.name.endswith(".yaml")]
+    names += [f"{PAPER}/{f.name[:-5]}" for f in root.joinpath(PAPER).iterdir() if f.name.endswith(".yaml")]
+    return sorted(names)
 
 
 def find_config(config: str | Path) -> Path | Traversable:
@@ -21,8 +28,7 @@ def find_config(config: str | Path) -> Path | Traversable:
     path = Path(config)
     if path.is_file():
         return path
-    shipped = resources.files(__name__) / f"{config}.yaml"
-    if "/" not in str(config) and shipped.is_file():
-        return shipped
+    if str(config) in shipped_configs():
+        return resources.files(__name__).joinpath(*f"{config}.yaml".split("/"))
     raise FileNotFoundError(f"config: expected a YAML file or a shipped config ({', '.join(shipped_configs())}), "
                             f"got {str(config)!r}")

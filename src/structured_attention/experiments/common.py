@@ -29,7 +29,7 @@ def add_train_parser(train: argparse._SubParsersAction, name: str, help: str, de
     keys = "\n".join(f"  {key:<{width}}  {kind}, default {default!r}" for key, kind, default in listed)
     t = train.add_parser(name, help=help, description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
                          epilog=f"config keys (section.key=value):\n{keys}")
-    shipped = ", ".join(c for c in shipped_configs() if c.startswith(f"{name}-"))
+    shipped = ", ".join(c for c in shipped_configs() if c.rsplit("/", 1)[-1].startswith(f"{name}-"))
     t.add_argument("--config", default=None,
                    help=f"YAML config: a file, or a shipped config by name ({shipped}); default: the built-in defaults")
     t.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")

@@ -131,6 +131,9 @@ class ForecasterConfig:
         require(self.backbone.attn_dropout is None or 0 <= self.backbone.attn_dropout < 1, "model.attn_dropout",
                 "a probability in [0, 1), or null for model.dropout", self.backbone.attn_dropout)
         require(0 <= self.head_dropout < 1, "model.head_dropout", "a probability in [0, 1)", self.head_dropout)
+        require(self.backbone.mup_base_width is None, "model.mup_base_width",
+                "null (muP's initialisation is for the language and regression models; a forecaster's heads "
+                "read every patch, their fan-in is not the width)", self.backbone.mup_base_width)
         if self.family == "patch":
             require(self.patch_len <= self.lookback, "model.patch_len", f"at most the lookback {self.lookback}", self.patch_len)
         require(not self.linear_skip or self.family == "patch", "model.linear_skip", "false for the point family", self.linear_skip)

@@ -24,7 +24,7 @@ from .._checks import require
 from .._files import atomic_write
 from ..attention import KVCache, StaticKVCache
 from ..matrices.base import Fan
-from .transformer import Transformer, TransformerConfig, init_gpt2_, parameter_fans
+from .transformer import Transformer, TransformerConfig, init_gpt2_, mup_init_, parameter_fans
 
 __all__ = ["GPT", "GPTConfig"]
 
@@ -56,6 +56,15 @@ class GPT(nn.Module):
         init_gpt2_(self, config)
         if config.tie_embeddings:
             self.head.weight = self.tok_emb.weight
+        # muP's output multiplier on a tied read-out (the embedding keeps an input weight's init
+        # and learning rate, so the logits shrink with the width instead); 1 without muP
+        self.logit_scale = 1.0
+        if config.mup_base_width is not None:
+            with torch.device("meta"):
+                base = GPT(config.at_width(config.mup_base_width))
+            mup_init_(self, base, readout=None if config.tie_embeddings else "head.weight")
+            if config.tie_embeddings:
+                self.logit_scale = config.mup_base_width / config.d_model
 
     @property
     def blocks(self) -> nn.ModuleList:
@@ -75,6 +84,8 @@ class GPT(nn.Module):
         :meth:`Transformer.forward`; logits at padding are zero and padding targets are ignored."""
         require(idx.dim() == 2 and not idx.is_floating_point(), "idx", "a (batch, seq_len) integer tensor", tuple(idx.shape))
         logits = self.head(self.backbone(self.tok_emb(idx), caches, attention_mask, document_ids))
+        if self.logit_scale != 1.0:
+            logits = logits * self.logit_scale
         loss = None
         if targets is not None:
             require(tuple(targets.shape) == tuple(idx.shape), "targets", f"shape {tuple(idx.shape)} (that of idx)",

@@ -11,7 +11,7 @@ from torch import nn
 from .._checks import require
 from ..data.regression import interleave
 from ..matrices.base import Fan
-from .transformer import Transformer, TransformerConfig, init_gpt2_, parameter_fans
+from .transformer import Transformer, TransformerConfig, init_gpt2_, mup_init_, parameter_fans
 
 __all__ = ["RegressionTransformer"]
 
@@ -30,6 +30,10 @@ class RegressionTransformer(nn.Module):
         self.backbone = Transformer(config)
         self.read_out = nn.Linear(config.d_model, 1)
         init_gpt2_(self, config)
+        if config.mup_base_width is not None:
+            with torch.device("meta"):
+                base = RegressionTransformer(config.at_width(config.mup_base_width), n_dims)
+            mup_init_(self, base, readout="read_out.weight")
 
     def forward(self, xs: torch.Tensor, ys: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Predictions ``(B, N)`` of ``ys`` for prompts ``xs: (B, N, n_dims)``, ``ys: (B, N)``; the

@@ -24,7 +24,8 @@ from ..attention.base import bind_padding
 from ..attention.segments import Segments, build_segments
 from ..matrices.base import Fan, StructuredMatrix
 
-__all__ = ["Block", "MLP", "TokenBatchNorm", "Transformer", "TransformerConfig", "build_norm", "init_gpt2_", "parameter_fans"]
+__all__ = ["Block", "MLP", "TokenBatchNorm", "Transformer", "TransformerConfig", "build_norm", "init_gpt2_", "mup_init_",
+           "parameter_fans"]
 
 
 # Attention layers up to this many parameters (64 MB of float32) are built on the CPU by
@@ -62,6 +63,9 @@ class TransformerConfig:
     # std of every structured-matrix factor at init (the bilinear kinds' score maps), as for the dense
     # weights; None keeps each matrix's own variance-preserving init (see init_gpt2_)
     structured_std: float | None = 0.02
+    # muP's initialisation and read-out (see mup_init_) relative to a model of this width; the
+    # learning rates are optim.mup's. None: the standard parametrisation
+    mup_base_width: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("n_layers", "d_model", "n_heads", "max_seq_len"):
@@ -73,6 +77,18 @@ class TransformerConfig:
         require(self.mlp_ratio > 0, "mlp_ratio", "a positive number", self.mlp_ratio)
         require(self.structured_std is None or self.structured_std > 0, "structured_std", "None or a positive number",
                 self.structured_std)
+        if self.mup_base_width is not None:
+            head_dim = self.d_model // self.n_heads
+            require(isinstance(self.mup_base_width, int) and self.mup_base_width > 0 and self.mup_base_width % head_dim == 0,
+                    "mup_base_width", f"None or a positive multiple of the head dim {head_dim} (the base model keeps it)",
+                    self.mup_base_width)
+
+    def at_width(self, d_model: int) -> TransformerConfig:
+        """This config at width ``d_model``, as muP widens a model: the head dim kept (heads, and
+        key/value heads, in proportion), no muP of its own (the base model of :func:`mup_init_`)."""
+        heads = d_model // (self.d_model // self.n_heads)
+        kv = None if self.n_kv_heads is None else max(1, self.n_kv_heads * heads // self.n_heads)
+        return dataclasses.replace(self, d_model=d_model, n_heads=heads, n_kv_heads=kv, mup_base_width=None)
 
     def attention_configs(self, distinct: bool = False) -> list[AttentionConfig]:
         """One validated :class:`AttentionConfig` per layer (``distinct``: one per entry of the
@@ -285,6 +301,24 @@ def init_gpt2_(model: nn.Module, config: TransformerConfig) -> None:
         elif isinstance(module, StructuredMatrix) and config.structured_std is not None:
             for factor in module.parameter_fans():
                 nn.init.normal_(module.get_parameter(factor), std=config.structured_std)
+
+
+def mup_init_(model: nn.Module, base: nn.Module, readout: str | None = None) -> None:
+    """muP's initialisation (Yang et al. 2022, Tensor Programs V, Table 3), in place, relative to
+    ``base``, the same model at the base width (built on the meta device: only its fans are read):
+    each matrix-like parameter's standard deviation is multiplied by ``sqrt(base fan_in / fan_in)``
+    (variance proportional to ``1/fan_in``: hidden weights, whose fan-in grows with the width;
+    input weights and embeddings, whose fan-in does not, are unchanged), and the ``readout``
+    parameter's (an untied output layer) by ``base fan_in / fan_in`` (variance proportional to
+    ``1/fan_in^2``). At the base width every factor is 1: the model is the standard one. A tied
+    read-out is the embedding (unchanged); its logits take the output multiplier instead
+    (``GPT.forward``)."""
+    fans, base_fans = parameter_fans(model), parameter_fans(base)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name in fans:
+                ratio = base_fans[name].fan_in / fans[name].fan_in
+                p.mul_(ratio if name == readout else math.sqrt(ratio))
 
 
 def parameter_fans(model: nn.Module) -> dict[str, Fan]:

@@ -65,6 +65,14 @@ class OptimConfig:
         require(self.grad_clip >= 0, "optim.grad_clip", "a non-negative number (0 disables)", self.grad_clip)
         require(self.mup_base_width > 0, "optim.mup_base_width", "a positive integer", self.mup_base_width)
 
+    def check_model_mup(self, model_base_width: int | None) -> None:
+        """One-line ``ValueError`` unless a model with muP's initialisation (``model.mup_base_width``)
+        trains with muP's learning rates from the same base width: half of muP is not muP."""
+        if model_base_width is not None:
+            require(self.mup and self.mup_base_width == model_base_width, "optim.mup",
+                    f"true with optim.mup_base_width={model_base_width} (that of model.mup_base_width)",
+                    f"{self.mup} with optim.mup_base_width={self.mup_base_width}")
+
 
 @dataclass(frozen=True)
 class RunConfig:

@@ -132,6 +132,7 @@ class ICLConfig:
         require(self.model.causal, "model.causal", "true (a prediction may only see the examples before it)",
                 self.model.causal)
         self.model.check_attention()
+        self.optim.check_model_mup(self.model.mup_base_width)
 
 
 def load_icl_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> ICLConfig:

@@ -93,6 +93,7 @@ class LMConfig:
             self.run.seq_len,
         )
         self.model.check_attention()
+        self.optim.check_model_mup(self.model.mup_base_width)
 
 
 def load_lm_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> LMConfig:
