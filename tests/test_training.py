@@ -517,6 +517,7 @@ def test_sweep_matches_flops_and_plots(tmp_path, capsys):
     table = (tmp_path / "plot" / "lm.md").read_text()
     assert table.count("\n") == 2 + 4  # header, rule, best lr per (kind, width)
     assert (tmp_path / "plot" / "lm.png").stat().st_size > 0
+    assert (tmp_path / "plot" / "lm-lr.png").stat().st_size > 0  # two rates: each width's loss against them
 
 
 def test_plot_of_an_empty_folder_is_one_clear_error(tmp_path, capsys):

@@ -241,7 +241,8 @@ def run_sweep(args: argparse.Namespace) -> int:
 
 def plot(results: list[dict[str, Any]], out: Path) -> int:
     """``lm.png`` (validation bits per byte versus training FLOPs, best learning rate per kind and
-    width) and ``lm.md`` (the table) in ``out`` from a sweep's results."""
+    width), ``lm.md`` (the table) and, for a sweep over learning rates, ``lm-lr.png`` (each width's
+    loss against the rate) in ``out`` from a sweep's results."""
     best = best_per_kind_width(results, "val_loss")
     out.mkdir(parents=True, exist_ok=True)
     lines = ["| kind | width | best lr | steps | training FLOPs | val bits/byte | tokens/s |", "|---|---|---|---|---|---|---|"]
@@ -266,4 +267,28 @@ def plot(results: list[dict[str, Any]], out: Path) -> int:
     fig.savefig(out / "lm.png", dpi=120)
     plt.close(fig)
     print(f"wrote {out / 'lm.png'} and {out / 'lm.md'}")
+    if len({r["lr"] for r in results}) > 1:
+        _plot_lr(plt, results, out / "lm-lr.png")
     return 0
+
+
+def _plot_lr(plt: Any, results: list[dict[str, Any]], path: Path) -> None:
+    """Validation bits per byte against the learning rate, a line per width and a panel per kind:
+    where muP transfers, every width's minimum is at the same rate."""
+    kinds = list(dict.fromkeys(r["kind"] for r in results))
+    fig, axes = plt.subplots(1, len(kinds), figsize=(4.5 * len(kinds), 3.8), squeeze=False, sharey=True)
+    for ax, kind in zip(axes[0], kinds):
+        for width in sorted({r["width"] for r in results if r["kind"] == kind}):
+            pts = sorted((r["lr"], r["val_bpb"]) for r in results if r["kind"] == kind and r["width"] == width)
+            ax.plot(*zip(*pts), marker="o", label=f"width {width}")
+        ax.set(xscale="log", xlabel="learning rate", title=kind)
+        lrs = sorted({r["lr"] for r in results if r["kind"] == kind})
+        ax.minorticks_off()
+        ax.set_xticks(lrs, [f"{lr:g}" for lr in lrs])
+        ax.grid(True, alpha=0.3)
+    axes[0][0].set_ylabel("validation bits per byte")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}")
