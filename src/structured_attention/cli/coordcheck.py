@@ -17,6 +17,7 @@ the spread (largest over smallest across widths) of every kind and parametrisati
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -58,9 +59,10 @@ def coordinate_sizes(config: GPTConfig, steps: int, lr: float, seed: int) -> lis
     steps (warm-up and decay off, no clipping or weight decay) on random tokens."""
     torch.manual_seed(seed)
     model = GPT(config)
-    mup = config.mup_base_width is not None
-    optim = build_optimizer(model, OptimConfig(lr=lr, warmup_steps=0, schedule="constant", weight_decay=0.0,
-                                               grad_clip=0.0, mup=mup, mup_base_width=config.mup_base_width or 128))
+    settings = OptimConfig(lr=lr, warmup_steps=0, schedule="constant", weight_decay=0.0, grad_clip=0.0)
+    if config.mup_base_width is not None:
+        settings = dataclasses.replace(settings, mup=True, mup_base_width=config.mup_base_width)
+    optim = build_optimizer(model, settings)
     for group in optim.param_groups:  # muP's multipliers, as the training loop applies them
         group["lr"] = lr * group["lr_mult"]
     sites: dict[str, nn.Module] = {"embedding": model.tok_emb}

@@ -60,9 +60,7 @@ class GPT(nn.Module):
         # and learning rate, so the logits shrink with the width instead); 1 without muP
         self.logit_scale = 1.0
         if config.mup_base_width is not None:
-            with torch.device("meta"):
-                base = GPT(config.at_width(config.mup_base_width))
-            mup_init_(self, base, readout=None if config.tie_embeddings else "head.weight")
+            mup_init_(self, config, GPT, readout=None if config.tie_embeddings else "head.weight")
             if config.tie_embeddings:
                 self.logit_scale = config.mup_base_width / config.d_model
 

@@ -31,9 +31,7 @@ class RegressionTransformer(nn.Module):
         self.read_out = nn.Linear(config.d_model, 1)
         init_gpt2_(self, config)
         if config.mup_base_width is not None:
-            with torch.device("meta"):
-                base = RegressionTransformer(config.at_width(config.mup_base_width), n_dims)
-            mup_init_(self, base, readout="read_out.weight")
+            mup_init_(self, config, lambda c: RegressionTransformer(c, n_dims), readout="read_out.weight")
 
     def forward(self, xs: torch.Tensor, ys: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Predictions ``(B, N)`` of ``ys`` for prompts ``xs: (B, N, n_dims)``, ``ys: (B, N)``; the

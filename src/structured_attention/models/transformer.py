@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -303,9 +304,11 @@ def init_gpt2_(model: nn.Module, config: TransformerConfig) -> None:
                 nn.init.normal_(module.get_parameter(factor), std=config.structured_std)
 
 
-def mup_init_(model: nn.Module, base: nn.Module, readout: str | None = None) -> None:
+def mup_init_(model: nn.Module, config: TransformerConfig, build: Callable[[TransformerConfig], nn.Module],
+              readout: str | None = None) -> None:
     """muP's initialisation (Yang et al. 2022, Tensor Programs V, Table 3), in place, relative to
-    ``base``, the same model at the base width (built on the meta device: only its fans are read):
+    ``build(config.at_width(config.mup_base_width))``, the same model at the base width (built on
+    the meta device: only its fans are read):
     each matrix-like parameter's standard deviation is multiplied by ``sqrt(base fan_in / fan_in)``
     (variance proportional to ``1/fan_in``: hidden weights, whose fan-in grows with the width;
     input weights and embeddings, whose fan-in does not, are unchanged), and the ``readout``
@@ -313,6 +316,9 @@ def mup_init_(model: nn.Module, base: nn.Module, readout: str | None = None) -> 
     ``1/fan_in^2``). At the base width every factor is 1: the model is the standard one. A tied
     read-out is the embedding (unchanged); its logits take the output multiplier instead
     (``GPT.forward``)."""
+    assert config.mup_base_width is not None
+    with torch.device("meta"):
+        base = build(config.at_width(config.mup_base_width))
     fans, base_fans = parameter_fans(model), parameter_fans(base)
     with torch.no_grad():
         for name, p in model.named_parameters():

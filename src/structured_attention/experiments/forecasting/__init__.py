@@ -281,7 +281,7 @@ class ForecastScores:
     """The trained forecaster's scores (normalised units): MSE and MAE over every test window, the
     best evaluation's on the validation windows, ``examples`` (test windows of the target channel:
     the lookback, the truth and the forecast), and where they apply the scores over the test
-    windows PatchTST's published figures used (:data:`PUBLISHED_TEST_BATCH`; 0 windows when the
+    windows PatchTST's published figures used (:data:`PUBLISHED_TEST_BATCH`; ``None`` when the
     split has fewer) and the ridge-fitted linear skip's alone (``model.linear_skip``)."""
 
     test_mse: float
@@ -291,7 +291,7 @@ class ForecastScores:
     test_windows: int
     params: int
     examples: list[dict[str, Any]]
-    published_windows: int = 0
+    published_windows: int | None = None
     test_mse_published_windows: float | None = None
     test_mae_published_windows: float | None = None
     skip_test_mse: float | None = None
@@ -311,8 +311,6 @@ class ForecastResult(FitResult):
         if self.scores is None:
             return {}
         scores = {k: v for k, v in dataclasses.asdict(self.scores).items() if v is not None}
-        if not self.scores.published_windows:
-            del scores["published_windows"]
         return {**scores, "best_step": self.best_step, "steps": self.steps, "stopped_early": self.stopped_early,
                 "wall_s": self.wall_s}
 
