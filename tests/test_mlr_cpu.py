@@ -51,7 +51,8 @@ def test_validation_names_the_parameter():
 
 def test_memory_is_linear_in_T():
     """No allocation of T x T size, forward or backward: the kernel's own work buffers are a few
-    tiles per thread, and every tensor it allocates is O(T)."""
+    tiles per thread (and, in the backward, each segment's packed rows), and every tensor it
+    allocates is O(T)."""
     from torch.profiler import profile
 
     T, R = 2048, 16
@@ -61,3 +62,42 @@ def test_memory_is_linear_in_T():
     biggest = max(e.cpu_memory_usage for e in prof.events())
     assert 0 < biggest <= 4 * (2 * T * R * 4)  # a few (heads, T, R) tensors
     assert biggest < T * T * 4 / 16
+
+
+@pytest.mark.parametrize("documents", [False, True], ids=["whole", "documents"])
+def test_strided_inputs_and_dim_order_equal_the_gathered_call(documents):
+    """The kernel reads q, k and v where they lie ((B, T, H, D) memory, as a projection leaves them;
+    two query heads per key head) and takes the head dims in ``dim_order``: equal, with its
+    gradients, to the reference on contiguous copies with the dims gathered."""
+    from structured_attention.ops.mlr import mlr_attention
+
+    B, H, Hk, T, R, Dv = 2, 4, 2, 70, 8, 6
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(B, T, H, R, dtype=torch.float64, generator=g).transpose(1, 2).requires_grad_()
+    k = torch.randn(B, T, Hk, R, dtype=torch.float64, generator=g).transpose(1, 2).requires_grad_()
+    v = torch.randn(B, T, Hk, Dv, dtype=torch.float64, generator=g).transpose(1, 2).requires_grad_()
+    order = [4, 0, 5, 1, 6, 2, 7, 3]
+    ids = torch.tensor([[0] * 30 + [1] * 40, [0] * 70]) if documents else None
+    out = mlr_attention(q, k, v, (2, 2, 4), (128, 32, 8), document_ids=ids, dim_order=order)
+    gout = torch.randn(out.shape, dtype=torch.float64, generator=g)
+    grads = torch.autograd.grad(out, (q, k, v), gout)
+    qc, kc, vc = (x.detach().contiguous().requires_grad_() for x in (q, k, v))
+    ref = mlr_attention_reference(qc[..., order], kc[..., order], vc, (2, 2, 4), (128, 32, 8), document_ids=ids)
+    ref_grads = torch.autograd.grad(ref, (qc, kc, vc), gout)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+
+
+def test_dim_order_off_the_kernel_and_its_validation(monkeypatch):
+    """Where the kernel does not run, dim_order gathers the dims first: the same result. A
+    dim_order that is not a permutation of the head dims is one line naming it."""
+    from structured_attention.ops.mlr import dispatch, mlr_attention
+
+    q, k, v = make_qkv(1, 2, 2, 40, 8, 4, torch.float64, seed=12)
+    order = [7, 6, 5, 4, 3, 2, 1, 0]
+    kernel = mlr_attention(q, k, v, (4, 4), (64, 16), dim_order=order)
+    monkeypatch.setattr(dispatch.cpu, "available", lambda: False)
+    torch.testing.assert_close(mlr_attention(q, k, v, (4, 4), (64, 16), dim_order=order), kernel, atol=1e-12, rtol=0)
+    with pytest.raises(ValueError, match="dim_order"):
+        mlr_attention(q, k, v, (4, 4), dim_order=[0, 1, 2, 3, 4, 5, 6, 6])

@@ -32,6 +32,8 @@ def add_parser(what: argparse._SubParsersAction) -> None:
     p.add_argument("--batch", type=int, default=2, help="sequences per step (default 2)")
     p.add_argument("--hidden", type=int, default=512, help="hidden size (default 512)")
     p.add_argument("--n-heads", type=int, default=8, help="heads; hidden / heads is the head dim (default 8)")
+    p.add_argument("--intermediate", type=int, default=None,
+                   help="the MLP's intermediate size (default 4 x hidden; Llama's own models use about 2.7 x)")
     p.add_argument("--n-layers", type=int, default=2, help="layers (default 2)")
     p.add_argument("--ranks", default=HF_RANKS, help=f"MLR ranks per level (default {HF_RANKS})")
     p.add_argument("--cache-len", type=int, default=16384, help="tokens in the compared caches (default 16384)")
@@ -40,7 +42,10 @@ def add_parser(what: argparse._SubParsersAction) -> None:
 
 
 def _check(args: argparse.Namespace) -> list[int]:
-    check_positive_options(args, "seq_len", "batch", "hidden", "n_heads", "n_layers", "cache_len", "repeats")
+    if args.intermediate is None:
+        args.intermediate = 4 * args.hidden
+    check_positive_options(args, "seq_len", "batch", "hidden", "n_heads", "intermediate", "n_layers", "cache_len",
+                           "repeats")
     if args.hidden % args.n_heads:
         raise ValueError(f"--n-heads: expected a divisor of --hidden={args.hidden}, got {args.n_heads}")
     ranks = list(parse_ranks(args.ranks))
@@ -59,7 +64,7 @@ def _llama(args: argparse.Namespace, implementation: str, ranks: list[int], cont
     from ..integrations import transformers as sattn_hf
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=256, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=args.hidden, intermediate_size=args.intermediate,
                                       num_hidden_layers=args.n_layers, num_attention_heads=args.n_heads,
                                       num_key_value_heads=args.n_heads, max_position_embeddings=context)
     sattn_hf.configure(config, ranks)
@@ -94,7 +99,7 @@ def measure(args: argparse.Namespace, ranks: list[int]) -> list[dict[str, Any]]:
             if run >= args.warmup:
                 times[name].append(ms)
     record: dict[str, Any] = {"seq_len": args.seq_len, "batch": args.batch, "head_dim": args.hidden // args.n_heads,
-                              "ranks": args.ranks}
+                              "intermediate": args.intermediate, "ranks": args.ranks}
     record.update({f"{name}_step_ms": statistics.median(ms) for name, ms in times.items()})
     record["speedup"] = statistics.median(s / m for s, m in zip(times["sdpa"], times[sattn_hf.ATTN_IMPLEMENTATION]))
 

@@ -22,9 +22,9 @@ projections, rotary embeddings, GQA, caches and ``generate()`` stay as they are.
   lose their dependence on relative position alone, so the scores see the head dimensions pair by
   pair: ``0, head_dim/2, 1, head_dim/2 + 1, ...`` (:func:`level_permutation`), and level ``l``
   takes the next ``r_l`` of them, that is pairs ``a_l .. a_l + r_l/2 - 1`` (``a_l`` the sum of
-  the earlier ranks, halved). This order is one strided copy of the queries and keys (a gather of
-  arbitrary dimensions costs about four times as much on the CPU). Only the scores see this
-  order; values are untouched.
+  the earlier ranks, halved). ``mlr_attention`` takes this order as its ``dim_order``: the C++
+  kernel reads the queries and keys in it where they lie, other paths gather them first. Only the
+  scores see this order; values are untouched.
 - **Masks.** ``register()`` also registers the mask function, which hands the attention function
   the ``(batch, keys)`` padding mask (``None`` without padding); left or right padding is scored
   as the package's layers do: each row's real tokens attend only among themselves and their MLR
@@ -102,6 +102,7 @@ def _head_dim(config: Any) -> int:
     return head_dim
 
 
+@functools.lru_cache(maxsize=None)
 def level_permutation(head_dim: int) -> tuple[int, ...]:
     """The head dimensions in the order the scores see them, rotary pair after rotary pair
     ``(i, i + head_dim/2)``: each level's ``r_l`` dimensions are whole pairs (see the module
@@ -155,16 +156,17 @@ def mlr_attention_forward(
             "before building the model", None if attention_mask is None else tuple(attention_mask.shape))
     head_dim = query.shape[-1]
     ranks, sizes = _levels(module.config, head_dim)
-    q, k = _pair_order(query), _pair_order(key)
     scale = head_dim**-0.5 if scaling is None else scaling
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-    batch, t_q, t_k = q.shape[0], q.shape[2], k.shape[2]
+    batch, t_q, t_k = query.shape[0], query.shape[2], key.shape[2]
     if t_q == t_k:
-        segments = build_segments(attention_mask, None, batch, t_k, q.device)
-        out = mlr_attention(q, k, value, ranks, sizes, causal=causal, scale=scale,
-                            document_ids=None if segments is None else segments.ids)
+        segments = build_segments(attention_mask, None, batch, t_k, query.device)
+        out = mlr_attention(query, key, value, ranks, sizes, causal=causal, scale=scale,
+                            document_ids=None if segments is None else segments.ids,
+                            dim_order=level_permutation(head_dim))
     else:  # new queries after a cache of t_k - t_q keys; rows are left-padded
         require(causal, "is_causal", "True when queries follow a cache", causal)
+        q, k = _pair_order(query), _pair_order(key)
         offsets = torch.tensor(left_padding(attention_mask, batch, t_k, q.device) if attention_mask is not None
                                else [0] * batch, device=q.device)
         first = t_k - t_q

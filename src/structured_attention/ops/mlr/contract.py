@@ -43,6 +43,7 @@ from ..._checks import (
 __all__ = [
     "HALF_DTYPES",
     "attach_backward",
+    "check_dim_order",
     "check_document_ids",
     "check_mlr_arguments",
     "check_mlr_cache_arguments",
@@ -255,6 +256,18 @@ def document_bounds(document_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
         starts = [0, *(t for t in range(1, len(ids)) if ids[t] != ids[t - 1])]
         bounds.append(list(zip(starts, [*starts[1:], len(ids)])))
     return bounds
+
+
+def check_dim_order(dim_order: object, R: int) -> tuple[int, ...] | None:
+    """Validate an order of the head dims: ``None`` (as they come), or a permutation of
+    ``range(R)``, level ``l`` taking the next ``r_l`` of them. Returns it as a tuple (or ``None``)."""
+    if dim_order is None:
+        return None
+    ok = (isinstance(dim_order, Sequence) and not isinstance(dim_order, str)
+          and all(isinstance(d, int) and not isinstance(d, bool) for d in dim_order)
+          and sorted(dim_order) == list(range(R)))
+    require(ok, "dim_order", f"a permutation of range({R}) (the head dims of q and k)", dim_order)
+    return tuple(dim_order)  # type: ignore[arg-type]
 
 
 def check_document_ids(

@@ -20,44 +20,56 @@ from .contract import (
     attach_backward,
     check_mlr_arguments,
     check_mlr_cache_arguments,
+    check_dim_order,
     compute_dtype,
-    expand_kv,
 )
 
 __all__ = ["available", "decode", "decode_static", "load", "mlr_attention_cpu", "mlr_decode_cpu"]
 
 # The kernel's entry points as custom ops: torch.compile keeps each whole (no graph break) and
 # traces shapes through the fake implementations; autograd reaches the backward through
-# register_autograd. q arrives already multiplied by the scale.
-# ``segments`` (S, 3) int64 rows of (row of the N dim, start, length), or (0, 3) for whole rows: each
-# is scored as a sequence of its own (packed documents, varlen).
+# register_autograd. q, k and v are read in place (any strides with a contiguous last dim), their
+# head dims in ``order`` (empty: as they come); outputs are (B, H, T, *) views of (B, T, H, *)
+# memory. ``segments`` (S, 3) int64 rows of (row b * H + h, start, length), or (0, 3) for whole
+# rows: each is scored as a sequence of its own (packed documents, varlen).
 @torch.library.custom_op("sattn::mlr_cpu_forward", mutates_args=())
 def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor, sizes: list[int],
-                offsets: list[int], causal: bool, depth_normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return tuple(load().forward(q.contiguous(), k.transpose(1, 2).contiguous(), v.contiguous(), segments, sizes,
-                                offsets, causal, depth_normalize, BLOCK_Q, BLOCK_K))
+                offsets: list[int], order: list[int], scale: float, causal: bool, depth_normalize: bool
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    return tuple(load().forward(q, k, v, segments, sizes, offsets, order, scale, causal, depth_normalize, BLOCK_Q,
+                                BLOCK_K))
+
+
+def _heads_view(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """An empty ``(B, H, T, dim)`` like ``x`` ``(B, H, T, *)``, as the kernel allocates it."""
+    B, H, T, _ = x.shape
+    return x.new_empty(B, T, H, dim).transpose(1, 2)
 
 
 @_forward_op.register_fake
-def _(q, k, v, segments, sizes, offsets, causal, depth_normalize):
-    return q.new_empty(*q.shape[:2], v.shape[-1]), q.new_empty(q.shape[:2])
+def _(q, k, v, segments, sizes, offsets, order, scale, causal, depth_normalize):
+    return _heads_view(q, v.shape[-1]), q.new_empty(q.shape[:3])
 
 
 @torch.library.custom_op("sattn::mlr_cpu_backward", mutates_args=())
 def _backward_op(gout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                 lse: torch.Tensor, segments: torch.Tensor, sizes: list[int], offsets: list[int], causal: bool,
-                 depth_normalize: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    q, k, v, gout = q.contiguous(), k.contiguous(), v.contiguous(), gout.contiguous()
-    delta = (gout * out).sum(-1)
-    dqT, dk, dv = load().backward(q, q.transpose(1, 2).contiguous(), k, k.transpose(1, 2).contiguous(), v, gout,
-                                  gout.transpose(1, 2).contiguous(), lse, delta, segments, sizes, offsets, causal,
-                                  depth_normalize, BLOCK_Q, BLOCK_K)
-    return dqT.transpose(1, 2).contiguous(), dk, dv
+                 lse: torch.Tensor, segments: torch.Tensor, sizes: list[int], offsets: list[int], order: list[int],
+                 scale: float, causal: bool, depth_normalize: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gout = gout if gout.stride(-1) == 1 else gout.contiguous()
+    dq, dk, dv = load().backward(q, k, v, out, gout, lse, segments, sizes, offsets, order, scale, causal,
+                                 depth_normalize, BLOCK_Q, BLOCK_K)
+    group = q.shape[1] // k.shape[1]
+    if group > 1:  # the kernel's key gradients are per query head: sum each key head's group
+        dk, dv = (x.unflatten(1, (k.shape[1], group)).sum(2) for x in (dk, dv))
+    return dq, dk, dv
 
 
 @_backward_op.register_fake
-def _(gout, q, k, v, out, lse, segments, sizes, offsets, causal, depth_normalize):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def _(gout, q, k, v, out, lse, segments, sizes, offsets, order, scale, causal, depth_normalize):
+    if q.shape[1] != k.shape[1]:
+        return _heads_view(q, q.shape[-1]), torch.empty_like(k), torch.empty_like(v)
+    return _heads_view(q, q.shape[-1]), _heads_view(k, k.shape[-1]), _heads_view(v, v.shape[-1])
 
 
 attach_backward(_forward_op, _backward_op)
@@ -107,26 +119,30 @@ def mlr_attention_cpu(
     scale: float | None = None,
     depth_normalize: bool = False,
     document_ids: torch.Tensor | None = None,
+    dim_order: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """MLR attention through the fused C++ kernel; same contract as
     :func:`~.reference.mlr_attention_reference`, packed ``document_ids`` included: the kernel
     takes each document as a segment of its own (varlen), so packing costs no padded work.
-    Raises ``RuntimeError`` if the kernel is not available (see :func:`available`)."""
+    ``dim_order`` (see :func:`~.dispatch.mlr_attention`) is applied as the kernel reads q and k,
+    which it reads in place (any strides with a contiguous last dim). Raises ``RuntimeError`` if
+    the kernel is not available (see :func:`available`)."""
     ranks, sizes, scale = check_mlr_arguments(q, k, v, ranks, block_sizes, causal, scale, depth_normalize,
                                               document_ids)
+    order = check_dim_order(dim_order, q.shape[-1])
     require(q.device.type == "cpu", "q.device", "a CPU tensor", q.device)
     if not available():
         raise RuntimeError("the C++ MLR attention kernel is not available here (see the warning when it was built)")
-    B, H, T, R = q.shape
-    Hk = k.shape[1]
-    Dv = v.shape[-1]
     dtype = compute_dtype(q.dtype)
-    G = H // Hk
-    out, _ = _forward_op(
-        (q.to(dtype) * scale).reshape(B * H, T, R), expand_kv(k.to(dtype), G).reshape(B * H, T, R),
-        expand_kv(v.to(dtype), G).reshape(B * H, T, Dv), document_segments(document_ids, H), list(sizes),
-        list(itertools.accumulate(ranks, initial=0)), causal, depth_normalize)
-    return out.reshape(B, H, T, Dv).to(q.dtype)
+
+    def prepared(x: torch.Tensor) -> torch.Tensor:
+        x = x.to(dtype)
+        return x if x.stride(-1) == 1 else x.contiguous()
+
+    out, _ = _forward_op(prepared(q), prepared(k), prepared(v), document_segments(document_ids, q.shape[1]),
+                         list(sizes), list(itertools.accumulate(ranks, initial=0)), [] if order is None else list(order),
+                         float(scale), causal, depth_normalize)
+    return out.to(q.dtype)
 
 
 def document_segments(document_ids: torch.Tensor | None, heads: int) -> torch.Tensor:

@@ -272,9 +272,9 @@ def _self_check(module: ModuleType) -> None:
     attention): a kernel that cannot run here (the GEMM library refusing this CPU) or computes
     wrongly is never used."""
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, 24, 4, generator=g) for _ in range(3))
-    out, _ = module.forward(q, k.transpose(1, 2).contiguous(), v, torch.empty(0, 3, dtype=torch.long), [32], [0, 4],
-                            True, False, BLOCK_Q, BLOCK_K)
-    scores = (q @ k.transpose(1, 2)).masked_fill(torch.ones(24, 24, dtype=torch.bool).triu(1), float("-inf"))
+    q, k, v = (torch.randn(1, 2, 24, 4, generator=g) for _ in range(3))
+    out, _ = module.forward(q, k, v, torch.empty(0, 3, dtype=torch.long), [32], [0, 4], [], 1.0, True, False, BLOCK_Q,
+                            BLOCK_K)
+    scores = (q @ k.transpose(-1, -2)).masked_fill(torch.ones(24, 24, dtype=torch.bool).triu(1), float("-inf"))
     if not torch.allclose(out, torch.softmax(scores, -1) @ v, atol=1e-4, rtol=1e-4):
         raise RuntimeError("self-check: the kernel's output differs from plain attention")

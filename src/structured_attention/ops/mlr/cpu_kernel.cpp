@@ -2,10 +2,14 @@
 // decoding step against the compressed cache (decode_kernel, at the end).
 //
 // Contract (checked and prepared by structured_attention/ops/mlr/cpu.py):
-//   q (N, T, R) queries already multiplied by the scale; k (N, T, R); v (N, T, Dv);
-//   sizes: block size per level (s_1 >= T, nested); offsets: R_d = r_1 + ... + r_d, d = 0..L;
-//   segments: (S, 3) int64 (row, start, length), or empty for whole rows. Each segment (a packed
-//   document, per head) is scored as a sequence of its own: local positions, its own blocks.
+//   q (B, H, T, R), k (B, Hk, T, R), v (B, Hk, T, Dv): any strides with a contiguous last dim (views
+//   of a projection's output are read in place; query head h reads key head h / (H / Hk));
+//   order: the head dims in the order the levels take them (empty: as they come); scale: the
+//   scores' factor; sizes: block size per level (s_1 >= T, nested); offsets: R_d = r_1 + ... + r_d,
+//   d = 0..L; segments: (S, 3) int64 (row b * H + h, start, length), or empty for whole rows. Each
+//   segment (a packed document, per head) is scored as a sequence of its own: local positions, its
+//   own blocks. Outputs are (B, H, T, *) views of (B, T, H, *) memory, the layout a model's output
+//   projection reads.
 // Score of pair (i, j) at depth d(i, j) = #{l : i / s_l == j / s_l}:
 //   S(i, j) = <q_i[:R_d], k_j[:R_d]>  (divided by d if depth_normalize), masked to j <= i if causal.
 //
@@ -30,6 +34,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -154,15 +159,20 @@ struct Levels {
 };
 
 // Key pieces [j0, j1) of query tile [i0, i1): cut at the tile's block boundaries, at most bk wide.
+// A level whose block holds the whole tile cuts at that block's ends, so the pieces between have
+// one depth for all their pairs. From the first level whose blocks the tile straddles, the keys
+// from the start of the tile's first such block on form one region: cutting it at every finer
+// boundary would leave pieces a few keys wide (each a pass of the online softmax); instead its
+// pieces add the finer levels' products where blocks are shared (piece_scores).
 std::vector<std::pair<int64_t, int64_t>> key_pieces(const Levels& lv, int64_t i0, int64_t i1, int64_t end,
                                                     int64_t bk) {
   std::vector<int64_t> cuts = {0, end};
   for (int64_t s : lv.sizes) {
-    for (int64_t x : {i0, i1 - 1}) {
-      const int64_t b = (x / s) * s;
-      for (int64_t c : {b, b + s})
-        if (c > 0 && c < end) cuts.push_back(c);
-    }
+    const int64_t b = (i0 / s) * s;
+    const bool straddles = (i1 - 1) / s != i0 / s;
+    for (int64_t c : {b, b + s})
+      if (c > 0 && c < end && (c == b || !straddles)) cuts.push_back(c);
+    if (straddles) break;
   }
   std::sort(cuts.begin(), cuts.end());
   cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
@@ -199,19 +209,20 @@ void piece_depths(const Levels& lv, int64_t dmin, int64_t dmax, int64_t i0, int6
 }
 
 // Scores of rows [i0, i0 + m) x cols [j0, j0 + n) into S (m x n, row-major), "transposed" when
-// rows index keys and cols queries. A_rows: (T, R) row-major rows of the row side; B_colsT: the
-// column side transposed, (R, T). The prefix R_dmin is one matmul; each finer level that only some
-// pairs share adds its product on the sub-rectangles of its shared blocks. Then 1/depth
-// (depth_normalize; D is scratch) and -inf where the pair is in the causal future.
+// rows index keys and cols queries. A: row i0 of the row side (rows of lda, dims in level order);
+// Bt: column j0 of the column side transposed (leading dimension ldb). The prefix R_dmin is one
+// matmul; each finer level that only some pairs share adds its product on the sub-rectangles of
+// its shared blocks. Then 1/depth (depth_normalize; D is scratch) and -inf where the pair is in
+// the causal future.
 template <typename scalar_t>
-void piece_scores(const Levels& lv, int64_t T, int64_t R, int64_t dmin, int64_t dmax, int64_t i0, int64_t m,
-                  int64_t j0, int64_t n, bool rows_are_keys, const scalar_t* A_rows, const scalar_t* B_colsT,
-                  bool causal, bool depth_normalize, scalar_t* S, scalar_t* D) {
-  matmul(m, n, lv.offsets[dmin], A_rows + i0 * R, R, B_colsT + j0, T, S, n, false);
+void piece_scores(const Levels& lv, int64_t dmin, int64_t dmax, int64_t i0, int64_t m, int64_t j0, int64_t n,
+                  bool rows_are_keys, const scalar_t* A, int64_t lda, const scalar_t* Bt, int64_t ldb, bool causal,
+                  bool depth_normalize, scalar_t* S, scalar_t* D) {
+  matmul(m, n, lv.offsets[dmin], A, lda, Bt, ldb, S, n, false);
   for (int64_t l = dmin; l < dmax; ++l) {
     const int64_t o0 = lv.offsets[l], o1 = lv.offsets[l + 1];
     for_each_shared_block(lv.sizes[l], i0, i0 + m, j0, j0 + n, [&](int64_t a0, int64_t a1, int64_t b0, int64_t b1) {
-      matmul(a1 - a0, b1 - b0, o1 - o0, A_rows + a0 * R + o0, R, B_colsT + o0 * T + b0, T,
+      matmul(a1 - a0, b1 - b0, o1 - o0, A + (a0 - i0) * lda + o0, lda, Bt + o0 * ldb + (b0 - j0), ldb,
              S + (a0 - i0) * n + (b0 - j0), n, true);
     });
   }
@@ -236,8 +247,8 @@ void piece_scores(const Levels& lv, int64_t T, int64_t R, int64_t dmin, int64_t 
   }
 }
 
-// A run of positions [start, start + len) of row n (one head of one sequence or packed document):
-// positions and blocks count from its start and it attends only within itself.
+// A run of positions [start, start + len) of row n = b * H + h (one head of one sequence or packed
+// document): positions and blocks count from its start and it attends only within itself.
 struct Segment {
   int64_t n, start, len;
 };
@@ -263,18 +274,122 @@ std::vector<Segment> make_segments(const at::Tensor& segments, int64_t N, int64_
   return out;
 }
 
+// A (B, H, T, D) tensor with a contiguous last dim, read or written in place: row (b, h, t).
+template <typename T>
+struct Rows {
+  T* p;
+  int64_t sb, sh, st;
+  T* row(int64_t b, int64_t h, int64_t t) const { return p + b * sb + h * sh + t * st; }
+};
+
+template <typename T>
+Rows<T> rows_of(const at::Tensor& x) {
+  return {x.data_ptr<std::remove_const_t<T>>(), x.stride(0), x.stride(1), x.stride(2)};
+}
+
+// dst (n x D, row-major) = rows [t0, t0 + n) of head (b, h), as they are.
+template <typename T>
+void copy_rows(const Rows<const T>& x, int64_t b, int64_t h, int64_t t0, int64_t n, int64_t D, T* dst) {
+  for (int64_t a = 0; a < n; ++a) {
+    const T* src = x.row(b, h, t0 + a);
+    std::copy(src, src + D, dst + a * D);
+  }
+}
+
+// dst[j][i] = src[i][j] * f for i < M, j < N, rows given by pointers (so that either side's rows
+// can be permuted or strided): 16 x 16 blocks through two small buffers, transposed in registers
+// for float. A dim-at-a-time transpose into rows 4 KB apart (T = 1024) took a fifth of the
+// backward: such rows share one set of the L1 cache.
+template <typename T, typename SrcRow, typename DstRow>
+void transpose_rows(SrcRow src, DstRow dst, int64_t M, int64_t N, T f) {
+  constexpr int64_t C = 16;
+  T in[C * C], out[C * C];
+  for (int64_t i0 = 0; i0 < M; i0 += C) {
+    const int64_t m = std::min(C, M - i0);
+    // The next block's rows, ahead: rows far apart (a projection's output, H * D apart) defeat the
+    // hardware's prefetcher, and these rows are read once, from memory.
+    for (int64_t i = i0 + C; i < std::min(M, i0 + 2 * C); ++i)
+      for (int64_t c = 0; c < N; c += 64 / static_cast<int64_t>(sizeof(T))) __builtin_prefetch(src(i) + c);
+    for (int64_t j0 = 0; j0 < N; j0 += C) {
+      const int64_t n = std::min(C, N - j0);
+      // (the copies of whole blocks have a constant length: inlined, not a call to memmove)
+      for (int64_t i = 0; i < m; ++i) {
+        const T* r = src(i0 + i) + j0;
+        if (n == C)
+          for (int64_t c = 0; c < C; ++c) in[i * C + c] = r[c];
+        else
+          for (int64_t c = 0; c < n; ++c) in[i * C + c] = r[c];
+      }
+      at::vec::transpose_mxn<T>(in, C, out, C, static_cast<int>(m), static_cast<int>(n));
+      for (int64_t j = 0; j < n; ++j) {
+        T* d = dst(j0 + j) + i0;
+        if (m == C)
+          for (int64_t c = 0; c < C; ++c) d[c] = out[j * C + c] * f;
+        else
+          for (int64_t c = 0; c < m; ++c) d[c] = out[j * C + c] * f;
+      }
+    }
+  }
+}
+
+// The leading dimension of a transposed (dims x n) buffer: one cache line past n, so that its
+// rows (read a few at a time by the matmuls) do not fall into one cache set when n * 4 bytes is a
+// multiple of 4 KB.
+int64_t padded(int64_t n) { return n + 16; }
+
+std::vector<int64_t> iota(int64_t n) {
+  std::vector<int64_t> x(n);
+  for (int64_t i = 0; i < n; ++i) x[i] = i;
+  return x;
+}
+
+// The head dims' order, both ways: order[c] is the input dim at position c of the levels' order,
+// pos[d] the position of input dim d; identity when they are the same.
+struct DimOrder {
+  std::vector<int64_t> order, pos;
+  bool identity;
+};
+
+// dst (D x n, leading dimension ld) = rows [t0, t0 + n) of head (b, h) transposed, times f, dims
+// in the levels' order.
+template <typename T>
+void pack_transposed(const Rows<const T>& x, int64_t b, int64_t h, int64_t t0, int64_t n, const DimOrder& dims,
+                     T f, T* dst, int64_t ld) {
+  transpose_rows([&](int64_t i) { return x.row(b, h, t0 + i); }, [&](int64_t d) { return dst + dims.pos[d] * ld; },
+                 n, static_cast<int64_t>(dims.pos.size()), f);
+}
+
+// dst (n x D, row-major) = src (D x n, leading dimension ld) transposed, times f.
+template <typename T>
+void untranspose(const T* src, int64_t ld, int64_t D, int64_t n, T f, T* dst) {
+  transpose_rows([&](int64_t c) { return src + c * ld; }, [&](int64_t a) { return dst + a * D; }, D, n, f);
+}
+
 template <typename scalar_t>
-void forward_kernel(const at::Tensor& q, const at::Tensor& kT, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
-                    const std::vector<Segment>& segs, const Levels& lv, bool causal, bool depth_normalize, int64_t bq,
-                    int64_t bk) {
-  const int64_t T = q.size(1), R = q.size(2), Dv = v.size(2);
+void forward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& out, at::Tensor& lse,
+                    const std::vector<Segment>& segs, const Levels& lv, const DimOrder& dims, scalar_t scale,
+                    bool causal, bool depth_normalize, int64_t bq, int64_t bk) {
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), R = q.size(3), Hk = k.size(1), G = H / Hk;
+  const int64_t Dv = v.size(3);
+  const Rows<const scalar_t> qr = rows_of<const scalar_t>(q), kr = rows_of<const scalar_t>(k),
+                             vr = rows_of<const scalar_t>(v);
+  const Rows<scalar_t> outr = rows_of<scalar_t>(out);
+  // Every key head transposed, times the scale, dims in the levels' order, (B * Hk, R, ldT): the
+  // score matmuls' right side; and the values contiguous, (B * Hk, T, Dv): rows H * Dv apart, as a
+  // projection's output leaves them, fall into a few cache sets.
+  const int64_t ldT = padded(T);
+  at::Tensor kT = at::empty({B * Hk, R, ldT}, q.options()), vc = at::empty({B * Hk, T, Dv}, q.options());
+  scalar_t* kTp = kT.data_ptr<scalar_t>();
+  scalar_t* vp = vc.data_ptr<scalar_t>();
+  at::parallel_for(0, B * Hk, 1, [&](int64_t begin, int64_t stop) {
+    for (int64_t x = begin; x < stop; ++x) {
+      pack_transposed(kr, x / Hk, x % Hk, 0, T, dims, scale, kTp + x * R * ldT, ldT);
+      copy_rows(vr, x / Hk, x % Hk, 0, T, Dv, vp + x * T * Dv);
+    }
+  });
   // Tasks: the query tiles of every segment, numbered segment by segment.
   std::vector<int64_t> first_task(segs.size() + 1, 0);
   for (size_t x = 0; x < segs.size(); ++x) first_task[x + 1] = first_task[x] + (segs[x].len + bq - 1) / bq;
-  const scalar_t* qp = q.data_ptr<scalar_t>();
-  const scalar_t* kTp = kT.data_ptr<scalar_t>();
-  const scalar_t* vp = v.data_ptr<scalar_t>();
-  scalar_t* op = out.data_ptr<scalar_t>();
   scalar_t* lp = lse.data_ptr<scalar_t>();
   // Tasks go to threads cyclically (worker w takes tasks w, w + P, ...): a later tile of a segment
   // has more keys than an earlier one, and segments differ in length, so contiguous ranges of
@@ -282,18 +397,24 @@ void forward_kernel(const at::Tensor& q, const at::Tensor& kT, const at::Tensor&
   const int64_t total = first_task.back();
   const int64_t P = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), total));
   at::parallel_for(0, P, 1, [&](int64_t wbegin, int64_t wend) {
-    std::vector<scalar_t> S(bq * bk), G(bq * bk), acc(bq * Dv), mx(bq), sum(bq);
+    std::vector<scalar_t> Qt(bq * R), QtT(R * bq), S(bq * bk), D(bq * bk), acc(bq * Dv), mx(bq), sum(bq);
     for (int64_t w = wbegin; w < wend; ++w)
     for (int64_t task = w; task < total; task += P) {
       const size_t x = std::upper_bound(first_task.begin(), first_task.end(), task) - first_task.begin() - 1;
       const Segment& g = segs[x];
+      const int64_t b = g.n / H, h = g.n % H, hk = h / G;
       const int64_t Tl = g.len, i0 = (task - first_task[x]) * bq, i1 = std::min(i0 + bq, Tl), m = i1 - i0;
-      // Row-major arrays start at the segment's first row; transposed ones (leading dimension T)
-      // at its first column.
-      const int64_t row0 = g.n * T + g.start;
-      const scalar_t* qh = qp + row0 * R;
-      const scalar_t* kTh = kTp + g.n * R * T + g.start;
-      const scalar_t* vh = vp + row0 * Dv;
+      // The tile's queries with their dims in the levels' order: read in place when that is theirs.
+      const scalar_t* qa = qr.row(b, h, g.start + i0);
+      int64_t lda = qr.st;
+      if (!dims.identity) {
+        pack_transposed(qr, b, h, g.start + i0, m, dims, scalar_t(1), QtT.data(), bq);
+        untranspose(QtT.data(), bq, R, m, scalar_t(1), Qt.data());
+        qa = Qt.data();
+        lda = R;
+      }
+      const scalar_t* kTh = kTp + (b * Hk + hk) * R * ldT + g.start;
+      const scalar_t* vh = vp + ((b * Hk + hk) * T + g.start) * Dv;
       std::fill(acc.begin(), acc.end(), scalar_t(0));
       std::fill(mx.begin(), mx.end(), -std::numeric_limits<scalar_t>::infinity());
       std::fill(sum.begin(), sum.end(), scalar_t(0));
@@ -302,7 +423,8 @@ void forward_kernel(const at::Tensor& q, const at::Tensor& kT, const at::Tensor&
         int64_t dmin, dmax;
         lv.depth_range(i0, i1, j0, j1, &dmin, &dmax);
         const bool masked = causal && j1 - 1 > i0;
-        piece_scores(lv, T, R, dmin, dmax, i0, m, j0, n, false, qh, kTh, masked, depth_normalize, S.data(), G.data());
+        piece_scores(lv, dmin, dmax, i0, m, j0, n, false, qa, lda, kTh + j0, ldT, masked, depth_normalize, S.data(),
+                     D.data());
         for (int64_t a = 0; a < m; ++a) {  // online softmax: rescale the row, add this piece's exps
           scalar_t* row = S.data() + a * n;
           const scalar_t new_max = std::max(mx[a], row_max(row, n));
@@ -317,49 +439,69 @@ void forward_kernel(const at::Tensor& q, const at::Tensor& kT, const at::Tensor&
       }
       for (int64_t a = 0; a < m; ++a) {
         const scalar_t inv = scalar_t(1) / sum[a];
-        for (int64_t d = 0; d < Dv; ++d) op[(row0 + i0 + a) * Dv + d] = acc[a * Dv + d] * inv;
-        lp[row0 + i0 + a] = mx[a] + std::log(sum[a]);
+        scalar_t* o = outr.row(b, h, g.start + i0 + a);
+        for (int64_t d = 0; d < Dv; ++d) o[d] = acc[a * Dv + d] * inv;
+        lp[g.n * T + g.start + i0 + a] = mx[a] + std::log(sum[a]);
       }
     }
     release_matmul(static_cast<scalar_t*>(nullptr));
   });
 }
 
+// The gradients per query head: dk and dv are (B, H, T, *), summed over a key head's group by the
+// caller. One segment per task: a segment's key gradients receive updates from every query tile of
+// it. The task packs what its matmuls read (queries and keys in the levels' order, both ways;
+// values and output gradients contiguous, the latter also transposed) and accumulates into its
+// own buffers, written out at its end. The scale enters through the keys of the scores and through
+// dS (scores s = scale <q, k>: dq = scale dS k, dk = scale dS^T q).
 template <typename scalar_t>
-void backward_kernel(const at::Tensor& q, const at::Tensor& qT, const at::Tensor& k, const at::Tensor& kT,
-                     const at::Tensor& v, const at::Tensor& gout, const at::Tensor& goutT, const at::Tensor& lse,
-                     const at::Tensor& delta, at::Tensor& dqT, at::Tensor& dk, at::Tensor& dv,
-                     const std::vector<Segment>& segs, const Levels& lv, bool causal, bool depth_normalize, int64_t bq,
-                     int64_t bk) {
-  const int64_t T = q.size(1), R = q.size(2), Dv = v.size(2);
-  // One segment per task: a segment's dk and dv rows receive updates from every query tile of it.
+void backward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                     const at::Tensor& gout, const at::Tensor& lse, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv,
+                     const std::vector<Segment>& segs, const Levels& lv, const DimOrder& dims, scalar_t scale,
+                     bool causal, bool depth_normalize, int64_t bq, int64_t bk) {
+  const int64_t H = q.size(1), T = q.size(2), R = q.size(3), G = H / k.size(1), Dv = v.size(3);
+  const Rows<const scalar_t> qr = rows_of<const scalar_t>(q), kr = rows_of<const scalar_t>(k),
+                             vr = rows_of<const scalar_t>(v), outr = rows_of<const scalar_t>(out),
+                             gr = rows_of<const scalar_t>(gout);
+  const Rows<scalar_t> dqr = rows_of<scalar_t>(dq), dkr = rows_of<scalar_t>(dk), dvr = rows_of<scalar_t>(dv);
   // Segments cost about length^2: the longest first, dealt to the threads cyclically.
-  std::vector<size_t> order(segs.size());
-  for (size_t x = 0; x < order.size(); ++x) order[x] = x;
-  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return segs[a].len > segs[b].len; });
+  std::vector<size_t> order_segs(segs.size());
+  for (size_t x = 0; x < order_segs.size(); ++x) order_segs[x] = x;
+  std::stable_sort(order_segs.begin(), order_segs.end(),
+                   [&](size_t a, size_t b) { return segs[a].len > segs[b].len; });
   const int64_t total = static_cast<int64_t>(segs.size());
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), total));
   at::parallel_for(0, workers, 1, [&](int64_t wbegin, int64_t wend) {
-    std::vector<scalar_t> P(bk * bq), G(bk * bq), dS(bk * bq);
+    std::vector<scalar_t> P(bk * bq), Dp(bk * bq), dS(bk * bq);
+    std::vector<scalar_t> Qs, QT, Ks, KT, Vs, Gs, GT, delta, dQT, dK, dV;
     for (int64_t w = wbegin; w < wend; ++w)
     for (int64_t x = w; x < total; x += workers) {
-      const Segment& g = segs[order[x]];
-      const int64_t Tl = g.len, n_tiles = (Tl + bq - 1) / bq;
-      // Row-major arrays from the segment's first row; transposed ones (leading dimension T)
-      // from its first column.
-      const int64_t row0 = g.n * T + g.start, col0 = g.start;
-      const scalar_t* qh = q.data_ptr<scalar_t>() + row0 * R;
-      const scalar_t* qTh = qT.data_ptr<scalar_t>() + g.n * R * T + col0;
-      const scalar_t* kh = k.data_ptr<scalar_t>() + row0 * R;
-      const scalar_t* kTh = kT.data_ptr<scalar_t>() + g.n * R * T + col0;
-      const scalar_t* vh = v.data_ptr<scalar_t>() + row0 * Dv;
-      const scalar_t* gh = gout.data_ptr<scalar_t>() + row0 * Dv;
-      const scalar_t* gTh = goutT.data_ptr<scalar_t>() + g.n * Dv * T + col0;
-      const scalar_t* lh = lse.data_ptr<scalar_t>() + row0;
-      const scalar_t* dh = delta.data_ptr<scalar_t>() + row0;
-      scalar_t* dqTh = dqT.data_ptr<scalar_t>() + g.n * R * T + col0;
-      scalar_t* dkh = dk.data_ptr<scalar_t>() + row0 * R;
-      scalar_t* dvh = dv.data_ptr<scalar_t>() + row0 * Dv;
+      const Segment& g = segs[order_segs[x]];
+      const int64_t b = g.n / H, h = g.n % H, hk = h / G, Tl = g.len, n_tiles = (Tl + bq - 1) / bq;
+      const int64_t ld = padded(Tl);  // of the transposed buffers
+      for (auto* buf : {&Qs, &Ks, &dK}) buf->resize(Tl * R);
+      for (auto* buf : {&QT, &KT, &dQT}) buf->resize(R * ld);
+      for (auto* buf : {&Vs, &Gs, &dV}) buf->resize(Tl * Dv);
+      GT.resize(Dv * ld);
+      std::fill(dQT.begin(), dQT.end(), scalar_t(0));
+      std::fill(dK.begin(), dK.end(), scalar_t(0));
+      std::fill(dV.begin(), dV.end(), scalar_t(0));
+      delta.resize(Tl);
+      pack_transposed(qr, b, h, g.start, Tl, dims, scalar_t(1), QT.data(), ld);
+      pack_transposed(kr, b, hk, g.start, Tl, dims, scalar_t(1), KT.data(), ld);
+      untranspose(QT.data(), ld, R, Tl, scalar_t(1), Qs.data());
+      untranspose(KT.data(), ld, R, Tl, scale, Ks.data());
+      copy_rows(vr, b, hk, g.start, Tl, Dv, Vs.data());
+      copy_rows(gr, b, h, g.start, Tl, Dv, Gs.data());
+      transpose_rows([&](int64_t a) { return Gs.data() + a * Dv; }, [&](int64_t d) { return GT.data() + d * ld; }, Tl,
+                     Dv, scalar_t(1));
+      for (int64_t t = 0; t < Tl; ++t) {  // delta = rowsum(dO * O)
+        const scalar_t* o = outr.row(b, h, g.start + t);
+        scalar_t s = 0;
+        for (int64_t d = 0; d < Dv; ++d) s += Gs[t * Dv + d] * o[d];
+        delta[t] = s;
+      }
+      const scalar_t* lh = lse.data_ptr<scalar_t>() + g.n * T + g.start;
       for (int64_t t = 0; t < n_tiles; ++t) {
         const int64_t i0 = t * bq, i1 = std::min(i0 + bq, Tl), m = i1 - i0;
         for (auto [j0, j1] : key_pieces(lv, i0, i1, causal ? i1 : Tl, bk)) {
@@ -368,37 +510,48 @@ void backward_kernel(const at::Tensor& q, const at::Tensor& qT, const at::Tensor
           lv.depth_range(i0, i1, j0, j1, &dmin, &dmax);
           const bool masked = causal && j1 - 1 > i0;
           // P^T (keys x queries) = exp(S^T - lse[query])
-          piece_scores(lv, T, R, dmin, dmax, j0, n, i0, m, true, kh, qTh, masked, depth_normalize, P.data(), G.data());
-          for (int64_t b = 0; b < n; ++b) exp_minus(P.data() + b * m, lh + i0, m);
+          piece_scores(lv, dmin, dmax, j0, n, i0, m, true, Ks.data() + j0 * R, R, QT.data() + i0, ld, masked,
+                       depth_normalize, P.data(), Dp.data());
+          for (int64_t c = 0; c < n; ++c) exp_minus(P.data() + c * m, lh + i0, m);
           // dv[keys] += P^T dO[queries]
-          matmul(n, Dv, m, P.data(), m, gh + i0 * Dv, Dv, dvh + j0 * Dv, Dv, true);
-          // dS^T = P^T * (V[keys] dO^T - delta[query])
-          matmul(n, m, Dv, vh + j0 * Dv, Dv, gTh + i0, T, dS.data(), m, false);
-          for (int64_t b = 0; b < n; ++b)
-            for (int64_t a = 0; a < m; ++a) dS[b * m + a] = P[b * m + a] * (dS[b * m + a] - dh[i0 + a]);
+          matmul(n, Dv, m, P.data(), m, Gs.data() + i0 * Dv, Dv, dV.data() + j0 * Dv, Dv, true);
+          // dS^T = scale P^T * (V[keys] dO^T - delta[query])
+          matmul(n, m, Dv, Vs.data() + j0 * Dv, Dv, GT.data() + i0, ld, dS.data(), m, false);
+          for (int64_t c = 0; c < n; ++c)
+            for (int64_t a = 0; a < m; ++a) dS[c * m + a] = scale * P[c * m + a] * (dS[c * m + a] - delta[i0 + a]);
           if (depth_normalize) {  // the scores were divided by the depth; so is their gradient
             if (dmin == dmax) {
               if (dmin > 1)
-                for (int64_t x = 0; x < n * m; ++x) dS[x] /= scalar_t(dmin);
+                for (int64_t y = 0; y < n * m; ++y) dS[y] /= scalar_t(dmin);
             } else {
-              piece_depths(lv, dmin, dmax, j0, n, i0, m, G.data());
-              for (int64_t x = 0; x < n * m; ++x) dS[x] /= G[x];
+              piece_depths(lv, dmin, dmax, j0, n, i0, m, Dp.data());
+              for (int64_t y = 0; y < n * m; ++y) dS[y] /= Dp[y];
             }
           }
           // dk[keys, :R_dmin] += dS^T q[queries];  dq^T[:R_dmin, queries] += k^T[:, keys] dS^T
-          const int64_t w = lv.offsets[dmin];
-          matmul(n, w, m, dS.data(), m, qh + i0 * R, R, dkh + j0 * R, R, true);
-          matmul(w, m, n, kTh + j0, T, dS.data(), m, dqTh + i0, T, true);
+          const int64_t wd = lv.offsets[dmin];
+          matmul(n, wd, m, dS.data(), m, Qs.data() + i0 * R, R, dK.data() + j0 * R, R, true);
+          matmul(wd, m, n, KT.data() + j0, ld, dS.data(), m, dQT.data() + i0, ld, true);
           for (int64_t l = dmin; l < dmax; ++l) {  // finer levels: only the pairs in a shared block
             const int64_t o0 = lv.offsets[l], o1 = lv.offsets[l + 1];
             for_each_shared_block(lv.sizes[l], j0, j1, i0, i1, [&](int64_t b0, int64_t b1, int64_t a0, int64_t a1) {
               const scalar_t* sub = dS.data() + (b0 - j0) * m + (a0 - i0);  // keys [b0, b1) x queries [a0, a1)
-              matmul(b1 - b0, o1 - o0, a1 - a0, sub, m, qh + a0 * R + o0, R, dkh + b0 * R + o0, R, true);
-              matmul(o1 - o0, a1 - a0, b1 - b0, kTh + o0 * T + b0, T, sub, m, dqTh + o0 * T + a0, T, true);
+              matmul(b1 - b0, o1 - o0, a1 - a0, sub, m, Qs.data() + a0 * R + o0, R, dK.data() + b0 * R + o0, R, true);
+              matmul(o1 - o0, a1 - a0, b1 - b0, KT.data() + o0 * ld + b0, ld, sub, m, dQT.data() + o0 * ld + a0, ld,
+                     true);
             });
           }
         }
       }
+      // Back to the inputs' rows and dims: dq from its transpose, dk through one (into KT, now
+      // free), dv as it is.
+      transpose_rows([&](int64_t d) { return dQT.data() + dims.pos[d] * ld; },
+                     [&](int64_t a) { return dqr.row(b, h, g.start + a); }, R, Tl, scalar_t(1));
+      transpose_rows([&](int64_t a) { return dK.data() + a * R; }, [&](int64_t c) { return KT.data() + c * ld; }, Tl,
+                     R, scalar_t(1));
+      transpose_rows([&](int64_t d) { return KT.data() + dims.pos[d] * ld; },
+                     [&](int64_t a) { return dkr.row(b, h, g.start + a); }, R, Tl, scalar_t(1));
+      for (int64_t t = 0; t < Tl; ++t) std::copy(dV.data() + t * Dv, dV.data() + (t + 1) * Dv, dvr.row(b, h, g.start + t));
     }
     release_matmul(static_cast<scalar_t*>(nullptr));
   });
@@ -539,48 +692,75 @@ Levels make_levels(const std::vector<int64_t>& sizes, const std::vector<int64_t>
   return Levels{sizes, offsets};
 }
 
-void check_input(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.dim() == 3, "mlr_cpu: ", name,
-              " must be a contiguous 3-D CPU tensor");
-  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble, "mlr_cpu: ", name,
-              " must be float32 or float64");
+void check_input(const at::Tensor& t, const at::Tensor& q, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.dim() == 4 && t.stride(3) == 1, "mlr_cpu: ", name,
+              " must be a 4-D CPU tensor with a contiguous last dim");
+  TORCH_CHECK(t.scalar_type() == q.scalar_type() && (t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble),
+              "mlr_cpu: ", name, " must be float32 or float64, of q's dtype");
+  TORCH_CHECK(t.size(0) == q.size(0) && t.size(2) == q.size(2) && q.size(1) % t.size(1) == 0, "mlr_cpu: ", name,
+              " must be (B, Hk, T, *) with q's B and T and Hk dividing q's H");
+}
+
+// The dims' order (empty: as they come), checked to be a permutation of range(R).
+DimOrder dims_order(std::vector<int64_t> order, int64_t R) {
+  if (order.empty()) order = iota(R);
+  std::vector<int64_t> pos(R, -1);
+  for (int64_t c = 0; c < static_cast<int64_t>(order.size()); ++c) {
+    TORCH_CHECK(order.size() == static_cast<size_t>(R) && order[c] >= 0 && order[c] < R && pos[order[c]] < 0,
+                "mlr_cpu: order must be a permutation of the head dims");
+    pos[order[c]] = c;
+  }
+  return {order, pos, order == iota(R)};
+}
+
+// (B, H, T, D) as a view of fresh (B, T, H, D) memory.
+at::Tensor heads_view(const at::Tensor& like, int64_t B, int64_t H, int64_t T, int64_t D) {
+  return at::empty({B, T, H, D}, like.options()).transpose(1, 2);
 }
 
 }  // namespace
 
-std::vector<at::Tensor> mlr_forward(const at::Tensor& q, const at::Tensor& kT, const at::Tensor& v,
+std::vector<at::Tensor> mlr_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                     const at::Tensor& segments, std::vector<int64_t> sizes,
-                                    std::vector<int64_t> offsets, bool causal, bool depth_normalize, int64_t bq,
-                                    int64_t bk) {
-  for (auto [t, name] : {std::pair{&q, "q"}, {&kT, "kT"}, {&v, "v"}}) check_input(*t, name);
+                                    std::vector<int64_t> offsets, std::vector<int64_t> order, double scale,
+                                    bool causal, bool depth_normalize, int64_t bq, int64_t bk) {
+  for (auto [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}}) check_input(*t, q, name);
+  TORCH_CHECK(k.size(3) == q.size(3) && v.size(1) == k.size(1), "mlr_cpu: k must be (B, Hk, T, R), v (B, Hk, T, Dv)");
   const Levels lv = make_levels(sizes, offsets);
-  auto out = at::empty({q.size(0), q.size(1), v.size(2)}, q.options());
-  auto lse = at::empty({q.size(0), q.size(1)}, q.options());
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2);
+  auto out = heads_view(q, B, H, T, v.size(3));
+  auto lse = at::empty({B, H, T}, q.options());
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "mlr_forward", [&] {
-    forward_kernel<scalar_t>(q, kT, v, out, lse, make_segments(segments, q.size(0), q.size(1)), lv, causal,
-                             depth_normalize, bq, bk);
+    forward_kernel<scalar_t>(q, k, v, out, lse, make_segments(segments, B * H, T), lv, dims_order(order, q.size(3)),
+                             scalar_t(scale), causal, depth_normalize, bq, bk);
   });
   return {out, lse};
 }
 
-std::vector<at::Tensor> mlr_backward(const at::Tensor& q, const at::Tensor& qT, const at::Tensor& k,
-                                     const at::Tensor& kT, const at::Tensor& v, const at::Tensor& gout,
-                                     const at::Tensor& goutT, const at::Tensor& lse, const at::Tensor& delta,
+std::vector<at::Tensor> mlr_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                     const at::Tensor& out, const at::Tensor& gout, const at::Tensor& lse,
                                      const at::Tensor& segments, std::vector<int64_t> sizes,
-                                     std::vector<int64_t> offsets, bool causal, bool depth_normalize, int64_t bq,
-                                     int64_t bk) {
-  for (auto [t, name] : {std::pair{&q, "q"}, {&qT, "qT"}, {&k, "k"}, {&kT, "kT"}, {&v, "v"}, {&gout, "gout"},
-                         {&goutT, "goutT"}})
-    check_input(*t, name);
+                                     std::vector<int64_t> offsets, std::vector<int64_t> order, double scale,
+                                     bool causal, bool depth_normalize, int64_t bq, int64_t bk) {
+  for (auto [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}, {&out, "out"}, {&gout, "gout"}})
+    check_input(*t, q, name);
+  TORCH_CHECK(lse.is_contiguous() && lse.sizes() == q.sizes().slice(0, 3), "mlr_cpu: lse must be a contiguous (B, H, T)");
   const Levels lv = make_levels(sizes, offsets);
-  auto dqT = at::zeros_like(qT);
-  auto dk = at::zeros_like(k);
-  auto dv = at::zeros_like(v);
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2);
+  auto dq = heads_view(q, B, H, T, q.size(3));
+  auto dk = heads_view(q, B, H, T, q.size(3));
+  auto dv = heads_view(q, B, H, T, v.size(3));
+  // Positions outside every segment (none when the segments tile the rows) get zero gradients.
+  if (segments.numel()) {
+    dq.zero_();
+    dk.zero_();
+    dv.zero_();
+  }
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "mlr_backward", [&] {
-    backward_kernel<scalar_t>(q, qT, k, kT, v, gout, goutT, lse, delta, dqT, dk, dv,
-                              make_segments(segments, q.size(0), q.size(1)), lv, causal, depth_normalize, bq, bk);
+    backward_kernel<scalar_t>(q, k, v, out, gout, lse, dq, dk, dv, make_segments(segments, B * H, T), lv,
+                              dims_order(order, q.size(3)), scalar_t(scale), causal, depth_normalize, bq, bk);
   });
-  return {dqT, dk, dv};
+  return {dq, dk, dv};
 }
 
 // The checks both decoding entries share; returns the output to fill.
@@ -633,7 +813,7 @@ at::Tensor mlr_decode_static(const at::Tensor& q, const std::vector<at::Tensor>&
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &mlr_forward, "MLR attention forward: (out, lse)");
-  m.def("backward", &mlr_backward, "MLR attention backward: (dq^T, dk, dv)");
+  m.def("backward", &mlr_backward, "MLR attention backward: (dq, dk, dv), dk and dv per query head");
   m.def("decode", &mlr_decode, "one MLR decoding step against the compressed cache: (B, H, Dv)");
   m.def("decode_static", &mlr_decode_static, "one MLR decoding step against a static cache (rings): (B, H, Dv)");
 }

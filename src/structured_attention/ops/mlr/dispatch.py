@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 
 from . import blocked, cpu
-from .contract import check_mlr_arguments, check_mlr_cache_arguments, document_bounds
+from .contract import check_dim_order, check_mlr_arguments, check_mlr_cache_arguments, document_bounds
 from .reference import mlr_attention_reference, mlr_decode_reference, mlr_prefill_reference
 
 __all__ = ["has_triton", "mlr_attention", "mlr_decode", "mlr_prefill"]
@@ -68,9 +68,15 @@ def mlr_attention(
     scale: float | None = None,
     depth_normalize: bool = False,
     document_ids: torch.Tensor | None = None,
+    dim_order: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """MLR attention with the contract of :func:`mlr_attention_reference`, on the fastest correct
     path for its inputs (see the table above); differentiable in ``q``, ``k`` and ``v``.
+
+    ``dim_order`` (a permutation of the head dims; default: as they come) is the order in which
+    the levels take the head dims of ``q`` and ``k``: level ``l`` takes the next ``r_l``. It is
+    ``mlr_attention(q[..., order], k[..., order], ...)``; the C++ kernel applies it as it reads
+    ``q`` and ``k`` (no copy), the other paths gather first.
 
     With ``document_ids`` (packed documents, ``(B, T)`` non-decreasing integer ids), each
     document is scored as a sequence of its own with the call's block sizes. The C++ kernel and the
@@ -79,14 +85,19 @@ def mlr_attention(
     """
     _, sizes, resolved_scale = check_mlr_arguments(
         q, k, v, ranks, block_sizes, causal, scale, depth_normalize, document_ids)
+    order = check_dim_order(dim_order, q.shape[-1])
+    if q.device.type == "cpu" and cpu.available():
+        return cpu.mlr_attention_cpu(q, k, v, ranks, sizes, causal, resolved_scale, depth_normalize, document_ids,
+                                     order)
+    if order is not None:
+        index = torch.tensor(order, device=q.device)
+        q, k = q.index_select(-1, index), k.index_select(-1, index)
     if document_ids is None:
         return _mlr_attention(q, k, v, ranks, block_sizes, causal, scale, depth_normalize)
     if on_triton(q):
         from .triton_general import mlr_attention_triton
 
         return mlr_attention_triton(q, k, v, ranks, sizes, causal, resolved_scale, depth_normalize, document_ids)
-    if q.device.type == "cpu" and cpu.available():
-        return cpu.mlr_attention_cpu(q, k, v, ranks, sizes, causal, resolved_scale, depth_normalize, document_ids)
     # The boundaries are read on the host with one .tolist(): a device synchronisation, and a graph
     # break (data-dependent shapes) under torch.compile.
     boundaries = document_bounds(document_ids)
@@ -115,15 +126,14 @@ def _mlr_attention(
     scale: float | None,
     depth_normalize: bool,
 ) -> torch.Tensor:
-    """One call, without documents, to the backend the dispatch table picks."""
+    """One call, without documents, where the C++ kernel does not run: Triton, the blocked path or
+    the reference, as the dispatch table picks."""
     args = (q, k, v, ranks, block_sizes, causal, scale, depth_normalize)
     if on_triton(q):
         from .triton_general import mlr_attention_triton
 
         return mlr_attention_triton(*args)
     if q.device.type == "cpu":
-        if cpu.available():
-            return cpu.mlr_attention_cpu(*args)
         return blocked.mlr_attention_blocked(*args)
     return mlr_attention_reference(*args)
 
