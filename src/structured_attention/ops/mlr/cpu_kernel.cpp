@@ -126,6 +126,24 @@ float row_max<float>(const float* x, int64_t n) {
   return m;
 }
 
+// <x, y> over n values (vector lanes summed at the end for float).
+template <typename T>
+T dot(const T* x, const T* y, int64_t n) {
+  T s = 0;
+  for (int64_t i = 0; i < n; ++i) s += x[i] * y[i];
+  return s;
+}
+
+template <>
+float dot<float>(const float* x, const float* y, int64_t n) {
+  Vec acc(0.f);
+  int64_t i = 0;
+  for (; i + Vec::size() <= n; i += Vec::size()) acc = at::vec::fmadd(Vec::loadu(x + i), Vec::loadu(y + i), acc);
+  float s = at::vec::vec_reduce_all<float>([](const Vec& a, const Vec& b) { return a + b; }, acc);
+  for (; i < n; ++i) s += x[i] * y[i];
+  return s;
+}
+
 // The nested block structure and the per-level prefix widths.
 struct Levels {
   std::vector<int64_t> sizes;    // s_l, level 0 first
@@ -237,13 +255,16 @@ void piece_scores(const Levels& lv, int64_t dmin, int64_t dmax, int64_t i0, int6
       for (int64_t x = 0; x < m * n; ++x) S[x] /= D[x];
     }
   }
-  if (causal) {  // query index > key index is allowed; mask key > query
+  if (causal) {  // query index > key index is allowed; mask key > query: a run of each row
     const scalar_t ninf = -std::numeric_limits<scalar_t>::infinity();
-    for (int64_t a = 0; a < m; ++a)
-      for (int64_t b = 0; b < n; ++b) {
-        const int64_t r = i0 + a, c = j0 + b;
-        if (rows_are_keys ? r > c : c > r) S[a * n + b] = ninf;
-      }
+    for (int64_t a = 0; a < m; ++a) {
+      const int64_t r = i0 + a - j0;  // the row's own position among the columns
+      scalar_t* row = S + a * n;
+      if (rows_are_keys)  // a key row: the queries before it
+        std::fill(row, row + std::clamp<int64_t>(r, 0, n), ninf);
+      else  // a query row: the keys after it
+        std::fill(row + std::clamp<int64_t>(r + 1, 0, n), row + n, ninf);
+    }
   }
 }
 
@@ -495,12 +516,8 @@ void backward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
       copy_rows(gr, b, h, g.start, Tl, Dv, Gs.data());
       transpose_rows([&](int64_t a) { return Gs.data() + a * Dv; }, [&](int64_t d) { return GT.data() + d * ld; }, Tl,
                      Dv, scalar_t(1));
-      for (int64_t t = 0; t < Tl; ++t) {  // delta = rowsum(dO * O)
-        const scalar_t* o = outr.row(b, h, g.start + t);
-        scalar_t s = 0;
-        for (int64_t d = 0; d < Dv; ++d) s += Gs[t * Dv + d] * o[d];
-        delta[t] = s;
-      }
+      for (int64_t t = 0; t < Tl; ++t)  // delta = rowsum(dO * O)
+        delta[t] = dot(Gs.data() + t * Dv, outr.row(b, h, g.start + t), Dv);
       const scalar_t* lh = lse.data_ptr<scalar_t>() + g.n * T + g.start;
       for (int64_t t = 0; t < n_tiles; ++t) {
         const int64_t i0 = t * bq, i1 = std::min(i0 + bq, Tl), m = i1 - i0;
