@@ -187,9 +187,12 @@ def test_bench_hf_times_both_and_reports_the_caches(tmp_path, capsys):
     from structured_attention.cli.main import main
 
     assert main(["bench", "hf", "--seq-len", "32", "--hidden", "64", "--n-heads", "4", "--ranks", "4|4|4|4",
-                 "--cache-len", "256", "--repeats", "1", "--warmup", "0", "--out", str(tmp_path)]) == 0
+                 "--intermediate", "96", "--cache-len", "256", "--repeats", "1", "--warmup", "0", "--profile",
+                 "--out", str(tmp_path)]) == 0
     record = json.loads((tmp_path / "hf.json").read_text())["results"][0]
-    assert record["sdpa_step_ms"] > 0 and record["sattn_mlr_step_ms"] > 0
+    assert record["sdpa_step_ms"] > 0 and record["sattn_mlr_step_ms"] > 0 and record["intermediate"] == 96
+    profile = (tmp_path / "hf-profile.txt").read_text()
+    assert "== sdpa, one training step ==" in profile and "sattn::mlr_cpu_backward" in profile
     # 256 tokens, block sizes 256/128/64/32: level l keeps min(256, s_l) keys of rank 4, values 16 wide;
     # 4 heads, 2 layers, float32
     assert record["mlr_cache_bytes"] == (256 * 4 + 128 * 4 + 64 * 4 + 32 * 4 + 256 * 16) * 4 * 2 * 4

@@ -37,6 +37,8 @@ def add_parser(what: argparse._SubParsersAction) -> None:
     p.add_argument("--n-layers", type=int, default=2, help="layers (default 2)")
     p.add_argument("--ranks", default=HF_RANKS, help=f"MLR ranks per level (default {HF_RANKS})")
     p.add_argument("--cache-len", type=int, default=16384, help="tokens in the compared caches (default 16384)")
+    p.add_argument("--profile", action="store_true",
+                   help="also write hf-profile.txt: torch.profiler's top operators of one step per implementation")
     add_timing_options(p)
     p.set_defaults(run=run)
 
@@ -73,7 +75,7 @@ def _llama(args: argparse.Namespace, implementation: str, ranks: list[int], cont
     return model.to(args.device).train()
 
 
-def measure(args: argparse.Namespace, ranks: list[int]) -> list[dict[str, Any]]:
+def measure(args: argparse.Namespace, ranks: list[int], profile_path: Path | None = None) -> list[dict[str, Any]]:
     from transformers import DynamicCache
 
     from ..integrations import transformers as sattn_hf
@@ -102,6 +104,8 @@ def measure(args: argparse.Namespace, ranks: list[int]) -> list[dict[str, Any]]:
                               "intermediate": args.intermediate, "ranks": args.ranks}
     record.update({f"{name}_step_ms": statistics.median(ms) for name, ms in times.items()})
     record["speedup"] = statistics.median(s / m for s, m in zip(times["sdpa"], times[sattn_hf.ATTN_IMPLEMENTATION]))
+    if profile_path is not None:
+        _profile(cases, profile_path, device)
 
     # Both caches filled with the same keys and values, chunk by chunk, through their own update.
     config = _llama(args, "sdpa", ranks, args.cache_len).config
@@ -119,13 +123,30 @@ def measure(args: argparse.Namespace, ranks: list[int]) -> list[dict[str, Any]]:
     return [record]
 
 
+def _profile(cases: dict[str, Any], path: Path, device: torch.device) -> None:
+    """Where one training step's time goes, per implementation (self time of the top operators)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    sections = []
+    for name, step in cases.items():
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+            step()
+        table = prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total",
+                                          row_limit=15)
+        sections.append(f"== {name}, one training step ==\n{table}")
+    path.write_text("\n\n".join(sections) + "\n")
+
+
 def run(args: argparse.Namespace) -> int:
     ranks = _check(args)
     env = bench_environment(args)
     print(f"sattn bench hf on {env['device']} ({env['threads']} threads), torch {env['torch']}, {args.dtype}")
-    records = measure(args, ranks)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    records = measure(args, ranks, out / "hf-profile.txt" if args.profile else None)
+    if args.profile:
+        print(f"wrote {out / 'hf-profile.txt'}")
     (out / "hf.json").write_text(json.dumps({"environment": env, "results": records}, indent=2))
     print(f"wrote {out / 'hf.json'}")
     print(records_table(records))
