@@ -59,17 +59,18 @@ def _backward_op(gout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     gout = gout if gout.stride(-1) == 1 else gout.contiguous()
     dq, dk, dv = load().backward(q, k, v, out, gout, lse, segments, sizes, offsets, order, scale, causal,
                                  depth_normalize, BLOCK_Q, BLOCK_K)
-    group = q.shape[1] // k.shape[1]
-    if group > 1:  # the kernel's key gradients are per query head: sum each key head's group
-        dk, dv = (x.unflatten(1, (k.shape[1], group)).sum(2) for x in (dk, dv))
-    return dq, dk, dv
+    return dq, _group_sum(dk, k.shape[1]), _group_sum(dv, k.shape[1])
+
+
+def _group_sum(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """The kernel's key or value gradient per query head summed over each key head's group (GQA)."""
+    return x if x.shape[1] == heads else x.unflatten(1, (heads, x.shape[1] // heads)).sum(2)
 
 
 @_backward_op.register_fake
 def _(gout, q, k, v, out, lse, segments, sizes, offsets, order, scale, causal, depth_normalize):
-    if q.shape[1] != k.shape[1]:
-        return _heads_view(q, q.shape[-1]), torch.empty_like(k), torch.empty_like(v)
-    return _heads_view(q, q.shape[-1]), _heads_view(k, k.shape[-1]), _heads_view(v, v.shape[-1])
+    return (_heads_view(q, q.shape[-1]), _group_sum(_heads_view(q, k.shape[-1]), k.shape[1]),
+            _group_sum(_heads_view(q, v.shape[-1]), k.shape[1]))
 
 
 attach_backward(_forward_op, _backward_op)
