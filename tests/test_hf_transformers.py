@@ -106,6 +106,32 @@ def test_padded_rows_equal_each_row_alone_and_generation_with_a_cache_equals_wit
     assert torch.equal(out[1, 10:], model.generate(IDX[1:, :10], max_new_tokens=12, do_sample=False)[0, 10:])
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_training_and_generation_equal_the_cpu():
+    """The CUDA path (Triton kernels, dims gathered into the levels' order): a padded batch's loss,
+    logits and gradients equal the CPU kernel's, and cached generation equals uncached there."""
+    cpu_model = _llama(sattn_hf.ATTN_IMPLEMENTATION, [8, 4, 4]).train()
+    cuda_model = _llama(sattn_hf.ATTN_IMPLEMENTATION, [8, 4, 4]).cuda().train()
+    mask = torch.ones(2, 20, dtype=torch.long)
+    mask[0, :5] = 0
+    labels = IDX.clone()
+    labels[0, :6] = -100
+    results = []
+    for model, device in ((cpu_model, "cpu"), (cuda_model, "cuda")):
+        out = model(IDX.to(device), attention_mask=mask.to(device), labels=labels.to(device))
+        out.loss.backward()
+        results.append((out.logits[1].detach().cpu(), [p.grad.cpu() for p in model.parameters()]))
+    torch.testing.assert_close(results[1][0], results[0][0], atol=1e-4, rtol=1e-4)
+    for got, want in zip(results[1][1], results[0][1]):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-3)
+    cuda_model.eval()
+    prompts, prompt_mask = IDX[:, :10].cuda(), torch.tensor([[0] * 4 + [1] * 6, [1] * 10]).cuda()
+    out = cuda_model.generate(prompts, attention_mask=prompt_mask, max_new_tokens=12, do_sample=False)
+    no_cache = cuda_model.generate(prompts, attention_mask=prompt_mask, max_new_tokens=12, do_sample=False,
+                                   use_cache=False)
+    assert torch.equal(out, no_cache)
+
+
 @pytest.mark.parametrize("ranks,match", [
     ([8, 4], r"^sattn_ranks: expected a list of even positive ranks summing to the head dimension 16"),
     ([8, 5, 3], r"^sattn_ranks: expected"),
