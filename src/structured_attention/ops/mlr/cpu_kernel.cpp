@@ -366,10 +366,10 @@ std::vector<int64_t> iota(int64_t n) {
   return x;
 }
 
-// The head dims' order, both ways: order[c] is the input dim at position c of the levels' order,
-// pos[d] the position of input dim d; identity when they are the same.
+// The head dims' order as the packing uses it: pos[d] is the position of input dim d in the
+// levels' order; identity when they are the same.
 struct DimOrder {
-  std::vector<int64_t> order, pos;
+  std::vector<int64_t> pos;
   bool identity;
 };
 
@@ -729,7 +729,7 @@ DimOrder dims_order(std::vector<int64_t> order, int64_t R) {
                 "mlr_cpu: order must be a permutation of the head dims");
     pos[order[c]] = c;
   }
-  return {order, pos, order == iota(R)};
+  return {pos, order == iota(R)};
 }
 
 // (B, H, T, D) as a view of fresh (B, T, H, D) memory.
