@@ -40,6 +40,13 @@ def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: tor
                                 BLOCK_K))
 
 
+def _kernel_input(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as the kernel reads it: in ``dtype``, any strides but a contiguous last dim (views such
+    as a projection's heads or a cache's spare capacity are read in place when they can be)."""
+    x = x.to(dtype)
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 def _heads_view(x: torch.Tensor, dim: int) -> torch.Tensor:
     """An empty ``(B, H, T, dim)`` like ``x`` ``(B, H, T, *)``, as the kernel allocates it."""
     B, H, T, _ = x.shape
@@ -56,9 +63,8 @@ def _backward_op(gout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
                  lse: torch.Tensor, segments: torch.Tensor, sizes: list[int], offsets: list[int], order: list[int],
                  scale: float, causal: bool, depth_normalize: bool
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    gout = gout if gout.stride(-1) == 1 else gout.contiguous()
-    dq, dk, dv = load().backward(q, k, v, out, gout, lse, segments, sizes, offsets, order, scale, causal,
-                                 depth_normalize, BLOCK_Q, BLOCK_K)
+    dq, dk, dv = load().backward(q, k, v, out, _kernel_input(gout, gout.dtype), lse, segments, sizes, offsets, order,
+                                 scale, causal, depth_normalize, BLOCK_Q, BLOCK_K)
     return dq, _group_sum(dk, k.shape[1]), _group_sum(dv, k.shape[1])
 
 
@@ -135,13 +141,9 @@ def mlr_attention_cpu(
     if not available():
         raise RuntimeError("the C++ MLR attention kernel is not available here (see the warning when it was built)")
     dtype = compute_dtype(q.dtype)
-
-    def prepared(x: torch.Tensor) -> torch.Tensor:
-        x = x.to(dtype)
-        return x if x.stride(-1) == 1 else x.contiguous()
-
-    out, _ = _forward_op(prepared(q), prepared(k), prepared(v), document_segments(document_ids, q.shape[1]),
-                         list(sizes), list(itertools.accumulate(ranks, initial=0)), [] if order is None else list(order),
+    out, _ = _forward_op(_kernel_input(q, dtype), _kernel_input(k, dtype), _kernel_input(v, dtype),
+                         document_segments(document_ids, q.shape[1]), list(sizes),
+                         list(itertools.accumulate(ranks, initial=0)), [] if order is None else list(order),
                          float(scale), causal, depth_normalize)
     return out.to(q.dtype)
 
@@ -194,10 +196,6 @@ def decode(
     if not available():
         raise RuntimeError("the C++ MLR attention kernel is not available here (see the warning when it was built)")
     dtype = compute_dtype(v.dtype)
-
-    def prepared(x: torch.Tensor) -> torch.Tensor:  # cache views are used in place when they can be
-        return x if x.dtype == dtype and x.stride(-1) == 1 else x.to(dtype).contiguous()
-
-    out = _decode_op(prepared(q)[:, :, 0], [prepared(k) for k in keys], list(key_starts), prepared(v), float(scale),
-                     depth_normalize, row_starts)
+    out = _decode_op(_kernel_input(q, dtype)[:, :, 0], [_kernel_input(k, dtype) for k in keys], list(key_starts),
+                     _kernel_input(v, dtype), float(scale), depth_normalize, row_starts)
     return out.unsqueeze(2).to(v.dtype)
