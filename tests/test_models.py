@@ -152,3 +152,31 @@ def test_checking_the_config_draws_what_building_its_small_layers_draws():
     torch.manual_seed(0)
     TransformerConfig(d_model=8192, n_heads=8, attention="mha").check_attention()  # 2^26 parameters: meta only
     assert torch.equal(torch.get_rng_state(), torch.manual_seed(0).get_state())
+
+
+@pytest.mark.parametrize("attention", [*KINDS, "mlr:4|4:n_kv_heads=2:level_scale=learned:qk_norm=true"])
+def test_every_kind_trains_and_decodes_inside_bfloat16_autocast(attention):
+    """Inside ``torch.autocast`` (what training does on CUDA by default) every kind runs: the loss
+    and gradients are the float32 ones to bfloat16's precision, and a decoding step with either
+    cache gives the logits of the whole sequence run again under autocast."""
+    model, idx = tiny(attention).train(), torch.randint(0, 40, (2, 12), generator=torch.Generator().manual_seed(0))
+    _, loss = model(idx, idx)
+    loss.backward()
+    exact = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, low = model(idx, idx)
+    low.backward()
+    assert abs(low.item() - loss.item()) < 0.02 * loss.item()
+    grads = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    assert grads.keys() == exact.keys()
+    flat, flat_exact = (torch.cat([g[name].flatten() for name in exact]) for g in (grads, exact))
+    assert (flat - flat_exact).norm() <= 0.05 * flat_exact.norm()
+    model.eval()
+    for static in (False, True):
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            whole = model(idx)[0].float()
+            caches = model.new_caches(2, static=static)
+            steps = [model(idx[:, :8], caches=caches)[0][:, -1]]
+            steps += [model(idx[:, t:t + 1], caches=caches)[0][:, -1] for t in range(8, 12)]
+        torch.testing.assert_close(torch.stack(steps, 1).float(), whole[:, 7:], atol=0.05, rtol=0.05)

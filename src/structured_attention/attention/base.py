@@ -360,8 +360,8 @@ class FullScoreAttention(Attention):
     def _forward_static(self, x: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
         keys, values = cache.buffers["k"], cache.buffers["v"]
         q, k = self.qk(x, (cache.slot - cache.offsets)[:, None])
-        keys.index_copy_(2, cache.slot.view(1), k)
-        values.index_copy_(2, cache.slot.view(1), self.values(x))
+        keys.index_copy_(2, cache.slot.view(1), k.to(keys.dtype))
+        values.index_copy_(2, cache.slot.view(1), self.values(x).to(values.dtype))
         slots = torch.arange(keys.shape[2], device=keys.device)
         return self.merge_heads(masked_decode(q, keys, values, cache.real(slots), self.scale))
 

@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from .._autocast import autocast_inputs
 from .._checks import check_same_dtype_device, check_tensor, require
 from .sdpa import scaled_dot_product_attention
 
@@ -33,9 +34,11 @@ def sliding_window_attention(
 ) -> torch.Tensor:
     """Banded softmax attention. ``q: (B, H, T, E)``, ``k: (B, Hk, T, E)``, ``v: (B, Hk, T, Dv)``,
     ``Hk`` dividing ``H`` (GQA); returns ``(B, H, T, Dv)``. With ``document_ids`` ``(B, T)``
-    (non-decreasing), a query sees only keys with its own id."""
+    (non-decreasing), a query sees only keys with its own id. Inside ``torch.autocast`` the
+    inputs are cast to autocast's dtype first, as PyTorch's own attention's are."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(t, name, 4)
+    q, k, v = autocast_inputs(q, k, v)
     check_same_dtype_device([("q", q), ("k", k), ("v", v)])
     require(k.shape[2] == q.shape[2] == v.shape[2], "k", f"the same sequence length as q ({q.shape[2]})", tuple(k.shape))
     require(q.shape[1] % k.shape[1] == 0, "k", f"a head count dividing q's {q.shape[1]}", tuple(k.shape))

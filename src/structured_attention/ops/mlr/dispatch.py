@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..._autocast import autocast_inputs
 from . import blocked, cpu
 from .contract import check_dim_order, check_mlr_arguments, check_mlr_cache_arguments, document_bounds
 from .reference import mlr_attention_reference, mlr_decode_reference, mlr_prefill_reference
@@ -82,7 +83,11 @@ def mlr_attention(
     document is scored as a sequence of its own with the call's block sizes. The C++ kernel and the
     general Triton kernels take the documents as segments (varlen: no padded work, one call); the
     blocked and reference paths run each document's segment as a call of its own, a loop on the host.
+
+    Inside ``torch.autocast``, ``q``, ``k`` and ``v`` are cast to autocast's dtype first, as
+    PyTorch's own attention's are.
     """
+    q, k, v = autocast_inputs(q, k, v)
     _, sizes, resolved_scale = check_mlr_arguments(
         q, k, v, ranks, block_sizes, causal, scale, depth_normalize, document_ids)
     order = check_dim_order(dim_order, q.shape[-1])
