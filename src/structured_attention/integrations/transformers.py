@@ -33,8 +33,9 @@ projections, rotary embeddings, GQA, caches and ``generate()`` stay as they are.
 - **Queries after a cache** (``generate()``, chunked prefill) go to ``mlr_prefill`` with each row's
   block starts; every other call, training included, to ``mlr_attention``. Attention dropout is
   not supported (``attention_dropout`` must be 0).
-- **The compressed cache.** ``generate(..., past_key_values=MLRCache(model.config))`` keeps what
-  MLR attention can still read: level 1's keys for every token, a finer level's keys only for the
+- **The compressed cache.** ``generate(..., cache=MLRCache(model.config))`` (``past_key_values=``
+  before transformers 5.24) keeps what MLR attention can still read: level 1's keys for every
+  token, a finer level's keys only for the
   last ``s_l`` tokens (the current block of any row, whatever its left padding) and the values in
   full; ``memory_bytes()`` says how much that is. Like transformers' quantized caches it hands the
   attention function full-length keys each step, rebuilt with zeros where a level was dropped:
@@ -220,14 +221,18 @@ def _cache_classes() -> tuple[type, type]:
             self.length = end
             return keys, self.values
 
-        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-            return self.length + query_length, 0
+        def get_mask_sizes(self, query_length: int | torch.Tensor) -> tuple[int, int]:
+            # before transformers 5.4 the argument was the queries' cache_position tensor
+            queries = query_length.shape[0] if isinstance(query_length, torch.Tensor) else query_length
+            return self.length + queries, 0
 
         def get_seq_length(self) -> int:
             return self.length
 
         def get_max_length(self) -> int:
             return -1
+
+        get_max_cache_shape = get_max_length  # its name before transformers 5.13
 
         def reset(self) -> None:
             self.levels, self.level_starts, self.values, self.length = [], [], None, 0
@@ -296,7 +301,8 @@ class SwappedAttention(torch.nn.Module):
             raise ValueError(f"sattn_attention={self._spec!r}: {e}") from None
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None, cache: Any = None,
-                **kwargs: Any) -> tuple[torch.Tensor, None]:
+                past_key_values: Any = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+        cache = past_key_values if cache is None else cache  # transformers before 5.24 names it past_key_values
         require(attention_mask is None or attention_mask.dim() == 2, "attention_mask",
                 "a (batch, keys) padding mask (a swapped model runs with attn_implementation='sattn_mlr')",
                 None if attention_mask is None else tuple(attention_mask.shape))
