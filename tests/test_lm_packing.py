@@ -118,7 +118,8 @@ def test_bad_pack_documents_value_is_one_line(tmp_path, capsys, value):
 
 
 def test_train_packed_and_eval_both_protocols(tmp_path, capsys):
-    result = train_lm(load_lm_config(None, overrides(tmp_path, "data.pack_documents=true")))
+    # on the CPU, as `sattn eval` below: its loss is compared with training's last evaluation
+    result = train_lm(load_lm_config(None, overrides(tmp_path, "data.pack_documents=true", "run.device=cpu")))
     assert len(result.losses) == 4 and all(np.isfinite(result.losses))
     rows = [json.loads(s) for s in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["val_loss"] == result.val_loss

@@ -67,7 +67,8 @@ class ToyTask(Task):
 
     def evaluate(self, model, device):
         x = torch.randn(64, 4, generator=torch.Generator().manual_seed(7))
-        return {"val_loss": float(((model(x) - x @ self.W) ** 2).mean()), "val_mae": float((model(x) - x @ self.W).abs().mean())}
+        err = model(x.to(device)) - (x @ self.W).to(device)
+        return {"val_loss": float((err**2).mean()), "val_mae": float(err.abs().mean())}
 
     def tokens_per_batch(self):
         return self.config.run.batch_size
@@ -78,7 +79,8 @@ class ToyTask(Task):
 
 def toy(tmp_path, *overrides):
     base = ["run.batch_size=8", "run.steps=40", "run.eval_every=5", "run.log_every=5", f"run.out_dir={tmp_path}",
-            "optim.lr=0.1", "optim.schedule=constant", "optim.warmup_steps=0", "optim.weight_decay=0"]
+            "optim.lr=0.1", "optim.schedule=constant", "optim.warmup_steps=0", "optim.weight_decay=0",
+            "run.device=cpu"]  # the checks below compare exact float32 values
     return ToyTask(load_config(ToyConfig, None, [*base, *overrides]))
 
 

@@ -21,7 +21,7 @@ from test_faults import _args
     ("run.batch_size=1000000000", "run.batch_size=1000000000"),
 ])
 def test_sizes_that_cannot_fit_are_one_line_before_allocating(tmp_path, capsys, override, names):
-    assert main([*_args(tmp_path, "run", 2), override]) == 2
+    assert main([*_args(tmp_path, "run", 2), "run.device=cpu", override]) == 2
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert line.startswith("sattn train: error: ") and names in line and "more than the memory available on the cpu device" in line
     assert not (tmp_path / "run" / "ckpt").exists()

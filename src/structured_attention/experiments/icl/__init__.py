@@ -34,7 +34,7 @@ from ...models.transformer import TransformerConfig
 from ...training.checkpoint import LoadedCheckpoint
 from ...training.config import OptimConfig, RunConfig, load_config
 from ...training.distributed import DistInfo
-from ...training.loop import FitResult, Task, fit
+from ...training.loop import FitResult, Task, autocast_context, fit
 from .. import load_trained
 from .baselines import baseline_predictions
 
@@ -294,6 +294,8 @@ def train_icl(config: ICLConfig, *, resume: bool = False, stream: TextIO | None 
         return ICLResult.extend(result)
     assert task.val is not None
     model = result.model.eval()
-    curves = error_curves(model, task.val, config.task.ridge, config.run.batch_size, config.task.noise_to_signal)
+    with autocast_context(config.run.autocast, next(model.parameters()).device):  # as the loop evaluated it
+        curves = {"model": normalised_errors(model_predictions(model, task.val, config.run.batch_size), task.val)}
+    curves.update(error_curves(None, task.val, config.task.ridge, config.run.batch_size, config.task.noise_to_signal))
     return ICLResult.extend(result, curves=curves, flops=training_flops(model, config, result.steps) * result.world_size,
                             params=sum(p.numel() for p in model.parameters()))
