@@ -131,3 +131,16 @@ def test_a_hub_source_that_fails_to_load_is_one_line(tmp_path, capsys, monkeypat
     assert main([*_args(tmp_path, "run", 2), "data.source=hf:someone/corpus"]) == 2
     assert _one_line(capsys) == ("sattn train: error: source: could not load 'hf:someone/corpus': ConnectionError: "
                                  "Couldn't reach 'someone/corpus' on the Hub (LocalEntryNotFoundError)")
+
+
+@pytest.mark.parametrize("argv", [["bench", "attention"], ["bench", "mlr"], ["bench", "lm"], ["bench", "varlen"],
+                                  ["bench", "ragged"], ["bench", "generate"], ["bench", "hf"],
+                                  ["eval", "--checkpoint", "."], ["generate", "--checkpoint", ".", "--prompt", "a"]])
+def test_a_device_this_machine_lacks_is_one_line(tmp_path, capsys, argv):
+    """A CUDA index past the machine's last GPU (every index on a machine without one) is refused
+    before anything runs, by every command that takes --device."""
+    import torch
+
+    missing = f"cuda:{torch.cuda.device_count()}"
+    assert main([*argv, "--device", missing, *(["--out", str(tmp_path)] if argv[0] == "bench" else [])]) == 2
+    assert _one_line(capsys).endswith(f"--device: expected 'cpu' or an available CUDA device, got '{missing}'")

@@ -49,7 +49,8 @@ def parse_device(text: str) -> Any:
         device = torch.device(text)
     except RuntimeError:
         device = None
-    if device is None or device.type not in ("cpu", "cuda") or (device.type == "cuda" and not torch.cuda.is_available()):
+    if device is None or device.type not in ("cpu", "cuda") or (device.type == "cuda" and not (
+            torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count())):
         raise ValueError(f"--device: expected 'cpu' or an available CUDA device, got {text!r}")
     return device
 

@@ -36,7 +36,7 @@ from ..ops.mlr import mlr_attention, mlr_attention_reference
 from ..ops.mlr.blocked import mlr_attention_blocked
 from ..models import GPT, GPTConfig
 from . import bench_batches, bench_generate, bench_hf
-from .._cli import pyplot
+from .._cli import parse_device, pyplot
 from .common import add_timing_options, bench_environment, check_bench_memory, parse_ranks, time_ms
 
 LAYER_KINDS = "mha,swa:128,global_swa:32|32:window=128,mlr:8|8|8|8|8|8|8|8"
@@ -298,12 +298,7 @@ def _check_args(args: argparse.Namespace) -> None:
         seq_lens = []
     if not seq_lens or min(seq_lens) <= 0:
         raise ValueError(f"--seq-lens: expected comma-separated positive integers, got {args.seq_lens!r}")
-    try:
-        device = torch.device(args.device)
-    except RuntimeError:
-        raise ValueError(f"--device: expected a torch device such as 'cpu' or 'cuda', got {args.device!r}") from None
-    if device.type not in ("cpu", "cuda") or (device.type == "cuda" and not torch.cuda.is_available()):
-        raise ValueError(f"--device: expected 'cpu' or an available CUDA device, got {args.device!r}")
+    parse_device(args.device)
     if args.what in ("attention", "lm"):
         with torch.device("meta"):  # a malformed spec or one that does not fit the width fails here
             for kind in _case_names(args):

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from .._cli import parse_device
 from ..models import GPT, GPTConfig
 from ..ops.mlr import mlr_attention
 from .common import (add_timing_options, bench_environment, check_bench_memory, check_positive_options, parse_ranks,
@@ -77,9 +78,7 @@ def _check(args: argparse.Namespace) -> None:
     check_positive_options(args, "batch", "n_heads", "repeats")
     if args.warmup < 0:
         raise ValueError(f"--warmup: expected a non-negative integer, got {args.warmup}")
-    device = torch.device(args.device)
-    if device.type not in ("cpu", "cuda") or (device.type == "cuda" and not torch.cuda.is_available()):
-        raise ValueError(f"--device: expected 'cpu' or an available CUDA device, got {args.device!r}")
+    parse_device(args.device)
     if args.what == "varlen":
         if args.lengths is not None:
             rows = parse_lengths(args.lengths)

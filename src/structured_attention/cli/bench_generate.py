@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ..models import GPT, GPTConfig
-from .._cli import number_list, pyplot
+from .._cli import number_list, parse_device, pyplot
 from .common import (add_timing_options, bench_environment, check_bench_memory, check_positive_options, records_table,
                      time_ms)
 
@@ -57,6 +57,7 @@ def add_parser(what: argparse._SubParsersAction) -> None:
 
 def _check(args: argparse.Namespace) -> tuple[list[int], list[int], list[str]]:
     check_positive_options(args, "new_tokens", "d_model", "n_heads", "n_layers", "repeats")
+    parse_device(args.device)
     if args.warmup < 0:
         raise ValueError(f"--warmup: expected a non-negative integer, got {args.warmup}")
     batches, lens = number_list(args.batches, "--batches"), number_list(args.cache_lens, "--cache-lens")

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from .._cli import parse_device
 from .common import (add_timing_options, bench_environment, check_bench_memory, check_positive_options, parse_ranks,
                      records_table, time_ms)
 
@@ -48,6 +49,7 @@ def _check(args: argparse.Namespace) -> list[int]:
         args.intermediate = 4 * args.hidden
     check_positive_options(args, "seq_len", "batch", "hidden", "n_heads", "intermediate", "n_layers", "cache_len",
                            "repeats")
+    parse_device(args.device)
     if args.hidden % args.n_heads:
         raise ValueError(f"--n-heads: expected a divisor of --hidden={args.hidden}, got {args.n_heads}")
     ranks = list(parse_ranks(args.ranks))
