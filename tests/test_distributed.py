@@ -75,7 +75,8 @@ def launch(tmp_path, overrides: list[str], world_size: int = 2, timeout: float =
 
 @pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
 def test_two_processes_match_one(tmp_path, fsdp):
-    common = tiny_overrides(tmp_path, steps=4, eval_every=0, sample_tokens=0, checkpoint_every=0, eval_batches=100)
+    common = tiny_overrides(tmp_path, steps=4, eval_every=0, sample_tokens=0, checkpoint_every=0, eval_batches=100,
+                            device="cpu")  # gloo on the CPU, on any machine
     single = train_lm(load_lm_config(None, common + ["run.batch_size=8", f"run.out_dir={tmp_path / 'single'}"]))
     multi = launch(tmp_path, common + ["run.batch_size=4", f"run.out_dir={tmp_path / 'multi'}", f"run.fsdp={fsdp}"])
     assert multi["world_size"] == 2
@@ -91,3 +92,18 @@ def test_two_processes_match_one(tmp_path, fsdp):
     assert ckpt.step == 4
     for (name, a), b in zip(model.state_dict().items(), single_model.state_dict().values()):
         assert torch.allclose(a, b, atol=1e-5), name
+
+
+def test_more_processes_than_gpus_is_one_line(monkeypatch):
+    """torchrun with more processes per machine than GPUs: the process without a GPU says so
+    (with run.device=auto it would otherwise fail inside torch.cuda.set_device)."""
+    from structured_attention.training.distributed import setup_distributed
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(ValueError, match=r"^run\.device: expected a CUDA device for each process of this machine, "
+                                         r"got process LOCAL_RANK=1 and 1 device\(s\)"):
+        setup_distributed("auto")

@@ -14,8 +14,10 @@ from test_training import tiny_overrides
 
 
 def test_memory_is_flat_over_1000_steps_and_data_never_blocks(tmp_path):
+    # the process's own memory and the host's data path: on the CPU (a GPU's driver grows the
+    # process's memory as it loads kernels, and its steps are shorter than any host work)
     cfg = load_lm_config(None, tiny_overrides(tmp_path, steps=1000, log_every=10, eval_every=500, checkpoint_every=250,
-                                              sample_tokens=0))
+                                              sample_tokens=0, device="cpu"))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a tiny model: one thread is fastest, and steady on a shared machine
     try:

@@ -47,6 +47,7 @@ def small_config(tmp_path: Path, *overrides: str):
         "model.stride=4", "model.dropout=0.0", "model.attention=mlr:4|4", "optim.lr=3e-3", "optim.warmup_steps=5",
         "run.steps=60", "run.batch_size=16", "run.eval_every=20", "run.log_every=20", "run.eval_batches=4",
         f"run.out_dir={tmp_path / 'run'}",
+        "run.device=cpu",  # the tests score the trained model again on the CPU, to 1e-6
     ]
     return load_ts_config(None, [*base, *overrides])
 

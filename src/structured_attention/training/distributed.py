@@ -38,6 +38,10 @@ def _pick_device(pref: str, local_rank: int) -> torch.device:
     if pref == "cuda" or (pref == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
             raise ValueError("run.device: 'cuda' was asked for but no CUDA device is available")
+        if local_rank >= torch.cuda.device_count():
+            raise ValueError(f"run.device: expected a CUDA device for each process of this machine, got process "
+                             f"LOCAL_RANK={local_rank} and {torch.cuda.device_count()} device(s) (start fewer "
+                             f"processes per machine, or set run.device=cpu)")
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
