@@ -168,6 +168,24 @@ def test_the_compressed_cache_generates_exactly_and_holds_what_mlr_reads():
     assert cache.memory_bytes() < layers * batch * kv_heads * tokens * (16 + 16) * 4  # transformers' cache
 
 
+def test_inside_bfloat16_autocast_it_trains_and_the_compressed_cache_generates():
+    """Inside autocast (Trainer's bf16=True) Llama's rotary embedding leaves the keys float32 beside
+    bfloat16 values: training runs, and greedy generation through MLRCache equals generation
+    without a cache."""
+    model = _llama(sattn_hf.ATTN_IMPLEMENTATION, [8, 4, 4]).train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(IDX, labels=IDX).loss
+    loss.backward()
+    assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters())
+    model.eval()
+    prompts, mask = IDX[:, :10], torch.tensor([[0] * 4 + [1] * 6, [1] * 10])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model.generate(prompts, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                             **{CACHE: sattn_hf.MLRCache(model.config)})
+        no_cache = model.generate(prompts, attention_mask=mask, max_new_tokens=12, do_sample=False, use_cache=False)
+    assert torch.equal(out, no_cache)
+
+
 @pytest.mark.parametrize("ranks,sizes,match", [
     ([8, 4], None, r"^sattn_ranks: expected a list of even positive ranks summing to the head dimension 16"),
     ([8, 4, 4], [64, 24, 16], r"^sattn_block_sizes: "),
@@ -245,6 +263,25 @@ def test_swapped_attention_pads_generates_saves_and_loads(tmp_path, spec):
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "swapped").eval()
     assert type(loaded).__name__ == "SattnLlamaForCausalLM" and loaded.config.sattn_attention == spec
     assert torch.equal(loaded(IDX).logits, model(IDX).logits)
+
+
+@pytest.mark.parametrize("spec", ["bilinear_btt:1", "swa:4", "mlr:8|4|4"])
+def test_a_swapped_model_trains_with_transformers_default_cache(spec):
+    """In training transformers passes a cache (use_cache=True by default): the loss and gradients
+    equal those of use_cache=False, and that cache, which kept nothing, refuses to be continued."""
+    model = sattn_hf.swap_attention(_llama("sdpa"), spec).train()
+    grads = []
+    for use_cache in (False, True):
+        model.zero_grad(set_to_none=True)
+        out = model(IDX, labels=IDX, use_cache=use_cache)
+        out.loss.backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert out.past_key_values is not None
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    for grad_enabled in (True, False):
+        with torch.set_grad_enabled(grad_enabled), pytest.raises(ValueError, match=r"^cache: expected a cache filled under"):
+            model(IDX[:, :2], past_key_values=out.past_key_values)
 
 
 def test_a_bad_swap_is_one_line_at_swap_time():

@@ -57,6 +57,7 @@ from typing import Any
 
 import torch
 
+from .._autocast import autocast_inputs
 from .._checks import require
 from ..attention.segments import build_segments, left_padding
 from ..ops.mlr import mlr_attention, mlr_prefill
@@ -167,6 +168,8 @@ def mlr_attention_forward(
                             dim_order=level_permutation(head_dim))
     else:  # new queries after a cache of t_k - t_q keys; rows are left-padded
         require(causal, "is_causal", "True when queries follow a cache", causal)
+        # inside autocast the rotated keys are float32 beside bfloat16 values: read as SDPA would
+        query, key, value = autocast_inputs(query, key, value)
         q, k = _pair_order(query), _pair_order(key)
         offsets = torch.tensor(left_padding(attention_mask, batch, t_k, q.device) if attention_mask is not None
                                else [0] * batch, device=q.device)
@@ -274,6 +277,13 @@ def __getattr__(name: str) -> Any:
 # -- kinds with their own projections: swap_attention --------------------------------------------------
 
 
+class _LengthOnly:
+    """What a swapped layer keeps of a forward with gradients: the number of tokens it saw."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+
+
 class SwappedAttention(torch.nn.Module):
     """One of the package's attention layers in a transformers decoder layer's place: it keeps its
     own projections (and its own rotary embedding, except for the bilinear kinds, whose queries are
@@ -311,9 +321,21 @@ class SwappedAttention(torch.nn.Module):
         batch, new = hidden_states.shape[:2]
         own = cache.__dict__.setdefault("_sattn_caches", {})
         kv = own.get(self.layer_idx)
-        if kv is None or kv.length != cache.get_seq_length(self.layer_idx):  # a new or reset cache
-            kv = own[self.layer_idx] = self.attn.new_cache(batch)
-        out = self.attn(hidden_states, kv, attention_mask=attention_mask)
+        fresh = kv is None or kv.length != cache.get_seq_length(self.layer_idx)  # a new or reset cache
+        if torch.is_grad_enabled():
+            # Training, where transformers passes a cache (use_cache=True is its default): the
+            # package's caches fill in place, which autograd cannot follow, so the layer runs
+            # uncached and the cache records the length only; continuing it is refused.
+            require(fresh, "cache", "a cache filled under torch.no_grad() to continue (a swapped layer "
+                    "keeps nothing of a forward with gradients)", "a continuation with gradients enabled")
+            out = self.attn(hidden_states, attention_mask=attention_mask)
+            own[self.layer_idx] = _LengthOnly(new)
+        else:
+            require(not isinstance(kv, _LengthOnly) or fresh, "cache", "a cache filled under torch.no_grad() "
+                    "(a swapped layer keeps nothing of a forward with gradients)", "one filled with gradients enabled")
+            if fresh:
+                kv = own[self.layer_idx] = self.attn.new_cache(batch)
+            out = self.attn(hidden_states, kv, attention_mask=attention_mask)
         # one number per token (transformers counts an empty cache as length 0): its length only
         marker = hidden_states.new_zeros(batch, 1, new, 1)
         cache.update(marker, marker, self.layer_idx)
