@@ -166,6 +166,9 @@ def test_the_compressed_cache_generates_exactly_and_holds_what_mlr_reads():
     floats = tokens * 8 + min(tokens, 32) * 4 + min(tokens, 16) * 4 + tokens * 16
     assert cache.memory_bytes() == layers * batch * kv_heads * floats * 4
     assert cache.memory_bytes() < layers * batch * kv_heads * tokens * (16 + 16) * 4  # transformers' cache
+    beams = dict(attention_mask=mask, max_new_tokens=20, num_beams=3, do_sample=False)  # the cache reordered
+    assert torch.equal(model.generate(prompts, **beams, **{CACHE: sattn_hf.MLRCache(model.config)}),
+                       model.generate(prompts, **beams, use_cache=False))
 
 
 def test_inside_bfloat16_autocast_it_trains_and_the_compressed_cache_generates():
@@ -259,6 +262,8 @@ def test_swapped_attention_pads_generates_saves_and_loads(tmp_path, spec):
     out = model.generate(IDX[:, :10], attention_mask=prompt_mask, max_new_tokens=8, do_sample=False)
     assert torch.equal(out, model.generate(IDX[:, :10], attention_mask=prompt_mask, max_new_tokens=8,
                                            do_sample=False, use_cache=False))
+    beams = dict(attention_mask=prompt_mask, max_new_tokens=8, num_beams=3, do_sample=False)  # caches reordered
+    assert torch.equal(model.generate(IDX[:, :10], **beams), model.generate(IDX[:, :10], use_cache=False, **beams))
     model.save_pretrained(tmp_path / "swapped")
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "swapped").eval()
     assert type(loaded).__name__ == "SattnLlamaForCausalLM" and loaded.config.sattn_attention == spec

@@ -141,6 +141,15 @@ class KVCache:
     def __getitem__(self, name: str) -> TokenBuffer:
         return self.buffers[name]
 
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep rows ``rows`` of every buffer and of the padding, in that order (beam search's
+        reordering: a row may be taken twice, or not at all)."""
+        for buffer in self.buffers.values():
+            buffer.data = buffer.data.index_select(0, rows.to(buffer.data.device))
+        if self.padding is not None:
+            self.padding = CachePadding([self.padding.offsets[r] for r in rows.tolist()],
+                                        self.padding.offset_tensor.device)
+
     @property
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self.buffers.values())

@@ -378,6 +378,14 @@ def _swapped_classes(config_class: type, model_class: type) -> tuple[type, type]
         _swap_layers(self, config.sattn_attention)
         self.config._attn_implementation = ATTN_IMPLEMENTATION
 
+    def _reorder_cache(self: Any, cache: Any, beam_idx: torch.Tensor) -> Any:
+        # beam search: transformers reorders its own cache, not the layers' caches kept on it
+        cache.reorder_cache(beam_idx)
+        for kv in cache.__dict__.get("_sattn_caches", {}).values():
+            if not isinstance(kv, _LengthOnly):
+                kv.select_rows(beam_idx)
+        return cache
+
     @classmethod  # type: ignore[misc]
     def from_pretrained(cls: type, *args: Any, **kwargs: Any) -> Any:
         model = super(swapped_model, cls).from_pretrained(*args, **kwargs)
@@ -388,7 +396,8 @@ def _swapped_classes(config_class: type, model_class: type) -> tuple[type, type]
         return model
 
     swapped_model = type(f"Sattn{model_class.__name__}", (model_class,),
-                         {"config_class": swapped_config, "__init__": __init__, "from_pretrained": from_pretrained})
+                         {"config_class": swapped_config, "__init__": __init__, "from_pretrained": from_pretrained,
+                          "_reorder_cache": _reorder_cache})
     AutoConfig.register(model_type, swapped_config, exist_ok=True)
     AutoModelForCausalLM.register(swapped_config, swapped_model, exist_ok=True)
     return swapped_config, swapped_model
