@@ -171,6 +171,17 @@ def test_the_compressed_cache_generates_exactly_and_holds_what_mlr_reads():
                        model.generate(prompts, **beams, use_cache=False))
 
 
+def test_transformers_static_cache_generates_what_no_cache_does():
+    """cache_implementation="static" hands the attention function every slot of its fixed-length
+    buffers, the unfilled ones too: generation equals generation without a cache, padded or not."""
+    model = _llama(sattn_hf.ATTN_IMPLEMENTATION, [8, 4, 4])
+    prompts = IDX[:, :10]
+    for mask in (torch.tensor([[0] * 4 + [1] * 6, [1] * 10]), torch.ones(2, 10, dtype=torch.long)):
+        settings = dict(attention_mask=mask, max_new_tokens=12, do_sample=False)
+        assert torch.equal(model.generate(prompts, cache_implementation="static", **settings),
+                           model.generate(prompts, use_cache=False, **settings))
+
+
 def test_inside_bfloat16_autocast_it_trains_and_the_compressed_cache_generates():
     """Inside autocast (Trainer's bf16=True) Llama's rotary embedding leaves the keys float32 beside
     bfloat16 values: training runs, and greedy generation through MLRCache equals generation

@@ -161,6 +161,14 @@ def mlr_attention_forward(
     scale = head_dim**-0.5 if scaling is None else scaling
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     batch, t_q, t_k = query.shape[0], query.shape[2], key.shape[2]
+    if t_q < t_k:
+        # A cache of fixed length (cache_implementation="static") hands over its unfilled slots too:
+        # the filled ones are the padding mask's columns, or without one the last query's position + 1.
+        position_ids = kwargs.get("position_ids")
+        filled = (attention_mask.shape[1] if attention_mask is not None
+                  else int(position_ids[:, -1].max()) + 1 if isinstance(position_ids, torch.Tensor) else t_k)
+        if filled < t_k:
+            key, value, t_k = key[:, :, :filled], value[:, :, :filled], filled
     if t_q == t_k:
         segments = build_segments(attention_mask, None, batch, t_k, query.device)
         out = mlr_attention(query, key, value, ranks, sizes, causal=causal, scale=scale,
