@@ -146,6 +146,40 @@ def test_bad_ranks_are_one_line(ranks, match):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("family,extra", [("Mistral", {}), ("Qwen2", {}), ("Qwen3", {"head_dim": 32}),
+                                          ("Gemma", {"head_dim": 16})])
+def test_other_families_with_one_level_equal_sdpa_and_generate_with_a_cache(family, extra):
+    """The families the README names (and Gemma): with one level MLR attention is softmax attention,
+    so the logits of a padded batch equal SDPA's; cached generation equals uncached."""
+    config_class, model_class = getattr(transformers, f"{family}Config"), getattr(transformers, f"{family}ForCausalLM")
+    settings = dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, max_position_embeddings=64, **extra)
+    torch.manual_seed(0)
+    sdpa = model_class(config_class(**settings, attn_implementation="sdpa")).eval()
+    config = config_class(**settings, attn_implementation=sattn_hf.ATTN_IMPLEMENTATION)
+    sattn_hf.configure(config, [extra.get("head_dim", 16)])
+    mlr = model_class(config).eval()
+    mlr.load_state_dict(sdpa.state_dict())
+    mask = torch.ones(2, 20, dtype=torch.long)
+    mask[0, :5] = 0
+    real = mask.bool()
+    torch.testing.assert_close(mlr(IDX, attention_mask=mask).logits[real], sdpa(IDX, attention_mask=mask).logits[real],
+                               atol=1e-5, rtol=0)
+    settings = dict(attention_mask=mask[:, :8], max_new_tokens=8, do_sample=False)
+    assert torch.equal(mlr.generate(IDX[:, :8], **settings), mlr.generate(IDX[:, :8], use_cache=False, **settings))
+
+
+def test_a_sliding_window_is_refused_not_dropped():
+    """Mistral's sliding window reaches the attention function as an argument: MLR attention has
+    none, so a model configured with one is refused rather than scored over every earlier token."""
+    config = transformers.MistralConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                        sliding_window=8, attn_implementation=sattn_hf.ATTN_IMPLEMENTATION)
+    sattn_hf.configure(config, [8, 4, 4])
+    with pytest.raises(ValueError, match=r"^sliding_window: expected None or at least max_position_embeddings=64 with sattn_mlr .*, got 8$"):
+        transformers.MistralForCausalLM(config)(IDX)
+
+
 def test_attention_dropout_is_refused_in_training():
     model = _llama(sattn_hf.ATTN_IMPLEMENTATION, [8, 4, 4], attention_dropout=0.1).train()
     with pytest.raises(ValueError, match=r"^attention_dropout: expected 0 with sattn_mlr"):

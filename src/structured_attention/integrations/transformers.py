@@ -153,6 +153,10 @@ def mlr_attention_forward(
     ``(B, Hkv, Tk, D)`` (the whole cache when there is one), ``attention_mask`` from the mask
     function (``(B, Tk)`` or ``None``); returns ``(B, Tq, H, Dv)`` and no attention weights."""
     require(dropout == 0.0, "attention_dropout", "0 with sattn_mlr (MLR attention has no attention dropout)", dropout)
+    window, context = kwargs.get("sliding_window"), getattr(module.config, "max_position_embeddings", None)
+    require(window is None or (context is not None and window >= context), "sliding_window",
+            f"None or at least max_position_embeddings={context} with sattn_mlr (MLR attention scores every "
+            "earlier token; swap_attention(model, 'swa:W') gives a sliding window)", window)
     require(attention_mask is None or attention_mask.dim() == 2, "attention_mask",
             "a (batch, keys) padding mask: call structured_attention.integrations.transformers.register() "
             "before building the model", None if attention_mask is None else tuple(attention_mask.shape))
