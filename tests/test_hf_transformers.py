@@ -180,6 +180,16 @@ def test_a_sliding_window_is_refused_not_dropped():
         transformers.MistralForCausalLM(config)(IDX)
 
 
+def test_logit_soft_capping_is_refused_not_dropped():
+    config = transformers.Gemma2Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                       max_position_embeddings=64, sliding_window=64,
+                                       attn_implementation=sattn_hf.ATTN_IMPLEMENTATION)
+    sattn_hf.configure(config, [8, 4, 4])
+    with pytest.raises(ValueError, match=r"^softcap: expected None with sattn_mlr .*, got 50.0$"):
+        transformers.Gemma2ForCausalLM(config)(IDX)
+
+
 def test_attention_dropout_is_refused_in_training():
     model = _llama(sattn_hf.ATTN_IMPLEMENTATION, [8, 4, 4], attention_dropout=0.1).train()
     with pytest.raises(ValueError, match=r"^attention_dropout: expected 0 with sattn_mlr"):

@@ -138,6 +138,11 @@ def _check_levels(ranks: Any, block_sizes: Any, context: Any, head_dim: int
     return tuple(ranks), sizes
 
 
+# Arguments transformers passes to attention functions that change the scores: Gemma 2's logit
+# soft-capping, the attention sinks of gpt-oss (s_aux, sinks), T5-style position biases.
+_SCORE_CHANGES = ("softcap", "s_aux", "sinks", "position_bias")
+
+
 def mlr_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -153,6 +158,9 @@ def mlr_attention_forward(
     ``(B, Hkv, Tk, D)`` (the whole cache when there is one), ``attention_mask`` from the mask
     function (``(B, Tk)`` or ``None``); returns ``(B, Tq, H, Dv)`` and no attention weights."""
     require(dropout == 0.0, "attention_dropout", "0 with sattn_mlr (MLR attention has no attention dropout)", dropout)
+    for name in _SCORE_CHANGES:  # what some families add to the scores, which MLR attention would drop
+        require(kwargs.get(name) is None, name, "None with sattn_mlr (MLR attention scores q.k alone)",
+                "a value" if isinstance(kwargs.get(name), torch.Tensor) else kwargs.get(name))
     window, context = kwargs.get("sliding_window"), getattr(module.config, "max_position_embeddings", None)
     require(window is None or (context is not None and window >= context), "sliding_window",
             f"None or at least max_position_embeddings={context} with sattn_mlr (MLR attention scores every "
