@@ -46,7 +46,8 @@ if [[ $step == suite ]]; then
         | awk -v k="${shard%/*}" -v n="${shard#*/}" '(NR - k) % n == 0' > "$out/suite-tests.txt"
     mapfile -t ids < "$out/suite-tests.txt"  # one argument per test id (some hold spaces)
     # the project's addopts say -q, which would cancel -v: cleared here so every test is named
-    timeout 540 python3 -m pytest -o addopts= -p no:cacheprovider -n 14 -v -rfE --tb=short \
+    # SIGINT at the limit: pytest then still prints the tracebacks of the failures so far
+    timeout -s INT -k 30 510 python3 -m pytest -o addopts= -p no:cacheprovider -n 14 -v -rfE --tb=short \
         "${ids[@]}" > "$out/suite-${shard/\//of}.log" 2>&1 || status=1
     grep -E "^(FAILED|ERROR) |[0-9]+ (passed|failed)" "$out/suite-${shard/\//of}.log" | tail -n 40
 fi
