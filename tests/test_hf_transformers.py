@@ -350,3 +350,20 @@ def test_a_bad_swap_is_one_line_at_swap_time():
     assert "\n" not in str(err.value)
     with pytest.raises(ValueError, match=r"^sattn_attention='mlr:8\|4': ranks"):
         sattn_hf.swap_attention(_llama("sdpa"), "mlr:8|4")
+
+
+def test_the_readme_example_trains_and_generates(tmp_path):
+    """examples/hf_llama.py, as the README runs it, for two steps: Trainer, then generation through
+    the compressed cache."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "hf_llama.py"
+    run = subprocess.run([sys.executable, str(example), "--steps", "2", "--out", str(tmp_path / "out")], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    # 123 cached tokens ("def " and 119 of the 120 new), ranks 16|8|8 in blocks 256|128|64, values 32
+    # wide; 2 key heads, 2 layers, float32
+    floats = 123 * 16 + min(123, 128) * 8 + min(123, 64) * 8 + 123 * 32
+    assert run.stdout.splitlines()[-1] == f"MLR cache: {floats * 4 * 2 * 2:,} bytes for 123 tokens"
