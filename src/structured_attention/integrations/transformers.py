@@ -52,6 +52,7 @@ projections, rotary embeddings, GQA, caches and ``generate()`` stay as they are.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -138,6 +139,20 @@ def _check_levels(ranks: Any, block_sizes: Any, context: Any, head_dim: int
     return tuple(ranks), sizes
 
 
+_filled_memo: tuple[Any, int, int] | None = None  # (a weak reference to position_ids, their version, the answer)
+
+
+def _filled_slots(position_ids: torch.Tensor | None, keys: int) -> int:
+    """The last query's position + 1 (``keys`` without ``position_ids``). Reading it waits for the
+    device, so it is read once per forward: every layer gets the same ``position_ids`` tensor."""
+    global _filled_memo
+    if not isinstance(position_ids, torch.Tensor):
+        return keys
+    if _filled_memo is None or _filled_memo[0]() is not position_ids or _filled_memo[1] != position_ids._version:
+        _filled_memo = (weakref.ref(position_ids), position_ids._version, int(position_ids[:, -1].max()) + 1)
+    return _filled_memo[2]
+
+
 # Arguments transformers passes to attention functions that change the scores: Gemma 2's logit
 # soft-capping, the attention sinks of gpt-oss (s_aux, sinks), T5-style position biases.
 _SCORE_CHANGES = ("softcap", "s_aux", "sinks", "position_bias")
@@ -176,9 +191,7 @@ def mlr_attention_forward(
     if t_q < t_k:
         # A cache of fixed length (cache_implementation="static") hands over its unfilled slots too:
         # the filled ones are the padding mask's columns, or without one the last query's position + 1.
-        position_ids = kwargs.get("position_ids")
-        filled = (attention_mask.shape[1] if attention_mask is not None
-                  else int(position_ids[:, -1].max()) + 1 if isinstance(position_ids, torch.Tensor) else t_k)
+        filled = attention_mask.shape[1] if attention_mask is not None else _filled_slots(kwargs.get("position_ids"), t_k)
         if filled < t_k:
             key, value, t_k = key[:, :, :filled], value[:, :, :filled], filled
     if t_q == t_k:
