@@ -180,3 +180,16 @@ def test_every_kind_trains_and_decodes_inside_bfloat16_autocast(attention):
             steps = [model(idx[:, :8], caches=caches)[0][:, -1]]
             steps += [model(idx[:, t:t + 1], caches=caches)[0][:, -1] for t in range(8, 12)]
         torch.testing.assert_close(torch.stack(steps, 1).float(), whole[:, 7:], atol=0.05, rtol=0.05)
+
+
+@pytest.mark.parametrize("attention", ["mha", "mlr:4|2|2:block_sizes=32|8|2"])
+def test_a_compiled_step_inside_autocast_generates_what_the_eager_one_does(attention):
+    """A compiled graph runs its custom ops outside autocast: the static caches' reads compute in
+    the cache's dtype either way, so compiled and eager steps give the same tokens."""
+    model, idx = tiny(attention), torch.randint(0, 40, (2, 6), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[0, :2] = 0
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        eager = model.generate(idx, 10, temperature=0, attention_mask=mask, cache="static")
+        compiled = model.generate(idx, 10, temperature=0, attention_mask=mask, cache="static", compile="aot_eager")
+    assert torch.equal(compiled, eager)

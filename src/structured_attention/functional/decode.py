@@ -13,11 +13,16 @@ __all__ = ["masked_decode"]
 @torch.library.custom_op("sattn::masked_decode", mutates_args=())
 def masked_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: torch.Tensor, scale: float) -> torch.Tensor:
     """Softmax attention of ``q (B, H, 1, D)`` over the slots of ``k (B, Hk, N, D)`` that ``real``
-    ``(B, N)`` marks, times ``v (B, Hk, N, Dv)``; returns ``(B, H, 1, Dv)``."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=real[:, None, None, :], scale=scale,
-                                          enable_gqa=k.shape[1] != q.shape[1])
+    ``(B, N)`` marks, times ``v (B, Hk, N, Dv)``; returns ``(B, H, 1, Dv)`` in the cache's dtype.
+
+    The cache's dtype decides, autocast or not (a bfloat16 query from autocast's projections reads
+    a float32 cache in float32), so eager and compiled steps compute the same thing: a compiled
+    graph runs its custom ops outside autocast."""
+    with torch.autocast(q.device.type, enabled=False):
+        return F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=real[:, None, None, :], scale=scale,
+                                              enable_gqa=k.shape[1] != q.shape[1])
 
 
 @masked_decode.register_fake
 def _(q, k, v, real, scale):
-    return q.new_empty(*q.shape[:3], v.shape[-1])
+    return v.new_empty(*q.shape[:3], v.shape[-1])
