@@ -14,7 +14,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from .._checks import require
 from ..functional import scaled_dot_product_attention, sliding_window_attention
 from ..functional.decode import masked_decode
-from .cache import KVCache, StaticKVCache, TokenBuffer, append_all, full_slots
+from .cache import KVCache, StaticKVCache, TokenBuffer, append_all, full_slots, store
 from .config import AttentionConfig
 from .rotary import Rotary
 from .segments import CachePadding, Segments, build_segments, left_padding, position_mask
@@ -360,8 +360,8 @@ class FullScoreAttention(Attention):
     def _forward_static(self, x: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
         keys, values = cache.buffers["k"], cache.buffers["v"]
         q, k = self.qk(x, (cache.slot - cache.offsets)[:, None])
-        keys.index_copy_(2, cache.slot.view(1), k.to(keys.dtype))
-        values.index_copy_(2, cache.slot.view(1), self.values(x).to(values.dtype))
+        store(keys, cache.slot.view(1), k)
+        store(values, cache.slot.view(1), self.values(x))
         slots = torch.arange(keys.shape[2], device=keys.device)
         return self.merge_heads(masked_decode(q, keys, values, cache.real(slots), self.scale))
 

@@ -86,6 +86,12 @@ def append_all(buffers: Sequence[TokenBuffer], xs: Sequence[torch.Tensor]) -> li
     return list(held)
 
 
+def store(buffer: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
+    """Write ``x (batch, heads, len(slots), dim)`` at ``slots`` of a static ``buffer``, in the buffer's
+    dtype (inside autocast the new keys and values are bfloat16, the buffers the model's dtype)."""
+    buffer.index_copy_(2, slots, x.to(buffer.dtype))
+
+
 def full_slots(buffer: TokenBuffer, capacity: int) -> torch.Tensor:
     """``buffer``'s vectors at their slots of a ``(batch, heads, capacity, dim)`` buffer (zeros elsewhere)."""
     b, h, _, d = buffer.data.shape

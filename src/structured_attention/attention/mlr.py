@@ -18,7 +18,7 @@ from .._checks import require
 from ..ops.mlr import mlr_attention, mlr_block_sizes, mlr_prefill, mlr_prefill_reference, mlr_score_flops
 from ..ops.mlr.static import mlr_decode_static, prepare_static
 from .base import Attention, cached_segments
-from .cache import KVCache, StaticKVCache, TokenBuffer, append_all, full_slots, ring_slots
+from .cache import KVCache, StaticKVCache, TokenBuffer, append_all, full_slots, ring_slots, store
 from .config import AttentionConfig, default_scale, positional
 from .segments import Segments
 
@@ -190,10 +190,10 @@ class MLRAttention(Attention):
         q, k, v = self.project(x, (slot - offsets)[:, None])
         k_levels = k.split(self.ranks, dim=-1)
         keys = [cache.buffers[f"k{level}"] for level in range(len(self.ranks))]
-        keys[0].index_copy_(2, slot.view(1), k_levels[0].to(keys[0].dtype))
+        store(keys[0], slot.view(1), k_levels[0])
         for level, s in enumerate(self.block_sizes[1:], start=1):
-            keys[level].index_copy_(2, torch.remainder(slot, s).view(1), k_levels[level].to(keys[level].dtype))
-        cache.buffers["v"].index_copy_(2, slot.view(1), v.to(cache.buffers["v"].dtype))
+            store(keys[level], torch.remainder(slot, s).view(1), k_levels[level])
+        store(cache.buffers["v"], slot.view(1), v)
         out = mlr_decode_static(q, keys, cache.buffers["v"], slot, offsets, list(self.ranks), list(self.block_sizes),
                                 self.scale, self.options.depth_normalize)
         return self.merge_heads(out)

@@ -19,7 +19,7 @@ from .base import (
     causal_pairs,
     window_pairs,
 )
-from .cache import KVCache, StaticKVCache, TokenBuffer, append_all, full_slots, ring_slots
+from .cache import KVCache, StaticKVCache, TokenBuffer, append_all, full_slots, ring_slots, store
 from .config import AttentionConfig, default_scale, positional
 from .segments import Segments
 
@@ -107,8 +107,8 @@ class SlidingWindowAttention(_QKAttention):
         size = keys.shape[2]  # the window and the new token: every slot of the ring is in the window
         q, k = self.qk(x, (cache.slot - cache.offsets)[:, None])
         at = torch.remainder(cache.slot, size).view(1)
-        keys.index_copy_(2, at, k.to(keys.dtype))
-        values.index_copy_(2, at, self.values(x).to(values.dtype))
+        store(keys, at, k)
+        store(values, at, self.values(x))
         return self.merge_heads(masked_decode(q, keys, values, cache.real(cache.ring_positions(size)), self.scale))
 
     def score_flops(self, seq_len: int) -> int:
@@ -203,9 +203,9 @@ class GlobalSlidingWindowAttention(_QKAttention):
         k_global, k_window, values = cache.buffers["k_global"], cache.buffers["k_window"], cache.buffers["v"]
         (q, k), v = self.qk(x, (cache.slot - cache.offsets)[:, None]), self.values(x)
         size = k_window.shape[2]
-        k_global.index_copy_(2, cache.slot.view(1), k[..., :g].to(k_global.dtype))
-        k_window.index_copy_(2, torch.remainder(cache.slot, size).view(1), k[..., g:].to(k_window.dtype))
-        values.index_copy_(2, cache.slot.view(1), v.to(values.dtype))
+        store(k_global, cache.slot.view(1), k[..., :g])
+        store(k_window, torch.remainder(cache.slot, size).view(1), k[..., g:])
+        store(values, cache.slot.view(1), v)
         slots = torch.arange(values.shape[2], device=values.device)
         full = masked_decode(q[..., :g], k_global, values, cache.real(slots), self.global_scale)
         window = cache.ring_positions(size)  # the values of the window's keys: at their slots

@@ -183,13 +183,15 @@ def normalised_errors(preds: torch.Tensor, prompts: Prompts) -> list[float]:
 
 def error_curves(
     model: nn.Module | None, prompts: Prompts, ridge_lambda: float, batch_size: int = 256, noise_to_signal: float = 0.0,
+    autocast: str = "none",
 ) -> dict[str, list[float]]:
     """Normalised MSE against the number of in-context examples for the model (``"model"``, when
-    given) and every baseline, on the same prompts (``noise_to_signal``: see
-    :func:`.baselines.gradient_step`)."""
+    given; its predictions under ``autocast``, a ``run.autocast`` mode) and every baseline, on the
+    same prompts (``noise_to_signal``: see :func:`.baselines.gradient_step`)."""
     curves = {}
     if model is not None:
-        curves["model"] = normalised_errors(model_predictions(model, prompts, batch_size), prompts)
+        with autocast_context(autocast, next(model.parameters()).device):
+            curves["model"] = normalised_errors(model_predictions(model, prompts, batch_size), prompts)
     for name, preds in baseline_predictions(prompts.xs, prompts.ys, ridge_lambda, noise_to_signal).items():
         curves[name] = normalised_errors(preds, prompts)
     return curves
@@ -294,8 +296,7 @@ def train_icl(config: ICLConfig, *, resume: bool = False, stream: TextIO | None 
         return ICLResult.extend(result)
     assert task.val is not None
     model = result.model.eval()
-    with autocast_context(config.run.autocast, next(model.parameters()).device):  # as the loop evaluated it
-        curves = {"model": normalised_errors(model_predictions(model, task.val, config.run.batch_size), task.val)}
-    curves.update(error_curves(None, task.val, config.task.ridge, config.run.batch_size, config.task.noise_to_signal))
+    curves = error_curves(model, task.val, config.task.ridge, config.run.batch_size, config.task.noise_to_signal,
+                          autocast=config.run.autocast)  # as the loop's evaluations ran
     return ICLResult.extend(result, curves=curves, flops=training_flops(model, config, result.steps) * result.world_size,
                             params=sum(p.numel() for p in model.parameters()))
