@@ -47,8 +47,9 @@ if [[ $step == suite ]]; then
     mapfile -t ids < "$out/suite-tests.txt"  # one argument per test id (some hold spaces)
     # the project's addopts say -q, which would cancel -v: cleared here so every test is named
     # SIGINT at the limit: pytest then still prints the tracebacks of the failures so far
+    # --durations: where the suite's time goes on the GPU machine (it has to fit one call of 10 minutes)
     timeout -s INT -k 30 510 python3 -m pytest -o addopts= -p no:cacheprovider -n 14 -v -rfE --tb=short \
-        "${ids[@]}" > "$out/suite-${shard/\//of}.log" 2>&1 || status=1
+        --durations=40 "${ids[@]}" > "$out/suite-${shard/\//of}.log" 2>&1 || status=1
     grep -E "^(FAILED|ERROR) |[0-9]+ (passed|failed)" "$out/suite-${shard/\//of}.log" | tail -n 40
 fi
 if [[ $step == tune || $step == all ]]; then
