@@ -382,6 +382,15 @@ void pack_transposed(const Rows<const T>& x, int64_t b, int64_t h, int64_t t0, i
                  n, static_cast<int64_t>(dims.pos.size()), f);
 }
 
+// dst[d] = src[pos[d]] for one row (a row in the levels' dims order back to the input's).
+template <typename T>
+void permuted_copy(const T* src, const DimOrder& dims, T* dst) {
+  const int64_t R = static_cast<int64_t>(dims.pos.size());
+  if (dims.identity) return scaled_copy(src, R, T(1), dst);
+  const int64_t* pos = dims.pos.data();
+  for (int64_t d = 0; d < R; ++d) dst[d] = src[pos[d]];
+}
+
 // dst (n x D, row-major) = src (D x n, leading dimension ld) transposed, times f.
 template <typename T>
 void untranspose(const T* src, int64_t ld, int64_t D, int64_t n, T f, T* dst) {
@@ -562,15 +571,14 @@ void backward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
           }
         }
       }
-      // Back to the inputs' rows and dims: dq from its transpose, dk through one (into KT, now
-      // free), dv as it is.
+      // Back to the inputs' rows and dims: dv and dk as they are (dk's dims permuted back), dq from
+      // its transpose.
+      for (int64_t t = 0; t < Tl; ++t) {
+        scaled_copy(dV.data() + t * Dv, Dv, scalar_t(1), dvr.row(b, h, g.start + t));
+        permuted_copy(dK.data() + t * R, dims, dkr.row(b, h, g.start + t));
+      }
       transpose_rows([&](int64_t d) { return dQT.data() + dims.pos[d] * ld; },
                      [&](int64_t a) { return dqr.row(b, h, g.start + a); }, R, Tl, scalar_t(1));
-      transpose_rows([&](int64_t a) { return dK.data() + a * R; }, [&](int64_t c) { return KT.data() + c * ld; }, Tl,
-                     R, scalar_t(1));
-      transpose_rows([&](int64_t d) { return KT.data() + dims.pos[d] * ld; },
-                     [&](int64_t a) { return dkr.row(b, h, g.start + a); }, R, Tl, scalar_t(1));
-      for (int64_t t = 0; t < Tl; ++t) scaled_copy(dV.data() + t * Dv, Dv, scalar_t(1), dvr.row(b, h, g.start + t));
     }
     release_matmul(static_cast<scalar_t*>(nullptr));
   });
