@@ -16,13 +16,16 @@ Design
   row log-sum-exp is stored for the backward. Everything accumulates in float32.
 * Depth: tiles are *not* tied to the block sizes. A tile's score is split into
   - level 1 (dims ``[0, r_1)``), which covers the whole context: one 2-D ``tl.dot`` per tile;
-  - the finer levels ``2..L``, handled together as one *batched* (3-D) ``tl.dot`` over a level axis of
-    ``LP = next_pow2(L - 1)`` entries, each level's slice of the head dims loaded (masked) into a
-    ``RLP``-wide slot. Level ``l``'s partial score is added only where row and column share the
-    level-``l`` block (``i // s_l == j // s_l``), which also gives the depth for ``depth_normalize``.
-  The fine-level work is skipped at run time for every tile that does not meet a level-2 diagonal
-  block (since blocks are nested, such a tile has depth 1 everywhere), so away from the diagonal a
-  tile costs one ``r_1``-wide matmul: the score FLOPs follow the structure at level-2 granularity.
+  - the finer levels ``2..L``, one after the other in a loop: level ``l``'s slice of the head dims is
+    loaded (masked) into an ``RLP``-wide tile, multiplied as one 2-D ``tl.dot``, and its partial
+    score added only where row and column share the level-``l`` block (``i // s_l == j // s_l``),
+    which also gives the depth for ``depth_normalize``. The backward accumulates the fine levels'
+    gradients in an ``(LP, tile, RLP)`` tensor, ``LP = next_pow2(L - 1)``, one level per slot.
+  A level is skipped at run time when the tile pair shares none of its blocks, and then so are the
+  finer ones (blocks are nested): away from the diagonal a tile costs one ``r_1``-wide matmul.
+  One level at a time keeps every live tile 2-D: a batched 3-D product over all the levels would
+  hold an ``(LP, tile, tile)`` score tensor, kilobytes of register spills per thread
+  (``scripts/triton_resources.py`` prints each kernel's registers and spills).
   Mixed-depth tiles (straddling block boundaries, partial trailing blocks, T not a multiple of
   anything) are exact because of the per-level masks.
 * Backward: the standard flash-attention backward: ``delta = rowsum(dO * O)`` in PyTorch, one kernel
@@ -63,14 +66,57 @@ def _segment(SEG, pid):
 
 
 @triton.jit
+def _fine_level(FOFF, FRANK, FSIZE, level, alive, m0, m_last, n0, n_last):
+    """Fine level ``level``'s head-dim offset, rank and block size, and whether the tile pair
+    (rows ``[m0, m_last]``, columns ``[n0, n_last]``) shares one of its blocks anywhere (``alive``
+    carries the answer of the coarser levels: blocks are nested, so a level no pair shares leaves
+    every finer level unshared too)."""
+    size = tl.load(FSIZE + level)
+    meets = alive & (n0 // size <= m_last // size) & (m0 // size <= n_last // size)
+    return tl.load(FOFF + level), tl.load(FRANK + level), size, meets
+
+
+@triton.jit
+def _fine_columns(FOFF, FRANK, LP: tl.constexpr, RLP: tl.constexpr):
+    """Every fine level's head-dim columns as ``(LP, 1, RLP)`` offsets, and which of them are real."""
+    lv = tl.arange(0, LP)
+    dl = tl.arange(0, RLP)
+    return (tl.load(FOFF + lv)[:, None, None] + dl[None, None, :],
+            dl[None, None, :] < tl.load(FRANK + lv)[:, None, None])
+
+
+@triton.jit
+def _fine_scores(s, dep, q_base, k_base, stride_qt, stride_kt, offs_m, offs_n, m_ok, n_ok, m0, m_last, n0, n_last,
+                 FOFF, FRANK, FSIZE, NF: tl.constexpr, RLP: tl.constexpr, DEPTH_NORM: tl.constexpr,
+                 PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """``s`` plus each fine level's partial score where row and column share the level's block, one
+    2-D product per level; ``dep`` plus the number of such levels (the depth, for
+    ``depth_normalize``). Levels no pair of the tile pair shares are skipped at run time."""
+    dl = tl.arange(0, RLP)
+    alive = n0 >= 0
+    for level in range(NF):
+        off, rank, size, alive = _fine_level(FOFF, FRANK, FSIZE, level, alive, m0, m_last, n0, n_last)
+        if alive:
+            ql = tl.load(q_base + offs_m[:, None] * stride_qt + off + dl[None, :],
+                         mask=m_ok[:, None] & (dl < rank)[None, :], other=0.0)
+            kl = tl.load(k_base + offs_n[:, None] * stride_kt + off + dl[None, :],
+                         mask=n_ok[:, None] & (dl < rank)[None, :], other=0.0)
+            shared = (offs_m[:, None] // size) == (offs_n[None, :] // size)
+            s += tl.where(shared, dot(ql, tl.trans(kl), PREC, UPCAST), 0.0)
+            if DEPTH_NORM:
+                dep += shared.to(tl.float32)
+    return s, dep
+
+
+@triton.jit
 def _mlr_fwd_kernel(
     Q, K, V, O, LSE, SEG, FOFF, FRANK, FSIZE,
     stride_qb, stride_qh, stride_qt,
     stride_kb, stride_kh, stride_kt,
     stride_vb, stride_vh, stride_vt,
     stride_ob, stride_oh, stride_ot,
-    H, G, TFULL, R1, DV, S2, scale,
-    CAUSAL: tl.constexpr, DEPTH_NORM: tl.constexpr, HAS_FINE: tl.constexpr,
+    H, G, TFULL, R1, DV, scale,
+    CAUSAL: tl.constexpr, DEPTH_NORM: tl.constexpr, NF: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     R1P: tl.constexpr, RLP: tl.constexpr, LP: tl.constexpr, DVP: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr,
@@ -95,18 +141,6 @@ def _mlr_fwd_kernel(
 
     q1 = tl.load(q_base + offs_m[:, None] * stride_qt + d1[None, :],
                  mask=m_ok[:, None] & (d1 < R1)[None, :], other=0.0)
-    if HAS_FINE:
-        lv = tl.arange(0, LP)
-        dl = tl.arange(0, RLP)
-        foff = tl.load(FOFF + lv)
-        frank = tl.load(FRANK + lv)
-        fsize = tl.load(FSIZE + lv)
-        fcol = foff[:, None, None] + dl[None, None, :]          # (LP, 1, RLP)
-        fcol_ok = dl[None, None, :] < frank[:, None, None]      # (LP, 1, RLP)
-        lvl_ok = (frank > 0)[:, None, None]                     # (LP, 1, 1)
-        row_blk = offs_m[None, :, None] // fsize[:, None, None]  # (LP, BM, 1)
-        q3 = tl.load(q_base + offs_m[None, :, None] * stride_qt + fcol,
-                     mask=m_ok[None, :, None] & fcol_ok, other=0.0)  # (LP, BM, RLP)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -122,16 +156,9 @@ def _mlr_fwd_kernel(
                      mask=n_ok[:, None] & (d1 < R1)[None, :], other=0.0)
         s = dot(q1, tl.trans(k1), PREC, UPCAST)
         dep = tl.full([BLOCK_M, BLOCK_N], 1.0, tl.float32)
-        if HAS_FINE:
-            n_last = tl.minimum(n0 + BLOCK_N, T) - 1
-            if (n0 // S2 <= m_last // S2) & (m0 // S2 <= n_last // S2):
-                k3 = tl.load(k_base + offs_n[None, :, None] * stride_kt + fcol,
-                             mask=n_ok[None, :, None] & fcol_ok, other=0.0)  # (LP, BN, RLP)
-                s3 = dot(q3, tl.permute(k3, (0, 2, 1)), PREC, UPCAST)  # (LP, BM, BN)
-                in3 = lvl_ok & (row_blk == offs_n[None, None, :] // fsize[:, None, None])
-                s += tl.sum(tl.where(in3, s3, 0.0), axis=0)
-                if DEPTH_NORM:
-                    dep += tl.sum(in3.to(tl.float32), axis=0)
+        n_last = tl.minimum(n0 + BLOCK_N, T) - 1
+        s, dep = _fine_scores(s, dep, q_base, k_base, stride_qt, stride_kt, offs_m, offs_n, m_ok, n_ok, m0, m_last,
+                              n0, n_last, FOFF, FRANK, FSIZE, NF, RLP, DEPTH_NORM, PREC, UPCAST)
         ok = n_ok[None, :] & (offs_m[:, None] >= 0)
         if CAUSAL:
             ok = ok & (offs_m[:, None] >= offs_n[None, :])
@@ -162,8 +189,8 @@ def _mlr_bwd_dkdv_kernel(
     stride_kb, stride_kh, stride_kt,
     stride_vb, stride_vh, stride_vt,
     stride_dob, stride_doh, stride_dot,
-    H, HK, G, TFULL, R1, DV, S2, scale,
-    CAUSAL: tl.constexpr, DEPTH_NORM: tl.constexpr, HAS_FINE: tl.constexpr,
+    H, HK, G, TFULL, R1, DV, scale,
+    CAUSAL: tl.constexpr, DEPTH_NORM: tl.constexpr, NF: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     R1P: tl.constexpr, RLP: tl.constexpr, LP: tl.constexpr, DVP: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr,
@@ -190,18 +217,8 @@ def _mlr_bwd_dkdv_kernel(
                  mask=n_ok[:, None] & (dv < DV)[None, :], other=0.0)
     dk1 = tl.zeros([BLOCK_N, R1P], tl.float32)
     dv_acc = tl.zeros([BLOCK_N, DVP], tl.float32)
-    if HAS_FINE:
-        lv = tl.arange(0, LP)
-        dl = tl.arange(0, RLP)
-        foff = tl.load(FOFF + lv)
-        frank = tl.load(FRANK + lv)
-        fsize = tl.load(FSIZE + lv)
-        fcol = foff[:, None, None] + dl[None, None, :]
-        fcol_ok = dl[None, None, :] < frank[:, None, None]
-        lvl_ok = (frank > 0)[:, None, None]
-        col_blk = offs_n[None, None, :] // fsize[:, None, None]  # (LP, 1, BN)
-        k3 = tl.load(K + k_off + offs_n[None, :, None] * stride_kt + fcol,
-                     mask=n_ok[None, :, None] & fcol_ok, other=0.0)  # (LP, BN, RLP)
+    dl = tl.arange(0, RLP)
+    if NF > 0:  # the fine levels' key gradients, level by level along the first axis
         dk3 = tl.zeros([LP, BLOCK_N, RLP], tl.float32)
 
     lo = 0
@@ -224,16 +241,8 @@ def _mlr_bwd_dkdv_kernel(
             delta = tl.load(DELTA + row_base + offs_m, mask=m_ok, other=0.0)
             s = dot(q1, tl.trans(k1), PREC, UPCAST)
             dep = tl.full([BLOCK_M, BLOCK_N], 1.0, tl.float32)
-            need_fine = (n0 // S2 <= m_last // S2) & (m0 // S2 <= n_last // S2)
-            if HAS_FINE:
-                if need_fine:
-                    q3 = tl.load(q_base + offs_m[None, :, None] * stride_qt + fcol,
-                                 mask=m_ok[None, :, None] & fcol_ok, other=0.0)
-                    s3 = dot(q3, tl.permute(k3, (0, 2, 1)), PREC, UPCAST)
-                    in3 = lvl_ok & ((offs_m[None, :, None] // fsize[:, None, None]) == col_blk)
-                    s += tl.sum(tl.where(in3, s3, 0.0), axis=0)
-                    if DEPTH_NORM:
-                        dep += tl.sum(in3.to(tl.float32), axis=0)
+            s, dep = _fine_scores(s, dep, q_base, K + k_off, stride_qt, stride_kt, offs_m, offs_n, m_ok, n_ok, m0,
+                                  m_last, n0, n_last, FOFF, FRANK, FSIZE, NF, RLP, DEPTH_NORM, PREC, UPCAST)
             ok = n_ok[None, :] & m_ok[:, None]
             if CAUSAL:
                 ok = ok & (offs_m[:, None] >= offs_n[None, :])
@@ -246,19 +255,23 @@ def _mlr_bwd_dkdv_kernel(
             dp = dot(do, tl.trans(vt), PREC, UPCAST)
             ds = p * (dp - delta[:, None]) * c  # gradient w.r.t. the unscaled partial-dot sum
             dk1 += dot(tl.trans(ds.to(q1.dtype)), q1, PREC, UPCAST)
-            if HAS_FINE:
-                if need_fine:
-                    q3 = tl.load(q_base + offs_m[None, :, None] * stride_qt + fcol,
-                                 mask=m_ok[None, :, None] & fcol_ok, other=0.0)
-                    in3 = lvl_ok & ((offs_m[None, :, None] // fsize[:, None, None]) == col_blk)
-                    ds3 = tl.where(in3, ds[None, :, :], 0.0).to(q3.dtype)  # (LP, BM, BN)
-                    dk3 += dot(tl.permute(ds3, (0, 2, 1)), q3, PREC, UPCAST)
+            if NF > 0:
+                alive = m0 >= 0
+                for level in range(NF):
+                    off, rank, size, alive = _fine_level(FOFF, FRANK, FSIZE, level, alive, m0, m_last, n0, n_last)
+                    if alive:
+                        ql = tl.load(q_base + offs_m[:, None] * stride_qt + off + dl[None, :],
+                                     mask=m_ok[:, None] & (dl < rank)[None, :], other=0.0)
+                        shared = (offs_m[:, None] // size) == (offs_n[None, :] // size)
+                        dkl = dot(tl.trans(tl.where(shared, ds, 0.0).to(ql.dtype)), ql, PREC, UPCAST)
+                        dk3 += tl.where(tl.arange(0, LP)[:, None, None] == level, dkl[None, :, :], 0.0)
 
     tl.store(DK + k_off + offs_n[:, None] * stride_kt + d1[None, :], dk1.to(DK.dtype.element_ty),
              mask=n_ok[:, None] & (d1 < R1)[None, :])
     tl.store(DV_ + v_off + offs_n[:, None] * stride_vt + dv[None, :], dv_acc.to(DV_.dtype.element_ty),
              mask=n_ok[:, None] & (dv < DV)[None, :])
-    if HAS_FINE:
+    if NF > 0:
+        fcol, fcol_ok = _fine_columns(FOFF, FRANK, LP, RLP)
         tl.store(DK + k_off + offs_n[None, :, None] * stride_kt + fcol, dk3.to(DK.dtype.element_ty),
                  mask=n_ok[None, :, None] & fcol_ok)
 
@@ -270,8 +283,8 @@ def _mlr_bwd_dq_kernel(
     stride_kb, stride_kh, stride_kt,
     stride_vb, stride_vh, stride_vt,
     stride_dob, stride_doh, stride_dot,
-    H, G, TFULL, R1, DV, S2, scale,
-    CAUSAL: tl.constexpr, DEPTH_NORM: tl.constexpr, HAS_FINE: tl.constexpr,
+    H, G, TFULL, R1, DV, scale,
+    CAUSAL: tl.constexpr, DEPTH_NORM: tl.constexpr, NF: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     R1P: tl.constexpr, RLP: tl.constexpr, LP: tl.constexpr, DVP: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr,
@@ -302,18 +315,8 @@ def _mlr_bwd_dq_kernel(
     lse = tl.load(LSE + row_base + offs_m, mask=m_ok, other=0.0)
     delta = tl.load(DELTA + row_base + offs_m, mask=m_ok, other=0.0)
     dq1 = tl.zeros([BLOCK_M, R1P], tl.float32)
-    if HAS_FINE:
-        lv = tl.arange(0, LP)
-        dl = tl.arange(0, RLP)
-        foff = tl.load(FOFF + lv)
-        frank = tl.load(FRANK + lv)
-        fsize = tl.load(FSIZE + lv)
-        fcol = foff[:, None, None] + dl[None, None, :]
-        fcol_ok = dl[None, None, :] < frank[:, None, None]
-        lvl_ok = (frank > 0)[:, None, None]
-        row_blk = offs_m[None, :, None] // fsize[:, None, None]
-        q3 = tl.load(q_base + offs_m[None, :, None] * stride_qt + fcol,
-                     mask=m_ok[None, :, None] & fcol_ok, other=0.0)
+    dl = tl.arange(0, RLP)
+    if NF > 0:  # the fine levels' query gradients, level by level along the first axis
         dq3 = tl.zeros([LP, BLOCK_M, RLP], tl.float32)
 
     hi = T
@@ -329,16 +332,8 @@ def _mlr_bwd_dq_kernel(
                      mask=n_ok[:, None] & (dv < DV)[None, :], other=0.0)
         s = dot(q1, tl.trans(k1), PREC, UPCAST)
         dep = tl.full([BLOCK_M, BLOCK_N], 1.0, tl.float32)
-        need_fine = (n0 // S2 <= m_last // S2) & (m0 // S2 <= n_last // S2)
-        if HAS_FINE:
-            if need_fine:
-                k3 = tl.load(k_base + offs_n[None, :, None] * stride_kt + fcol,
-                             mask=n_ok[None, :, None] & fcol_ok, other=0.0)
-                s3 = dot(q3, tl.permute(k3, (0, 2, 1)), PREC, UPCAST)
-                in3 = lvl_ok & (row_blk == offs_n[None, None, :] // fsize[:, None, None])
-                s += tl.sum(tl.where(in3, s3, 0.0), axis=0)
-                if DEPTH_NORM:
-                    dep += tl.sum(in3.to(tl.float32), axis=0)
+        s, dep = _fine_scores(s, dep, q_base, k_base, stride_qt, stride_kt, offs_m, offs_n, m_ok, n_ok, m0, m_last,
+                              n0, n_last, FOFF, FRANK, FSIZE, NF, RLP, DEPTH_NORM, PREC, UPCAST)
         ok = n_ok[None, :] & m_ok[:, None]
         if CAUSAL:
             ok = ok & (offs_m[:, None] >= offs_n[None, :])
@@ -350,17 +345,21 @@ def _mlr_bwd_dq_kernel(
         dp = dot(do, tl.trans(vt), PREC, UPCAST)
         ds = p * (dp - delta[:, None]) * c
         dq1 += dot(ds.to(k1.dtype), k1, PREC, UPCAST)
-        if HAS_FINE:
-            if need_fine:
-                k3 = tl.load(k_base + offs_n[None, :, None] * stride_kt + fcol,
-                             mask=n_ok[None, :, None] & fcol_ok, other=0.0)
-                in3 = lvl_ok & (row_blk == offs_n[None, None, :] // fsize[:, None, None])
-                ds3 = tl.where(in3, ds[None, :, :], 0.0).to(k3.dtype)
-                dq3 += dot(ds3, k3, PREC, UPCAST)
+        if NF > 0:
+            alive = n0 >= 0
+            for level in range(NF):
+                off, rank, size, alive = _fine_level(FOFF, FRANK, FSIZE, level, alive, m0, m_last, n0, n_last)
+                if alive:
+                    kl = tl.load(k_base + offs_n[:, None] * stride_kt + off + dl[None, :],
+                                 mask=n_ok[:, None] & (dl < rank)[None, :], other=0.0)
+                    shared = (offs_m[:, None] // size) == (offs_n[None, :] // size)
+                    dql = dot(tl.where(shared, ds, 0.0).to(kl.dtype), kl, PREC, UPCAST)
+                    dq3 += tl.where(tl.arange(0, LP)[:, None, None] == level, dql[None, :, :], 0.0)
 
     tl.store(DQ + b * stride_qb + h * stride_qh + (start + offs_m)[:, None] * stride_qt + d1[None, :],
              dq1.to(DQ.dtype.element_ty), mask=m_ok[:, None] & (d1 < R1)[None, :])
-    if HAS_FINE:
+    if NF > 0:
+        fcol, fcol_ok = _fine_columns(FOFF, FRANK, LP, RLP)
         tl.store(DQ + b * stride_qb + h * stride_qh + (start + offs_m)[None, :, None] * stride_qt + fcol,
                  dq3.to(DQ.dtype.element_ty), mask=m_ok[None, :, None] & fcol_ok)
 
@@ -377,14 +376,13 @@ class _Plan:
                  block_m: int, block_n: int) -> None:
         L = len(ranks)
         fine = ranks[1:]
-        self.has_fine = L > 1
+        self.n_fine = L - 1
         self.R1 = ranks[0]
         self.R1P = pow2(ranks[0], 16)
         self.RLP = pow2(max(fine), 16) if fine else 16
         self.LP = pow2(len(fine))
         self.DV = v.shape[-1]
         self.DVP = pow2(self.DV, 16)
-        self.S2 = sizes[1] if self.has_fine else 1
         offs, acc = [], ranks[0]
         for r in fine:
             offs.append(acc)
@@ -400,7 +398,7 @@ class _Plan:
 
     def constexprs(self, causal: bool, depth_normalize: bool) -> dict:
         return dict(
-            CAUSAL=causal, DEPTH_NORM=depth_normalize, HAS_FINE=self.has_fine,
+            CAUSAL=causal, DEPTH_NORM=depth_normalize, NF=self.n_fine,
             BLOCK_M=self.block_m, BLOCK_N=self.block_n,
             R1P=self.R1P, RLP=self.RLP, LP=self.LP, DVP=self.DVP, PREC=self.prec,
             UPCAST=self.upcast,
@@ -419,7 +417,7 @@ def _forward(q, k, v, segments, max_len: int, plan: _Plan, causal: bool, scale: 
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         o.stride(0), o.stride(1), o.stride(2),
-        H, H // Hk, T, plan.R1, plan.DV, plan.S2, float(scale),
+        H, H // Hk, T, plan.R1, plan.DV, float(scale),
         **plan.constexprs(causal, depth_normalize),
     )
     return o, lse
@@ -446,13 +444,13 @@ def _backward(q, k, v, o, lse, do, segments, max_len: int, plan: _Plan, causal: 
     _mlr_bwd_dkdv_kernel[(cdiv(max_len, plan.block_n), n_segments * Hk)](
         q, k, v, do, lse, delta, dk, dv, segments, plan.foff, plan.frank, plan.fsize,
         *common_strides,
-        H, Hk, G, T, plan.R1, plan.DV, plan.S2, float(scale),
+        H, Hk, G, T, plan.R1, plan.DV, float(scale),
         **cx,
     )
     _mlr_bwd_dq_kernel[(cdiv(max_len, plan.block_m), n_segments * H)](
         q, k, v, do, lse, delta, dq, segments, plan.foff, plan.frank, plan.fsize,
         *common_strides,
-        H, G, T, plan.R1, plan.DV, plan.S2, float(scale),
+        H, G, T, plan.R1, plan.DV, float(scale),
         **cx,
     )
     return dq, dk, dv

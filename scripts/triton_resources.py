@@ -1,0 +1,152 @@
+"""The package's Triton kernels compiled for an NVIDIA GPU without one: each kernel's shared memory,
+registers, spill stack and compile time, the numbers that decide occupancy and local-memory traffic.
+
+    python3 scripts/triton_resources.py [--case general|prefix|decode] [--dtype bfloat16] [--arch 90]
+
+Step 1 runs one call of the case (forward and backward for ``general`` and ``prefix``, one decoding
+step for ``decode``) on CPU tensors in a child process under ``TRITON_INTERPRET=1`` and records
+every kernel launch: its arguments' types, the 16-divisibility Triton specialises on, the
+compile-time constants and the launch options. Step 2 compiles each launch with ``triton.compile``
+for ``sm_<arch>`` (Triton ships ptxas) and reads the resources from the cubin with cuobjdump.
+Nothing runs on a GPU, so speed itself still has to be measured on one (``scripts/gpu-check.sh``).
+
+Cases (8 levels of rank 8, ``Dv = 64``, GPU tiles of 64):
+- ``general``: T = 640 with the default block sizes (finest block 5, not a multiple of a tile),
+  bidirectional with ``depth_normalize``: the general kernels;
+- ``prefix``: causal with the block sizes of T = 8192 (finest block 64, a tile; run on 1024 tokens):
+  the prefix-rank kernels of ``sattn bench mlr``;
+- ``decode``: one query against a 4096-token compressed cache (batch 2, 8 heads, 2 kv heads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+CASES = ("general", "prefix", "decode")
+_TYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64", "int32": "i32",
+          "int64": "i64", "bool": "i1", "int8": "i8", "uint8": "u8"}
+_OPTIONS = ("num_warps", "num_stages", "maxnreg")
+
+
+def record(case: str, dtype: str) -> list[dict]:
+    """Step 1 (TRITON_INTERPRET=1): run the case and return every distinct kernel launch."""
+    import torch
+    from triton.runtime.interpreter import InterpretedFunction
+
+    launches: dict[str, dict] = {}
+    run = InterpretedFunction.run
+
+    def recording_run(self, *args, grid, warmup, **kwargs):
+        names, params = self.arg_names, inspect.signature(self.fn).parameters
+        values = dict(zip(names, args)) | {k: v for k, v in kwargs.items() if k in names}
+        signature, constants, attrs = {}, {}, []
+        for i, name in enumerate(names):
+            value = values[name]
+            if "constexpr" in str(params[name].annotation) or value is None:
+                signature[name], constants[name] = "constexpr", value
+            elif isinstance(value, torch.Tensor):
+                signature[name] = "*" + _TYPES[str(value.dtype).removeprefix("torch.")]
+                if value.data_ptr() % 16 == 0:
+                    attrs.append(i)
+            elif isinstance(value, bool):
+                signature[name] = "i1"
+            elif isinstance(value, int):
+                signature[name] = "i32" if -2**31 <= value < 2**31 else "i64"
+                if value % 16 == 0 and value != 0:
+                    attrs.append(i)
+            else:
+                signature[name] = "fp32"
+        launch = {"module": self.fn.__module__, "name": self.fn.__name__, "signature": signature,
+                  "constants": constants, "divisible_by_16": attrs,
+                  "options": {k: kwargs[k] for k in _OPTIONS if kwargs.get(k) is not None}}
+        launches[json.dumps(launch, sort_keys=True, default=str)] = launch
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    InterpretedFunction.run = recording_run
+    torch.manual_seed(0)
+    dt = getattr(torch, dtype)
+    ranks = (8,) * 8
+    if case == "decode":
+        from structured_attention.ops.mlr.contract import mlr_block_sizes
+        from structured_attention.ops.mlr.triton_decode import mlr_decode_triton
+
+        B, H, Hk, n = 2, 8, 2, 4096
+        sizes = mlr_block_sizes(ranks, n)
+        starts = [0] + [(n - 1) // s * s for s in sizes[1:]]
+        keys = [torch.randn(B, Hk, n - start, r, dtype=dt) for r, start in zip(ranks, starts)]
+        mlr_decode_triton(torch.randn(B, H, 1, sum(ranks), dtype=dt), keys, starts,
+                          torch.randn(B, Hk, n, 64, dtype=dt), ranks, 0.125)
+    else:
+        from structured_attention.ops.mlr.triton_general import mlr_attention_triton
+
+        # prefix: the sizes of T = 8192 (finest block 64, a tile) on a shorter sequence, the same kernels
+        T, sizes, causal, dn = ((640, None, False, True) if case == "general"
+                                else (1024, tuple(8192 >> i for i in range(8)), True, False))
+        q, k, v = (torch.randn(1, 2, T, 64, dtype=dt, requires_grad=True) for _ in range(3))
+        out = mlr_attention_triton(q, k, v, ranks, sizes, causal=causal, depth_normalize=dn, block_m=64,
+                                   block_n=64)
+        out.sum().backward()
+    return list(launches.values())
+
+
+def compile_launch(launch: dict, arch: int) -> dict:
+    """Step 2 (no interpreter, no GPU): compile one recorded launch for ``sm_<arch>``."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = getattr(importlib.import_module(launch["module"]), launch["name"])
+    names = list(launch["signature"])
+    if "UPCAST" in launch["constants"]:  # the interpreter's work-around for bfloat16 products, never on a GPU
+        launch["constants"]["UPCAST"] = False
+    source = ASTSource(fn=fn, signature=launch["signature"],
+                       constexprs={(names.index(k),): v for k, v in launch["constants"].items()},
+                       attrs={(i,): [["tt.divisibility", 16]] for i in launch["divisible_by_16"]})
+    start = time.perf_counter()
+    kernel = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=launch["options"])
+    seconds = time.perf_counter() - start
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True,
+                               check=True).stdout
+    found = {key: int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("REG", "STACK")}
+    return {"kernel": launch["name"], "shared_bytes": kernel.metadata.shared, "registers": found["REG"],
+            "spill_stack_bytes": found["STACK"], "compile_s": round(seconds, 1),
+            "options": launch["options"]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--case", choices=CASES, default="general")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16")
+    p.add_argument("--arch", type=int, default=90, help="compute capability x 10 (default 90: H100/H200)")
+    p.add_argument("--record", action="store_true", help=argparse.SUPPRESS)  # step 1, in the child
+    args = p.parse_args()
+    if args.record:
+        json.dump(record(args.case, args.dtype), sys.stdout)
+        return
+    child = subprocess.run([sys.executable, __file__, "--record", "--case", args.case, "--dtype", args.dtype],
+                           env=os.environ | {"TRITON_INTERPRET": "1"}, capture_output=True, text=True)
+    if child.returncode != 0:
+        sys.exit(f"triton_resources.py: the recording run failed:\n{child.stderr}")
+    print(f"case {args.case}, {args.dtype}, sm_{args.arch} (Triton's compiler, no GPU)")
+    print(f"{'kernel':32s} {'shared B':>9s} {'regs':>5s} {'spill B':>8s} {'compile s':>9s}")
+    for launch in json.loads(child.stdout):
+        r = compile_launch(launch, args.arch)
+        print(f"{r['kernel']:32s} {r['shared_bytes']:9d} {r['registers']:5d} {r['spill_stack_bytes']:8d} "
+              f"{r['compile_s']:9.1f}")
+
+
+if __name__ == "__main__":
+    main()
