@@ -109,6 +109,30 @@ def _fine_scores(s, dep, q_base, k_base, stride_qt, stride_kt, offs_m, offs_n, m
 
 
 @triton.jit
+def _fine_grads(acc3, ds, base, stride, offs, ok, for_keys: tl.constexpr, offs_m, offs_n, m0, m_last, n0, n_last,
+                FOFF, FRANK, FSIZE, NF: tl.constexpr, LP: tl.constexpr, RLP: tl.constexpr, PREC: tl.constexpr,
+                UPCAST: tl.constexpr):
+    """``acc3`` ``(LP, tile, RLP)`` plus each fine level's gradient in its slot: ``ds`` (queries x
+    keys) kept where row and column share the level's block, times the other side's slice of the
+    level's head dims (rows ``offs`` from ``base``): ``ds^T q_l`` for the keys (``for_keys``),
+    ``ds k_l`` for the queries."""
+    dl = tl.arange(0, RLP)
+    alive = n0 >= 0
+    for level in range(NF):
+        off, rank, size, alive = _fine_level(FOFF, FRANK, FSIZE, level, alive, m0, m_last, n0, n_last)
+        if alive:
+            x = tl.load(base + offs[:, None] * stride + off + dl[None, :], mask=ok[:, None] & (dl < rank)[None, :],
+                        other=0.0)
+            shared = tl.where((offs_m[:, None] // size) == (offs_n[None, :] // size), ds, 0.0).to(x.dtype)
+            if for_keys:
+                grad = dot(tl.trans(shared), x, PREC, UPCAST)
+            else:
+                grad = dot(shared, x, PREC, UPCAST)
+            acc3 += tl.where(tl.arange(0, LP)[:, None, None] == level, grad[None, :, :], 0.0)
+    return acc3
+
+
+@triton.jit
 def _mlr_fwd_kernel(
     Q, K, V, O, LSE, SEG, FOFF, FRANK, FSIZE,
     stride_qb, stride_qh, stride_qt,
@@ -217,7 +241,6 @@ def _mlr_bwd_dkdv_kernel(
                  mask=n_ok[:, None] & (dv < DV)[None, :], other=0.0)
     dk1 = tl.zeros([BLOCK_N, R1P], tl.float32)
     dv_acc = tl.zeros([BLOCK_N, DVP], tl.float32)
-    dl = tl.arange(0, RLP)
     if NF > 0:  # the fine levels' key gradients, level by level along the first axis
         dk3 = tl.zeros([LP, BLOCK_N, RLP], tl.float32)
 
@@ -256,15 +279,8 @@ def _mlr_bwd_dkdv_kernel(
             ds = p * (dp - delta[:, None]) * c  # gradient w.r.t. the unscaled partial-dot sum
             dk1 += dot(tl.trans(ds.to(q1.dtype)), q1, PREC, UPCAST)
             if NF > 0:
-                alive = m0 >= 0
-                for level in range(NF):
-                    off, rank, size, alive = _fine_level(FOFF, FRANK, FSIZE, level, alive, m0, m_last, n0, n_last)
-                    if alive:
-                        ql = tl.load(q_base + offs_m[:, None] * stride_qt + off + dl[None, :],
-                                     mask=m_ok[:, None] & (dl < rank)[None, :], other=0.0)
-                        shared = (offs_m[:, None] // size) == (offs_n[None, :] // size)
-                        dkl = dot(tl.trans(tl.where(shared, ds, 0.0).to(ql.dtype)), ql, PREC, UPCAST)
-                        dk3 += tl.where(tl.arange(0, LP)[:, None, None] == level, dkl[None, :, :], 0.0)
+                dk3 = _fine_grads(dk3, ds, q_base, stride_qt, offs_m, m_ok, True, offs_m, offs_n, m0, m_last, n0,
+                                  n_last, FOFF, FRANK, FSIZE, NF, LP, RLP, PREC, UPCAST)
 
     tl.store(DK + k_off + offs_n[:, None] * stride_kt + d1[None, :], dk1.to(DK.dtype.element_ty),
              mask=n_ok[:, None] & (d1 < R1)[None, :])
@@ -315,7 +331,6 @@ def _mlr_bwd_dq_kernel(
     lse = tl.load(LSE + row_base + offs_m, mask=m_ok, other=0.0)
     delta = tl.load(DELTA + row_base + offs_m, mask=m_ok, other=0.0)
     dq1 = tl.zeros([BLOCK_M, R1P], tl.float32)
-    dl = tl.arange(0, RLP)
     if NF > 0:  # the fine levels' query gradients, level by level along the first axis
         dq3 = tl.zeros([LP, BLOCK_M, RLP], tl.float32)
 
@@ -346,15 +361,8 @@ def _mlr_bwd_dq_kernel(
         ds = p * (dp - delta[:, None]) * c
         dq1 += dot(ds.to(k1.dtype), k1, PREC, UPCAST)
         if NF > 0:
-            alive = n0 >= 0
-            for level in range(NF):
-                off, rank, size, alive = _fine_level(FOFF, FRANK, FSIZE, level, alive, m0, m_last, n0, n_last)
-                if alive:
-                    kl = tl.load(k_base + offs_n[:, None] * stride_kt + off + dl[None, :],
-                                 mask=n_ok[:, None] & (dl < rank)[None, :], other=0.0)
-                    shared = (offs_m[:, None] // size) == (offs_n[None, :] // size)
-                    dql = dot(tl.where(shared, ds, 0.0).to(kl.dtype), kl, PREC, UPCAST)
-                    dq3 += tl.where(tl.arange(0, LP)[:, None, None] == level, dql[None, :, :], 0.0)
+            dq3 = _fine_grads(dq3, ds, k_base, stride_kt, offs_n, n_ok, False, offs_m, offs_n, m0, m_last, n0,
+                              n_last, FOFF, FRANK, FSIZE, NF, LP, RLP, PREC, UPCAST)
 
     tl.store(DQ + b * stride_qb + h * stride_qh + (start + offs_m)[:, None] * stride_qt + d1[None, :],
              dq1.to(DQ.dtype.element_ty), mask=m_ok[:, None] & (d1 < R1)[None, :])
