@@ -355,17 +355,18 @@ class SwappedAttention(torch.nn.Module):
         own = cache.__dict__.setdefault("_sattn_caches", {})
         kv = own.get(self.layer_idx)
         fresh = kv is None or kv.length != cache.get_seq_length(self.layer_idx)  # a new or reset cache
-        if torch.is_grad_enabled():
-            # Training, where transformers passes a cache (use_cache=True is its default): the
-            # package's caches fill in place, which autograd cannot follow, so the layer runs
-            # uncached and the cache records the length only; continuing it is refused.
-            require(fresh, "cache", "a cache filled under torch.no_grad() to continue (a swapped layer "
-                    "keeps nothing of a forward with gradients)", "a continuation with gradients enabled")
+        # Training, where transformers passes a cache (use_cache=True is its default): the package's
+        # caches fill in place, which autograd cannot follow, so with gradients the layer runs
+        # uncached and the cache records the length only; such a cache is never continued.
+        grad = torch.is_grad_enabled()
+        require(fresh or not (grad or isinstance(kv, _LengthOnly)), "cache",
+                "a cache filled under torch.no_grad() to continue (a swapped layer keeps nothing of a forward "
+                "with gradients)",
+                "a continuation with gradients enabled" if grad else "one filled with gradients enabled")
+        if grad:
             out = self.attn(hidden_states, attention_mask=attention_mask)
             own[self.layer_idx] = _LengthOnly(new)
         else:
-            require(not isinstance(kv, _LengthOnly) or fresh, "cache", "a cache filled under torch.no_grad() "
-                    "(a swapped layer keeps nothing of a forward with gradients)", "one filled with gradients enabled")
             if fresh:
                 kv = own[self.layer_idx] = self.attn.new_cache(batch)
             out = self.attn(hidden_states, kv, attention_mask=attention_mask)

@@ -93,7 +93,7 @@ def _fine_scores(s, dep, q_base, k_base, stride_qt, stride_kt, offs_m, offs_n, m
     2-D product per level; ``dep`` plus the number of such levels (the depth, for
     ``depth_normalize``). Levels no pair of the tile pair shares are skipped at run time."""
     dl = tl.arange(0, RLP)
-    alive = n0 >= 0
+    alive = n0 >= 0  # True, as a tensor: the loop carries it
     for level in range(NF):
         off, rank, size, alive = _fine_level(FOFF, FRANK, FSIZE, level, alive, m0, m_last, n0, n_last)
         if alive:
@@ -115,9 +115,11 @@ def _fine_grads(acc3, ds, base, stride, offs, ok, for_keys: tl.constexpr, offs_m
     """``acc3`` ``(LP, tile, RLP)`` plus each fine level's gradient in its slot: ``ds`` (queries x
     keys) kept where row and column share the level's block, times the other side's slice of the
     level's head dims (rows ``offs`` from ``base``): ``ds^T q_l`` for the keys (``for_keys``),
-    ``ds k_l`` for the queries."""
+    ``ds k_l`` for the queries. The level's slice is loaded again after :func:`_fine_scores` read it
+    (from the cache): holding every level's slice across the softmax would bring back the register
+    pressure the level loop removes."""
     dl = tl.arange(0, RLP)
-    alive = n0 >= 0
+    alive = n0 >= 0  # True, as a tensor: the loop carries it
     for level in range(NF):
         off, rank, size, alive = _fine_level(FOFF, FRANK, FSIZE, level, alive, m0, m_last, n0, n_last)
         if alive:
