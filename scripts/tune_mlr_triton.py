@@ -36,6 +36,10 @@ SETTINGS = {
     "128x64/w8/s2": PrefixTiles(128, 64, 128, 64, 128, 64, num_warps=8, num_stages=2),
     "128x64/w4/s2": PrefixTiles(128, 64, 128, 64, 128, 64, num_warps=4, num_stages=2),
     "bwd32/w4/s2": PrefixTiles(64, 64, 64, 32, 64, 32, num_warps=4, num_stages=2),
+    # the dK/dV kernel holds k, v and both accumulators for its own keys: 32 of them instead of 64
+    "dkdv32/w4/s2": PrefixTiles(64, 64, 32, 32, 64, 64, num_warps=4, num_stages=2),
+    "dkdv32/w4/s3": PrefixTiles(64, 64, 32, 32, 64, 64, num_warps=4, num_stages=3),
+    "dkdv32x16/w4/s2": PrefixTiles(64, 64, 32, 16, 64, 64, num_warps=4, num_stages=2),
 }
 
 

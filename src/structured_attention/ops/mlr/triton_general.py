@@ -412,6 +412,9 @@ class _Plan:
             BLOCK_M=self.block_m, BLOCK_N=self.block_n,
             R1P=self.R1P, RLP=self.RLP, LP=self.LP, DVP=self.DVP, PREC=self.prec,
             UPCAST=self.upcast,
+            # Two warpgroups: with four warps, Triton 3.6 miscompiles the half-precision kernels for
+            # Hopper (wrong gradients, out-of-bounds addresses; H200); with eight they are exact.
+            num_warps=8,
         )
 
 
