@@ -1,7 +1,7 @@
 """The package's Triton kernels compiled for an NVIDIA GPU without one: each kernel's shared memory,
 registers, spill stack and compile time, the numbers that decide occupancy and local-memory traffic.
 
-    python3 scripts/triton_resources.py [--case general|prefix|decode] [--dtype bfloat16] [--arch 90]
+    python3 scripts/triton_resources.py [--case general|prefix|decode] [--dtype bfloat16] [--arch 90] [--num-warps N]
 
 Step 1 runs one call of the case (forward and backward for ``general`` and ``prefix``, one decoding
 step for ``decode``) on CPU tensors in a child process under ``TRITON_INTERPRET=1`` and records
@@ -131,6 +131,7 @@ def main() -> None:
     p.add_argument("--case", choices=CASES, default="general")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16")
     p.add_argument("--arch", type=int, default=90, help="compute capability x 10 (default 90: H100/H200)")
+    p.add_argument("--num-warps", type=int, default=None, help="compile with this many warps instead of the launch's")
     p.add_argument("--record", action="store_true", help=argparse.SUPPRESS)  # step 1, in the child
     args = p.parse_args()
     if args.record:
@@ -143,6 +144,8 @@ def main() -> None:
     print(f"case {args.case}, {args.dtype}, sm_{args.arch} (Triton's compiler, no GPU)")
     print(f"{'kernel':32s} {'shared B':>9s} {'regs':>5s} {'spill B':>8s} {'compile s':>9s}")
     for launch in json.loads(child.stdout):
+        if args.num_warps is not None:
+            launch["options"]["num_warps"] = args.num_warps
         r = compile_launch(launch, args.arch)
         print(f"{r['kernel']:32s} {r['shared_bytes']:9d} {r['registers']:5d} {r['spill_stack_bytes']:8d} "
               f"{r['compile_s']:9.1f}")

@@ -23,6 +23,9 @@ CASES = {
     "uneven-gqa": ((4, 2, 1, 1), None, 4, 2, [[3, 13], [1, 1, 1, 6, 7], [16]]),
     # custom sizes with s_1 > T and partial finest blocks.
     "custom-sizes": ((2, 3, 1), (16, 8, 4), 2, 1, [[12], [3, 7, 2], [1, 1, 10], [5, 7]]),
+    # every fine block a multiple of 16 (the Triton prefix-rank kernels' tiles), GQA; documents
+    # starting off the tile grid, one token long, and a whole row.
+    "prefix-tiles": ((4, 2, 2), (64, 32, 16), 2, 1, [[20, 37, 7], [64], [16, 48], [1, 62, 1]]),
 }
 FLAGS = [(True, False), (True, True), (False, False), (False, True)]
 
@@ -200,10 +203,16 @@ def test_cpu_kernel_takes_documents_in_one_call(monkeypatch):
 
 
 @pytest.mark.parametrize("causal,depth_normalize", [(True, False), (False, True)])
-@pytest.mark.parametrize("case", ["two-levels", "custom-sizes"])
-def test_triton_general_kernel_takes_documents(case, causal, depth_normalize):
-    """The Triton kernels (in the interpreter without a GPU) read each document as a segment."""
+@pytest.mark.parametrize("case,kernels", [("two-levels", "general"), ("custom-sizes", "general"),
+                                          ("prefix-tiles", "prefix")])
+def test_triton_kernels_take_documents(case, kernels, causal, depth_normalize, monkeypatch):
+    """The Triton kernels (in the interpreter without a GPU) read each document as a segment: the
+    general ones, and the prefix-rank ones where every fine block is a multiple of the tile."""
     triton_general = pytest.importorskip("structured_attention.ops.mlr.triton_general")
+    triton_prefix = pytest.importorskip("structured_attention.ops.mlr.triton_prefix")
+    prefix_calls = []
+    monkeypatch.setattr(triton_general, "mlr_attention_prefix",
+                        lambda *a: prefix_calls.append(a) or triton_prefix.mlr_attention_prefix(*a))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     q, k, v, ranks, block_sizes, lengths = _inputs(case, torch.float32, seed=3, requires_grad=True)
     expected = _per_document(q, k, v, ranks, block_sizes, lengths, causal, depth_normalize)
@@ -211,6 +220,7 @@ def test_triton_general_kernel_takes_documents(case, causal, depth_normalize):
     out = triton_general.mlr_attention_triton(*args, ranks, block_sizes, causal=causal,
                                               depth_normalize=depth_normalize,
                                               document_ids=_ids(lengths).to(device), block_m=16, block_n=16)
+    assert len(prefix_calls) == (kernels == "prefix")
     torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-5)
     w = torch.randn(out.shape, generator=torch.Generator().manual_seed(4))
     grads = torch.autograd.grad((out * w.to(device)).sum(), args)

@@ -8,7 +8,9 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["INTERPRETED", "cdiv", "device_table", "dot", "dot_acc", "pow2"]
+from .contract import document_bounds
+
+__all__ = ["INTERPRETED", "cdiv", "device_table", "dot", "dot_acc", "load_segment", "pow2", "segment_table"]
 
 
 @triton.jit
@@ -35,6 +37,12 @@ def dot_acc(a, b, acc, PREC: tl.constexpr, UPCAST: tl.constexpr):
     return out
 
 
+@triton.jit
+def load_segment(SEG, pid):
+    """Segment ``pid``'s batch row, first position and length (``SEG`` is ``(S, 3)`` int32)."""
+    return tl.load(SEG + 3 * pid), tl.load(SEG + 3 * pid + 1), tl.load(SEG + 3 * pid + 2)
+
+
 # Triton's interpreter (TRITON_INTERPRET=1 when triton.jit ran) swaps kernels for interpreted ones.
 INTERPRETED = "interpret" in type(dot).__name__.lower()
 
@@ -59,3 +67,14 @@ def device_table(values: tuple[int, ...], dtype: torch.dtype, device: torch.devi
     device on every call would cost a synchronous host-to-device copy each. Never write to the result.
     """
     return torch.tensor(values, dtype=dtype, device=device)
+
+
+def segment_table(document_ids: torch.Tensor | None, B: int, T: int, device: torch.device) -> tuple[torch.Tensor, int]:
+    """The kernels' ``(S, 3)`` int32 table of segments ``(batch row, start, length)``, each scored as
+    a sequence of its own, and the longest length: every document of every row (read on the host:
+    one device synchronisation), or each whole row without documents."""
+    if document_ids is None:
+        return device_table(tuple(x for b in range(B) for x in (b, 0, T)), torch.int32, device).view(B, 3), T
+    rows = [(b, start, end - start) for b, row in enumerate(document_bounds(document_ids)) for start, end in row]
+    table = torch.tensor(rows, dtype=torch.int32).to(device)
+    return table, max(length for _, _, length in rows)

@@ -45,8 +45,8 @@ import triton
 import triton.language as tl
 
 from ..._checks import require
-from .contract import attach_backward, check_mlr_arguments, document_bounds
-from .triton_common import INTERPRETED, cdiv, device_table, dot, pow2
+from .contract import attach_backward, check_mlr_arguments
+from .triton_common import INTERPRETED, cdiv, device_table, dot, load_segment, pow2, segment_table
 from .triton_prefix import mlr_attention_prefix, square_tiles
 
 __all__ = ["mlr_attention_triton"]
@@ -57,12 +57,6 @@ _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # --------------------------------------------------------------------------------------------------
 # Kernels
 # --------------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _segment(SEG, pid):
-    """Segment ``pid``'s batch row, first position and length (``SEG`` is ``(S, 3)`` int32)."""
-    return tl.load(SEG + 3 * pid), tl.load(SEG + 3 * pid + 1), tl.load(SEG + 3 * pid + 2)
 
 
 @triton.jit
@@ -149,7 +143,7 @@ def _mlr_fwd_kernel(
 ):
     pid_m = tl.program_id(0)
     pid_sh = tl.program_id(1)
-    b, start, T = _segment(SEG, pid_sh // H)
+    b, start, T = load_segment(SEG, pid_sh // H)
     h = pid_sh % H
     hk = h // G
     m0 = pid_m * BLOCK_M
@@ -224,7 +218,7 @@ def _mlr_bwd_dkdv_kernel(
     # DK has k's strides and DV_ has v's strides (all contiguous, same shapes).
     pid_n = tl.program_id(0)
     pid_sh = tl.program_id(1)
-    b, start, T = _segment(SEG, pid_sh // HK)
+    b, start, T = load_segment(SEG, pid_sh // HK)
     hk = pid_sh % HK
     n0 = pid_n * BLOCK_N
     if n0 >= T:  # the grid covers the longest segment
@@ -310,7 +304,7 @@ def _mlr_bwd_dq_kernel(
     # DQ has q's strides.
     pid_m = tl.program_id(0)
     pid_sh = tl.program_id(1)
-    b, start, T = _segment(SEG, pid_sh // H)
+    b, start, T = load_segment(SEG, pid_sh // H)
     h = pid_sh % H
     hk = h // G
     m0 = pid_m * BLOCK_M
@@ -502,16 +496,6 @@ def _(do, q, k, v, o, lse, segments, max_len, ranks, sizes, causal, scale, depth
 attach_backward(_forward_op, _backward_op)
 
 
-def _segments(document_ids: torch.Tensor | None, B: int, T: int, device: torch.device) -> tuple[torch.Tensor, int]:
-    """The kernels' ``(S, 3)`` segment table and the longest segment: every document of every row
-    (read on the host: one device synchronisation), or each whole row without documents."""
-    if document_ids is None:
-        return device_table(tuple(x for b in range(B) for x in (b, 0, T)), torch.int32, device).view(B, 3), T
-    rows = [(b, start, end - start) for b, row in enumerate(document_bounds(document_ids)) for start, end in row]
-    table = torch.tensor(rows, dtype=torch.int32).to(device)
-    return table, max(length for _, _, length in rows)
-
-
 # --------------------------------------------------------------------------------------------------
 # Public entry point
 # --------------------------------------------------------------------------------------------------
@@ -537,7 +521,7 @@ def mlr_attention_triton(
     ``k (B, Hk, T, R)``, ``v (B, Hk, T, Dv)`` with ``Hk | H`` (GQA: query head ``h`` reads kv head
     ``h // (H // Hk)``), ``ranks`` summing to ``R``, nested ``block_sizes`` with ``s_1 >= T`` (default
     ``T / 2^(l-1)``), ``scale`` default ``1 / sqrt(R)``, optional ``depth_normalize``, optional
-    packed ``document_ids`` (each document a segment of the general kernels' launch: varlen).
+    packed ``document_ids`` (each document a segment of the kernels' launch: varlen).
 
     Extra keyword-only arguments ``block_m`` / ``block_n`` set the query / key tile sizes (powers of
     two, ``>= 16`` for GPU ``tl.dot``; default 64 on CUDA, 16 in the interpreter); they are independent
@@ -564,13 +548,14 @@ def mlr_attention_triton(
 
     # Tiles of one depth each (every fine block a multiple of the tile) take the prefix-rank kernels;
     # smaller than 32 rows, a tile underuses the matrix units, so the general kernels keep their tiles.
-    # Packed documents take the general kernels, whose programs read their segment from a table.
-    tiles = square_tiles(sizes[1:], block_m) if block_m == block_n and document_ids is None else None
+    # Both read packed documents from a segment table; a document's positions start at 0, so its
+    # tile pairs have one depth whenever a whole row's would.
+    tiles = square_tiles(sizes[1:], block_m) if block_m == block_n else None
     if tiles is not None and (tiles.fwd_m == block_m or (not explicit and tiles.fwd_m >= min(block_m, 32))):
-        return mlr_attention_prefix(q, k, v, ranks, sizes, causal, float(scale), depth_normalize, tiles)
+        return mlr_attention_prefix(q, k, v, ranks, sizes, causal, float(scale), depth_normalize, tiles, document_ids)
 
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    segments, max_len = _segments(document_ids, q.shape[0], q.shape[2], q.device)
+    segments, max_len = segment_table(document_ids, q.shape[0], q.shape[2], q.device)
     out, _ = _forward_op(q, k, v, segments, max_len, list(ranks), list(sizes), causal, float(scale), depth_normalize,
                          block_m, block_n)
     return out

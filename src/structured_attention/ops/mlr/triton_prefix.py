@@ -17,6 +17,10 @@ The forward stores the row log-sum-exp in base 2 for the backward; the backward 
 flash-attention backward (one kernel for ``dK, dV`` that loops over the query heads of a GQA group,
 one for ``dQ``), recomputing the scores tier by tier. Numerics match
 :mod:`.triton_general`, which handles any block sizes.
+
+Packed documents are segments of one launch, as in :mod:`.triton_general`: a program reads its
+segment's row, start and length from a table, and every position inside is local to the segment,
+so a document's tile pairs keep one depth each.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import triton
 import triton.language as tl
 
 from .contract import attach_backward
-from .triton_common import INTERPRETED, cdiv, device_table, dot, dot_acc, pow2
+from .triton_common import INTERPRETED, cdiv, device_table, dot, dot_acc, load_segment, pow2, segment_table
 
 __all__ = ["PrefixTiles", "square_tiles", "mlr_attention_prefix"]
 
@@ -181,31 +185,34 @@ def _fwd_tiles(acc, m_i, l_i, q0, q1, q2, q3, k_base, v_base, m0, offs_m, lo, hi
 
 @triton.jit
 def _prefix_fwd_kernel(
-    Q, K, V, O, LSE, FSIZE, FRANK, TIERS,
+    Q, K, V, O, LSE, SEG, FSIZE, FRANK, TIERS,
     stride_qb, stride_qh, stride_qt,
     stride_kb, stride_kh, stride_kt,
     stride_vb, stride_vh, stride_vt,
     stride_ob, stride_oh, stride_ot,
-    H, G, T, R, R1, DV, qk_scale,
+    H, G, TFULL, R, R1, DV, qk_scale,
     CAUSAL: tl.constexpr, DEPTH_NORM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CH: tl.constexpr, NCH: tl.constexpr,
     LP: tl.constexpr, DVP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest rows of tiles start first
-    pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
+    pid_sh = tl.program_id(1)
+    b, start, T = load_segment(SEG, pid_sh // H)
+    h = pid_sh % H
     hk = h // G
     m0 = pid_m * BLOCK_M
+    if m0 >= T:  # the grid covers the longest segment
+        return
     offs_m = m0 + tl.arange(0, BLOCK_M)
     m_ok = offs_m < T
     dv = tl.arange(0, DVP)
     lv = tl.arange(0, LP)
     fsize = tl.load(FSIZE + lv)
     frank = tl.load(FRANK + lv)
-    q_base = Q + b * stride_qb + h * stride_qh
-    k_base = K + b * stride_kb + hk * stride_kh
-    v_base = V + b * stride_vb + hk * stride_vh
+    # Positions are the segment's own: its rows start at `start` in the batch row.
+    q_base = Q + b * stride_qb + h * stride_qh + start * stride_qt
+    k_base = K + b * stride_kb + hk * stride_kh + start * stride_kt
+    v_base = V + b * stride_vb + hk * stride_vh + start * stride_vt
 
     q0, q1, q2, q3 = _chunks(q_base, offs_m, m_ok, stride_qt, R, CH, NCH)
 
@@ -242,9 +249,9 @@ def _prefix_fwd_kernel(
                                    1, False, CAUSAL, DEPTH_NORM, BLOCK_N, CH, DVP, PREC, UPCAST)
 
     acc = acc / l_i[:, None]
-    o_ptr = O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_ot + dv[None, :]
+    o_ptr = O + b * stride_ob + h * stride_oh + (start + offs_m)[:, None] * stride_ot + dv[None, :]
     tl.store(o_ptr, acc.to(O.dtype.element_ty), mask=m_ok[:, None] & (dv < DV)[None, :])
-    tl.store(LSE + pid_bh * T + offs_m, m_i + tl.log2(l_i), mask=m_ok)
+    tl.store(LSE + (b * H + h) * TFULL + start + offs_m, m_i + tl.log2(l_i), mask=m_ok)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -302,30 +309,33 @@ def _dkdv_tiles(dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base,
 
 @triton.jit
 def _prefix_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV_, FSIZE, FRANK, TIERS,
+    Q, K, V, DO, LSE, DELTA, DK, DV_, SEG, FSIZE, FRANK, TIERS,
     stride_qb, stride_qh, stride_qt,
     stride_kb, stride_kh, stride_kt,
     stride_vb, stride_vh, stride_vt,
     stride_dob, stride_doh, stride_dot,
-    H, HK, G, T, R, R1, DV, sm_scale, qk_scale,
+    H, HK, G, TFULL, R, R1, DV, sm_scale, qk_scale,
     CAUSAL: tl.constexpr, DEPTH_NORM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CH: tl.constexpr, NCH: tl.constexpr,
     LP: tl.constexpr, DVP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
     # DK has k's strides and DV_ has v's strides (all contiguous, same shapes).
     pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // HK
-    hk = pid_bh % HK
+    pid_sh = tl.program_id(1)
+    b, start, T = load_segment(SEG, pid_sh // HK)
+    hk = pid_sh % HK
     n0 = pid_n * BLOCK_N
+    if n0 >= T:  # the grid covers the longest segment
+        return
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < T
     dv = tl.arange(0, DVP)
     lv = tl.arange(0, LP)
     fsize = tl.load(FSIZE + lv)
     frank = tl.load(FRANK + lv)
-    k_base = K + b * stride_kb + hk * stride_kh
-    v_off = b * stride_vb + hk * stride_vh
+    k_off = b * stride_kb + hk * stride_kh + start * stride_kt
+    k_base = K + k_off
+    v_off = b * stride_vb + hk * stride_vh + start * stride_vt
 
     k0, k1, k2, k3 = _chunks(k_base, offs_n, n_ok, stride_kt, R, CH, NCH)
     vt = tl.load(V + v_off + offs_n[:, None] * stride_vt + dv[None, :],
@@ -336,12 +346,15 @@ def _prefix_dkdv_kernel(
     dk3 = tl.zeros([BLOCK_N, CH], tl.float32)
     dv_acc = tl.zeros([BLOCK_N, DVP], tl.float32)
 
+    # The group's first query head; the loop steps one head at a time.
+    q_group = Q + b * stride_qb + hk * G * stride_qh + start * stride_qt
+    do_group = DO + b * stride_dob + hk * G * stride_doh + start * stride_dot
+    row_group = (b * H + hk * G) * TFULL + start
     for g in range(0, G):
-        h = hk * G + g
-        q_base = Q + b * stride_qb + h * stride_qh
-        do_base = DO + b * stride_dob + h * stride_doh
-        lse_base = LSE + (b * H + h) * T
-        delta_base = DELTA + (b * H + h) * T
+        q_base = q_group + g * stride_qh
+        do_base = do_group + g * stride_doh
+        lse_base = LSE + row_group + g * TFULL
+        delta_base = DELTA + row_group + g * TFULL
         if not CAUSAL:
             # Query tiles above the diagonal, fewest chunks first.
             lo = 0
@@ -374,8 +387,7 @@ def _prefix_dkdv_kernel(
             n0, offs_n, lo, T, fsize, frank, stride_qt, stride_dot, T, R1, DV, sm_scale, qk_scale,
             1, False, CAUSAL, DEPTH_NORM, BLOCK_M, CH, DVP, PREC, UPCAST)
 
-    _store_chunks(DK + b * stride_kb + hk * stride_kh + offs_n[:, None] * stride_kt, n_ok, R,
-                  dk0, dk1, dk2, dk3, CH, NCH)
+    _store_chunks(DK + k_off + offs_n[:, None] * stride_kt, n_ok, R, dk0, dk1, dk2, dk3, CH, NCH)
     tl.store(DV_ + v_off + offs_n[:, None] * stride_vt + dv[None, :], dv_acc.to(DV_.dtype.element_ty),
              mask=n_ok[:, None] & (dv < DV)[None, :])
 
@@ -427,38 +439,42 @@ def _dq_tiles(dq0, dq1, dq2, dq3, q0, q1, q2, q3, do, lse, delta, k_base, v_base
 
 @triton.jit
 def _prefix_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, FSIZE, FRANK, TIERS,
+    Q, K, V, DO, LSE, DELTA, DQ, SEG, FSIZE, FRANK, TIERS,
     stride_qb, stride_qh, stride_qt,
     stride_kb, stride_kh, stride_kt,
     stride_vb, stride_vh, stride_vt,
     stride_dob, stride_doh, stride_dot,
-    H, G, T, R, R1, DV, sm_scale, qk_scale,
+    H, G, TFULL, R, R1, DV, sm_scale, qk_scale,
     CAUSAL: tl.constexpr, DEPTH_NORM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CH: tl.constexpr, NCH: tl.constexpr,
     LP: tl.constexpr, DVP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
     # DQ has q's strides.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest rows of tiles start first
-    pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
+    pid_sh = tl.program_id(1)
+    b, start, T = load_segment(SEG, pid_sh // H)
+    h = pid_sh % H
     hk = h // G
     m0 = pid_m * BLOCK_M
+    if m0 >= T:  # the grid covers the longest segment
+        return
     offs_m = m0 + tl.arange(0, BLOCK_M)
     m_ok = offs_m < T
     dv = tl.arange(0, DVP)
     lv = tl.arange(0, LP)
     fsize = tl.load(FSIZE + lv)
     frank = tl.load(FRANK + lv)
-    q_base = Q + b * stride_qb + h * stride_qh
-    k_base = K + b * stride_kb + hk * stride_kh
-    v_base = V + b * stride_vb + hk * stride_vh
+    q_off = b * stride_qb + h * stride_qh + start * stride_qt
+    q_base = Q + q_off
+    k_base = K + b * stride_kb + hk * stride_kh + start * stride_kt
+    v_base = V + b * stride_vb + hk * stride_vh + start * stride_vt
 
     q0, q1, q2, q3 = _chunks(q_base, offs_m, m_ok, stride_qt, R, CH, NCH)
-    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dot + dv[None, :],
+    do = tl.load(DO + b * stride_dob + h * stride_doh + (start + offs_m)[:, None] * stride_dot + dv[None, :],
                  mask=m_ok[:, None] & (dv < DV)[None, :], other=0.0)
-    lse = tl.load(LSE + pid_bh * T + offs_m, mask=m_ok, other=0.0)
-    delta = tl.load(DELTA + pid_bh * T + offs_m, mask=m_ok, other=0.0)
+    row_base = (b * H + h) * TFULL + start
+    lse = tl.load(LSE + row_base + offs_m, mask=m_ok, other=0.0)
+    delta = tl.load(DELTA + row_base + offs_m, mask=m_ok, other=0.0)
     dq0 = tl.zeros([BLOCK_M, CH], tl.float32)
     dq1 = tl.zeros([BLOCK_M, CH], tl.float32)
     dq2 = tl.zeros([BLOCK_M, CH], tl.float32)
@@ -494,8 +510,7 @@ def _prefix_dq_kernel(
                                        sm_scale, qk_scale, 1, False, CAUSAL, DEPTH_NORM, BLOCK_N, CH, DVP,
                                        PREC, UPCAST)
 
-    _store_chunks(DQ + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qt, m_ok, R,
-                  dq0, dq1, dq2, dq3, CH, NCH)
+    _store_chunks(DQ + q_off + offs_m[:, None] * stride_qt, m_ok, R, dq0, dq1, dq2, dq3, CH, NCH)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -570,13 +585,13 @@ class PrefixPlan:
                     num_warps=self.tiles.num_warps, num_stages=self.tiles.num_stages)
 
 
-def _forward(q, k, v, plan: PrefixPlan, causal: bool, scale: float, depth_normalize: bool):
+def _forward(q, k, v, segments, max_len: int, plan: PrefixPlan, causal: bool, scale: float, depth_normalize: bool):
     B, H, T, _ = q.shape
     tiles = plan.tiles
     o = torch.empty(B, H, T, plan.DV, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
-    _prefix_fwd_kernel[(cdiv(T, tiles.fwd_m), B * H)](
-        q, k, v, o, lse, plan.fsize, plan.frank, plan.tiers,
+    _prefix_fwd_kernel[(cdiv(max_len, tiles.fwd_m), segments.shape[0] * H)](
+        q, k, v, o, lse, segments, plan.fsize, plan.frank, plan.tiers,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
@@ -587,7 +602,8 @@ def _forward(q, k, v, plan: PrefixPlan, causal: bool, scale: float, depth_normal
     return o, lse
 
 
-def _backward(q, k, v, o, lse, do, plan: PrefixPlan, causal: bool, scale: float, depth_normalize: bool):
+def _backward(q, k, v, o, lse, do, segments, max_len: int, plan: PrefixPlan, causal: bool, scale: float,
+              depth_normalize: bool):
     B, H, T, _ = q.shape
     Hk = k.shape[1]
     tiles = plan.tiles
@@ -600,13 +616,13 @@ def _backward(q, k, v, o, lse, do, plan: PrefixPlan, causal: bool, scale: float,
         v.stride(0), v.stride(1), v.stride(2),
         do.stride(0), do.stride(1), do.stride(2),
     )
-    _prefix_dkdv_kernel[(cdiv(T, tiles.dkdv_n), B * Hk)](
-        q, k, v, do, lse, delta, dk, dv, plan.fsize, plan.frank, plan.tiers, *strides,
+    _prefix_dkdv_kernel[(cdiv(max_len, tiles.dkdv_n), segments.shape[0] * Hk)](
+        q, k, v, do, lse, delta, dk, dv, segments, plan.fsize, plan.frank, plan.tiers, *strides,
         H, Hk, H // Hk, T, plan.R, plan.R1, plan.DV, scale, scale * _LOG2E,
         **plan.constexprs(causal, depth_normalize, tiles.dkdv_m, tiles.dkdv_n),
     )
-    _prefix_dq_kernel[(cdiv(T, tiles.dq_m), B * H)](
-        q, k, v, do, lse, delta, dq, plan.fsize, plan.frank, plan.tiers, *strides,
+    _prefix_dq_kernel[(cdiv(max_len, tiles.dq_m), segments.shape[0] * H)](
+        q, k, v, do, lse, delta, dq, segments, plan.fsize, plan.frank, plan.tiers, *strides,
         H, H // Hk, T, plan.R, plan.R1, plan.DV, scale, scale * _LOG2E,
         **plan.constexprs(causal, depth_normalize, tiles.dq_m, tiles.dq_n),
     )
@@ -624,30 +640,32 @@ def _tiles_list(tiles: PrefixTiles) -> list[int]:
     return [int(x) for x in dataclasses.astuple(tiles)]
 
 
+# ``segments`` and ``max_len``: the segment table of :func:`.triton_common.segment_table`.
 @torch.library.custom_op("sattn::mlr_triton_prefix_forward", mutates_args=())
-def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ranks: list[int], sizes: list[int],
-                causal: bool, scale: float, depth_normalize: bool,
+def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor, max_len: int,
+                ranks: list[int], sizes: list[int], causal: bool, scale: float, depth_normalize: bool,
                 tiles: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     plan = PrefixPlan(q, v, tuple(ranks), tuple(sizes), _tiles_from(tiles))
-    return _forward(q, k, v, plan, causal, scale, depth_normalize)
+    return _forward(q, k, v, segments, max_len, plan, causal, scale, depth_normalize)
 
 
 @_forward_op.register_fake
-def _(q, k, v, ranks, sizes, causal, scale, depth_normalize, tiles):
+def _(q, k, v, segments, max_len, ranks, sizes, causal, scale, depth_normalize, tiles):
     B, H, T, _ = q.shape
     return q.new_empty(B, H, T, v.shape[-1]), q.new_empty(B, H, T, dtype=torch.float32)
 
 
 @torch.library.custom_op("sattn::mlr_triton_prefix_backward", mutates_args=())
 def _backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                 lse: torch.Tensor, ranks: list[int], sizes: list[int], causal: bool, scale: float,
-                 depth_normalize: bool, tiles: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 lse: torch.Tensor, segments: torch.Tensor, max_len: int, ranks: list[int], sizes: list[int],
+                 causal: bool, scale: float, depth_normalize: bool,
+                 tiles: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     plan = PrefixPlan(q, v, tuple(ranks), tuple(sizes), _tiles_from(tiles))
-    return _backward(q, k, v, o, lse, do, plan, causal, scale, depth_normalize)
+    return _backward(q, k, v, o, lse, do, segments, max_len, plan, causal, scale, depth_normalize)
 
 
 @_backward_op.register_fake
-def _(do, q, k, v, o, lse, ranks, sizes, causal, scale, depth_normalize, tiles):
+def _(do, q, k, v, o, lse, segments, max_len, ranks, sizes, causal, scale, depth_normalize, tiles):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -656,8 +674,12 @@ attach_backward(_forward_op, _backward_op)
 
 def mlr_attention_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ranks: tuple[int, ...],
                          sizes: tuple[int, ...], causal: bool, scale: float, depth_normalize: bool,
-                         tiles: PrefixTiles) -> torch.Tensor:
-    """MLR attention on prefix-rank tiles; arguments already checked, ``tiles.fits(sizes[1:])``."""
+                         tiles: PrefixTiles, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """MLR attention on prefix-rank tiles; arguments already checked, ``tiles.fits(sizes[1:])``.
+    Packed ``document_ids``: each document a segment of the launch, scored as a sequence of its own
+    (its positions start at 0, so its tile pairs keep one depth each)."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    out, _ = _forward_op(q, k, v, list(ranks), list(sizes), causal, float(scale), depth_normalize, _tiles_list(tiles))
+    segments, max_len = segment_table(document_ids, q.shape[0], q.shape[2], q.device)
+    out, _ = _forward_op(q, k, v, segments, max_len, list(ranks), list(sizes), causal, float(scale), depth_normalize,
+                         _tiles_list(tiles))
     return out
