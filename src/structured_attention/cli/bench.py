@@ -65,6 +65,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     lm.add_argument("--compile", action="store_true",
                     help=f"also time every kind's model under torch.compile, as the case '<kind>{COMPILED}' "
                          "(the training loop's run.compile=true)")
+    lm.add_argument("--backend", default="inductor", help="torch.compile backend of the --compile cases (default inductor)")
     mlr = what.add_parser("mlr", help="time the MLR attention primitive against scaled_dot_product_attention")
     mlr.add_argument("--paths", default=MLR_PATHS, help=f"comma-separated: sdpa (PyTorch's choice of fused kernel), sdpa_flash (its flash-attention kernel), mlr (dispatched: the C++ kernel on CPU, Triton on CUDA), mlr_blocked (the PyTorch fallback), mlr_reference (default {MLR_PATHS})")
     mlr.add_argument("--ranks", default="8|8|8|8|8|8|8|8", help="MLR ranks per level; their sum is the q/k head dim (default 8|8|8|8|8|8|8|8)")
@@ -107,7 +108,8 @@ def _build_case(name: str, args: argparse.Namespace, seq_len: int) -> tuple[Step
         config = GPTConfig(vocab_size=256, n_layers=args.n_layers, d_model=args.d_model, n_heads=args.n_heads,
                            max_seq_len=seq_len, attention=kind)
         model = GPT(config).to(device=device, dtype=dtype)
-        step_model = torch.compile(model) if name != kind else model  # compiled in the warm-up rounds
+        # compiled in the warm-up rounds
+        step_model = torch.compile(model, backend=args.backend) if name != kind else model
         idx = torch.randint(0, 256, (args.batch, seq_len + 1), device=device)
         call = lambda: step_model(idx[:, :-1], idx[:, 1:])[1]  # noqa: E731
         params = list(model.parameters())
