@@ -118,8 +118,8 @@ def test_opcheck_triton_forward_and_backward(kernel):
         cfg = (segments, 20, [16, 8, 8], [32, 12, 6], True, 0.2, False, 16, 16)
     else:
         fwd, bwd = torch.ops.sattn.mlr_triton_prefix_forward, torch.ops.sattn.mlr_triton_prefix_backward
-        segments = torch.tensor([[0, 0, 16], [0, 16, 16]], dtype=torch.int32, device=dev)
-        cfg = (segments, 16, [16, 8, 8], [32, 32, 16], True, 0.2, False, [16] * 6 + [4, 2])
+        # whole rows: the op makes the segment table itself
+        cfg = (None, 32, [16, 8, 8], [32, 32, 16], True, 0.2, False, [16] * 6 + [4, 2])
     opcheck(fwd.default, (q, k, v, *cfg))
     out, lse = fwd(q, k, v, *cfg)
     do = _rand(1, 2, 32, 16, dtype=f32).to(dev)

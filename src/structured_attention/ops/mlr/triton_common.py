@@ -10,7 +10,8 @@ import triton.language as tl
 
 from .contract import document_bounds
 
-__all__ = ["INTERPRETED", "cdiv", "device_table", "dot", "dot_acc", "load_segment", "pow2", "segment_table"]
+__all__ = ["INTERPRETED", "cdiv", "device_table", "dot", "dot_acc", "load_segment", "pow2", "segments_of_documents",
+           "segments_of_rows"]
 
 
 @triton.jit
@@ -69,12 +70,14 @@ def device_table(values: tuple[int, ...], dtype: torch.dtype, device: torch.devi
     return torch.tensor(values, dtype=dtype, device=device)
 
 
-def segment_table(document_ids: torch.Tensor | None, B: int, T: int, device: torch.device) -> tuple[torch.Tensor, int]:
-    """The kernels' ``(S, 3)`` int32 table of segments ``(batch row, start, length)``, each scored as
-    a sequence of its own, and the longest length: every document of every row (read on the host:
-    one device synchronisation), or each whole row without documents."""
-    if document_ids is None:
-        return device_table(tuple(x for b in range(B) for x in (b, 0, T)), torch.int32, device).view(B, 3), T
+def segments_of_rows(B: int, T: int, device: torch.device) -> torch.Tensor:
+    """The kernels' ``(B, 3)`` int32 segment table ``(batch row, start, length)`` of whole rows, made
+    once per shape. The kernels' ops make it themselves, so ``torch.compile`` never traces it."""
+    return device_table(tuple(x for b in range(B) for x in (b, 0, T)), torch.int32, device).view(B, 3)
+
+
+def segments_of_documents(document_ids: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, int]:
+    """The ``(S, 3)`` segment table of every document of every row, each scored as a sequence of its
+    own, and the longest length (the ids read on the host: one device synchronisation)."""
     rows = [(b, start, end - start) for b, row in enumerate(document_bounds(document_ids)) for start, end in row]
-    table = torch.tensor(rows, dtype=torch.int32).to(device)
-    return table, max(length for _, _, length in rows)
+    return torch.tensor(rows, dtype=torch.int32).to(device), max(length for _, _, length in rows)

@@ -46,7 +46,8 @@ import triton.language as tl
 
 from ..._checks import require
 from .contract import attach_backward, check_mlr_arguments
-from .triton_common import INTERPRETED, cdiv, device_table, dot, load_segment, pow2, segment_table
+from .triton_common import (INTERPRETED, cdiv, device_table, dot, load_segment, pow2,
+                            segments_of_documents, segments_of_rows)
 from .triton_prefix import mlr_attention_prefix, square_tiles
 
 __all__ = ["mlr_attention_triton"]
@@ -414,6 +415,7 @@ class _Plan:
 
 def _forward(q, k, v, segments, max_len: int, plan: _Plan, causal: bool, scale: float, depth_normalize: bool):
     B, H, T, _ = q.shape
+    segments = segments_of_rows(B, T, q.device) if segments is None else segments
     Hk = k.shape[1]
     o = torch.empty(B, H, T, plan.DV, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
@@ -433,6 +435,7 @@ def _forward(q, k, v, segments, max_len: int, plan: _Plan, causal: bool, scale: 
 def _backward(q, k, v, o, lse, do, segments, max_len: int, plan: _Plan, causal: bool, scale: float,
               depth_normalize: bool):
     B, H, T, _ = q.shape
+    segments = segments_of_rows(B, T, q.device) if segments is None else segments
     Hk = k.shape[1]
     G = H // Hk
     do = do.contiguous()
@@ -463,10 +466,11 @@ def _backward(q, k, v, o, lse, do, segments, max_len: int, plan: _Plan, causal: 
     return dq, dk, dv
 
 
-# ``segments`` (S, 3) int32 rows of (batch row, start, length), each scored as a sequence of its own
-# (packed documents, varlen; one per batch row for whole rows); ``max_len`` the longest length.
+# ``segments``: (S, 3) int32 rows of (batch row, start, length), each scored as a sequence of its own
+# (packed documents, varlen), or None for whole rows (the op makes that table itself, so
+# torch.compile never traces it); ``max_len`` the longest segment.
 @torch.library.custom_op("sattn::mlr_triton_forward", mutates_args=())
-def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor, max_len: int,
+def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor | None, max_len: int,
                 ranks: list[int], sizes: list[int], causal: bool, scale: float, depth_normalize: bool, block_m: int,
                 block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
     plan = _Plan(q, v, tuple(ranks), tuple(sizes), block_m, block_n)
@@ -481,7 +485,7 @@ def _(q, k, v, segments, max_len, ranks, sizes, causal, scale, depth_normalize, 
 
 @torch.library.custom_op("sattn::mlr_triton_backward", mutates_args=())
 def _backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                 lse: torch.Tensor, segments: torch.Tensor, max_len: int, ranks: list[int], sizes: list[int],
+                 lse: torch.Tensor, segments: torch.Tensor | None, max_len: int, ranks: list[int], sizes: list[int],
                  causal: bool, scale: float, depth_normalize: bool, block_m: int,
                  block_n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     plan = _Plan(q, v, tuple(ranks), tuple(sizes), block_m, block_n)
@@ -555,7 +559,9 @@ def mlr_attention_triton(
         return mlr_attention_prefix(q, k, v, ranks, sizes, causal, float(scale), depth_normalize, tiles, document_ids)
 
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    segments, max_len = segment_table(document_ids, q.shape[0], q.shape[2], q.device)
+    segments, max_len = None, q.shape[2]
+    if document_ids is not None:
+        segments, max_len = segments_of_documents(document_ids, q.device)
     out, _ = _forward_op(q, k, v, segments, max_len, list(ranks), list(sizes), causal, float(scale), depth_normalize,
                          block_m, block_n)
     return out

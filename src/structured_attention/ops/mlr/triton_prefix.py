@@ -35,7 +35,8 @@ import triton
 import triton.language as tl
 
 from .contract import attach_backward
-from .triton_common import INTERPRETED, cdiv, device_table, dot, dot_acc, load_segment, pow2, segment_table
+from .triton_common import (INTERPRETED, cdiv, device_table, dot, dot_acc, load_segment, pow2, segments_of_documents,
+                            segments_of_rows)
 
 __all__ = ["PrefixTiles", "square_tiles", "mlr_attention_prefix"]
 
@@ -587,6 +588,7 @@ class PrefixPlan:
 
 def _forward(q, k, v, segments, max_len: int, plan: PrefixPlan, causal: bool, scale: float, depth_normalize: bool):
     B, H, T, _ = q.shape
+    segments = segments_of_rows(B, T, q.device) if segments is None else segments
     tiles = plan.tiles
     o = torch.empty(B, H, T, plan.DV, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
@@ -605,6 +607,7 @@ def _forward(q, k, v, segments, max_len: int, plan: PrefixPlan, causal: bool, sc
 def _backward(q, k, v, o, lse, do, segments, max_len: int, plan: PrefixPlan, causal: bool, scale: float,
               depth_normalize: bool):
     B, H, T, _ = q.shape
+    segments = segments_of_rows(B, T, q.device) if segments is None else segments
     Hk = k.shape[1]
     tiles = plan.tiles
     do = do.contiguous()
@@ -640,9 +643,10 @@ def _tiles_list(tiles: PrefixTiles) -> list[int]:
     return [int(x) for x in dataclasses.astuple(tiles)]
 
 
-# ``segments`` and ``max_len``: the segment table of :func:`.triton_common.segment_table`.
+# ``segments``: the (S, 3) table of :func:`.triton_common.segments_of_documents`, or None for whole
+# rows (the op makes that table itself); ``max_len`` the longest segment.
 @torch.library.custom_op("sattn::mlr_triton_prefix_forward", mutates_args=())
-def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor, max_len: int,
+def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor | None, max_len: int,
                 ranks: list[int], sizes: list[int], causal: bool, scale: float, depth_normalize: bool,
                 tiles: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     plan = PrefixPlan(q, v, tuple(ranks), tuple(sizes), _tiles_from(tiles))
@@ -657,7 +661,7 @@ def _(q, k, v, segments, max_len, ranks, sizes, causal, scale, depth_normalize, 
 
 @torch.library.custom_op("sattn::mlr_triton_prefix_backward", mutates_args=())
 def _backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                 lse: torch.Tensor, segments: torch.Tensor, max_len: int, ranks: list[int], sizes: list[int],
+                 lse: torch.Tensor, segments: torch.Tensor | None, max_len: int, ranks: list[int], sizes: list[int],
                  causal: bool, scale: float, depth_normalize: bool,
                  tiles: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     plan = PrefixPlan(q, v, tuple(ranks), tuple(sizes), _tiles_from(tiles))
@@ -679,7 +683,9 @@ def mlr_attention_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank
     Packed ``document_ids``: each document a segment of the launch, scored as a sequence of its own
     (its positions start at 0, so its tile pairs keep one depth each)."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    segments, max_len = segment_table(document_ids, q.shape[0], q.shape[2], q.device)
+    segments, max_len = None, q.shape[2]
+    if document_ids is not None:
+        segments, max_len = segments_of_documents(document_ids, q.device)
     out, _ = _forward_op(q, k, v, segments, max_len, list(ranks), list(sizes), causal, float(scale), depth_normalize,
                          _tiles_list(tiles))
     return out
