@@ -76,8 +76,12 @@ def segments_of_rows(B: int, T: int, device: torch.device) -> torch.Tensor:
     return device_table(tuple(x for b in range(B) for x in (b, 0, T)), torch.int32, device).view(B, 3)
 
 
-def segments_of_documents(document_ids: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, int]:
+def segments_of_documents(document_ids: torch.Tensor | None, T: int,
+                          device: torch.device) -> tuple[torch.Tensor | None, int]:
     """The ``(S, 3)`` segment table of every document of every row, each scored as a sequence of its
-    own, and the longest length (the ids read on the host: one device synchronisation)."""
+    own, and the longest length (the ids read on the host: one device synchronisation); without
+    documents ``(None, T)``, for which the kernels' ops use :func:`segments_of_rows`."""
+    if document_ids is None:
+        return None, T
     rows = [(b, start, end - start) for b, row in enumerate(document_bounds(document_ids)) for start, end in row]
     return torch.tensor(rows, dtype=torch.int32).to(device), max(length for _, _, length in rows)

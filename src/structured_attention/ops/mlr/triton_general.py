@@ -559,9 +559,7 @@ def mlr_attention_triton(
         return mlr_attention_prefix(q, k, v, ranks, sizes, causal, float(scale), depth_normalize, tiles, document_ids)
 
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    segments, max_len = None, q.shape[2]
-    if document_ids is not None:
-        segments, max_len = segments_of_documents(document_ids, q.device)
+    segments, max_len = segments_of_documents(document_ids, q.shape[2], q.device)
     out, _ = _forward_op(q, k, v, segments, max_len, list(ranks), list(sizes), causal, float(scale), depth_normalize,
                          block_m, block_n)
     return out

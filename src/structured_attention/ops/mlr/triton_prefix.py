@@ -683,9 +683,7 @@ def mlr_attention_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank
     Packed ``document_ids``: each document a segment of the launch, scored as a sequence of its own
     (its positions start at 0, so its tile pairs keep one depth each)."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    segments, max_len = None, q.shape[2]
-    if document_ids is not None:
-        segments, max_len = segments_of_documents(document_ids, q.device)
+    segments, max_len = segments_of_documents(document_ids, q.shape[2], q.device)
     out, _ = _forward_op(q, k, v, segments, max_len, list(ranks), list(sizes), causal, float(scale), depth_normalize,
                          _tiles_list(tiles))
     return out
