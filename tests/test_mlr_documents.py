@@ -26,6 +26,9 @@ CASES = {
     # every fine block a multiple of 16 (the Triton prefix-rank kernels' tiles), GQA; documents
     # starting off the tile grid, one token long, and a whole row.
     "prefix-tiles": ((4, 2, 2), (64, 32, 16), 2, 1, [[20, 37, 7], [64], [16, 48], [1, 62, 1]]),
+    # blocks finer than the default tiles (16 rows in the interpreter, 64 on a GPU): sub-tile levels
+    # of the prefix-rank kernels, one of them straddling the interpreter's tiles.
+    "sub-tile": ((4, 2, 2), (48, 24, 12), 2, 1, [[20, 21, 7], [48], [24, 24], [1, 46, 1]]),
 }
 FLAGS = [(True, False), (True, True), (False, False), (False, True)]
 
@@ -203,11 +206,12 @@ def test_cpu_kernel_takes_documents_in_one_call(monkeypatch):
 
 
 @pytest.mark.parametrize("causal,depth_normalize", [(True, False), (False, True)])
-@pytest.mark.parametrize("case,kernels", [("two-levels", "general"), ("custom-sizes", "general"),
-                                          ("prefix-tiles", "prefix")])
-def test_triton_kernels_take_documents(case, kernels, causal, depth_normalize, monkeypatch):
+@pytest.mark.parametrize("case,tile,kernels", [("two-levels", 16, "general"), ("custom-sizes", 16, "general"),
+                                               ("prefix-tiles", 16, "prefix"), ("sub-tile", None, "prefix")])
+def test_triton_kernels_take_documents(case, tile, kernels, causal, depth_normalize, monkeypatch):
     """The Triton kernels (in the interpreter without a GPU) read each document as a segment: the
-    general ones, and the prefix-rank ones where every fine block is a multiple of the tile."""
+    general ones (explicit 16-row tiles that the fine blocks are not multiples of), and the
+    prefix-rank ones, with or without sub-tile levels (``tile=None``: the default tiles)."""
     triton_general = pytest.importorskip("structured_attention.ops.mlr.triton_general")
     triton_prefix = pytest.importorskip("structured_attention.ops.mlr.triton_prefix")
     prefix_calls = []
@@ -219,7 +223,7 @@ def test_triton_kernels_take_documents(case, kernels, causal, depth_normalize, m
     args = [x.detach().to(device).requires_grad_() for x in (q, k, v)]
     out = triton_general.mlr_attention_triton(*args, ranks, block_sizes, causal=causal,
                                               depth_normalize=depth_normalize,
-                                              document_ids=_ids(lengths).to(device), block_m=16, block_n=16)
+                                              document_ids=_ids(lengths).to(device), block_m=tile, block_n=tile)
     assert len(prefix_calls) == (kernels == "prefix")
     torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-5)
     w = torch.randn(out.shape, generator=torch.Generator().manual_seed(4))

@@ -33,21 +33,30 @@ if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":  # pragma: no 
     pytest.skip("no CUDA device and TRITON_INTERPRET is not 1", allow_module_level=True)
 
 
-def test_prefix_tiles_fit_only_aligned_blocks():
-    assert square_tiles((32, 16), 64) == PrefixTiles(16, 16, 16, 16, 16, 16)
-    assert square_tiles((96, 48), 64).fwd_m == 16
-    assert square_tiles((24, 12), 64) is None
+def test_prefix_tiles_rule():
+    # tiles that every fine block is a multiple of, the largest first
+    assert square_tiles((32, 16), 64, 16, sub_tile=False) == PrefixTiles(16, 16, 16, 16, 16, 16)
+    assert square_tiles((96, 48), 64, 16, sub_tile=False).fwd_m == 16
+    assert square_tiles((24, 12), 64, 16, sub_tile=False) is None
+    assert square_tiles((32, 16), 64, 32, sub_tile=False) is None  # 16-row tiles: below the smallest
+    # else the largest tiles, with the levels finer than them added around the diagonal
+    assert square_tiles((24, 12), 64, 32, sub_tile=True) == PrefixTiles()
+    assert square_tiles((192, 96, 48), 64, 32, sub_tile=True) == PrefixTiles()
+    assert PrefixTiles().coarse_levels((8192, 4096, 64, 32, 16)) == 3
+    assert PrefixTiles().coarse_levels((1000, 500)) == 1  # level 1 holds the whole sequence
+    # unless the sub-tile blocks reach further than a step from the diagonal
+    assert square_tiles((320, 160, 80), 64, 32, sub_tile=True) is None
     assert not PrefixTiles(fwd_m=16, fwd_n=32).fits((64,))  # the step must divide the own tile
-    assert not PrefixTiles().fits((32,))  # 64-row tiles straddle 32-row blocks
 
 
-@pytest.mark.parametrize("sizes", [(64, 16), (64, 8)], ids=["prefix-rank", "general"])
-def test_metadata_tables_are_made_once(sizes):
+@pytest.mark.parametrize("sizes,tiles", [((64, 16), {}), ((64, 8), {"block_m": 16, "block_n": 32})],
+                         ids=["prefix-rank", "general"])
+def test_metadata_tables_are_made_once(sizes, tiles):
     # A repeated call reuses its device tables instead of copying them from the host again.
     q, k, v = make_qkv(1, 2, 2, 64, 16, 8, torch.float32, device=DEVICE)
-    mlr_attention_triton(q, k, v, (8, 8), sizes)
+    mlr_attention_triton(q, k, v, (8, 8), sizes, **tiles)
     before = device_table.cache_info()
-    mlr_attention_triton(q, k, v, (8, 8), sizes)
+    mlr_attention_triton(q, k, v, (8, 8), sizes, **tiles)
     after = device_table.cache_info()
     assert after.misses == before.misses and after.hits > before.hits
 

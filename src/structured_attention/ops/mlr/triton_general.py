@@ -4,10 +4,10 @@
 arguments, same result up to float rounding) and is differentiable in ``q``, ``k`` and ``v``: the
 forward and backward are ``torch.library`` custom ops (``sattn::mlr_triton_*``).
 
-When every fine block size is a multiple of the tile size (on a GPU: of 32 or 64 rows), the call
-goes to the faster prefix-rank kernels of
-:mod:`.triton_prefix`, where each tile pair has one depth. The
-kernels below handle every other case.
+When every fine block size is a multiple of the tile size (on a GPU: of 32 or 64 rows), or the
+blocks that are not stay within a tile or two of the diagonal, the call goes to the faster
+prefix-rank kernels of :mod:`.triton_prefix`. The kernels below handle every other case (and
+explicit tiles that no prefix-rank tiling fits).
 
 Design
 ------
@@ -550,12 +550,21 @@ def mlr_attention_triton(
     for name, bsz in (("block_m", block_m), ("block_n", block_n)):
         require(isinstance(bsz, int) and bsz >= 1 and bsz & (bsz - 1) == 0, name, "a power of two (>= 16 on GPU)", bsz)
 
-    # Tiles of one depth each (every fine block a multiple of the tile) take the prefix-rank kernels;
-    # smaller than 32 rows, a tile underuses the matrix units, so the general kernels keep their tiles.
-    # Both read packed documents from a segment table; a document's positions start at 0, so its
-    # tile pairs have one depth whenever a whole row's would.
-    tiles = square_tiles(sizes[1:], block_m) if block_m == block_n else None
-    if tiles is not None and (tiles.fwd_m == block_m or (not explicit and tiles.fwd_m >= min(block_m, 32))):
+    # The prefix-rank kernels take the call when a tile of 32 rows or more (any in the interpreter)
+    # divides every fine block, or, with the default tiles, when the blocks that are not multiples
+    # of the tile are small enough to be added on the tiles around the diagonal (sub-tile levels).
+    # Explicit tiles that no such tiling fits keep the general kernels (smaller than 32 rows, a tile
+    # underuses the matrix units). Both read packed documents from a segment table; a document's
+    # positions start at 0, so its tile pairs have the depths a whole row's would.
+    largest, smallest, warps = block_m, (block_m if explicit else min(block_m, 32)), 4
+    if not explicit and q.dtype == torch.float32 and q.device.type == "cuda":
+        # float32 products run on the FMA units, not the matrix units: with 64-row tiles the kernels
+        # spill kilobytes per thread and take up to a minute each to compile for sm_90, with 32-row
+        # tiles and eight warps next to nothing and about ten seconds (docs/benchmarks.md).
+        largest, smallest, warps = 32, 32, 8
+    tiles = (square_tiles(sizes[1:], largest, smallest, sub_tile=not explicit, num_warps=warps)
+             if block_m == block_n else None)
+    if tiles is not None:
         return mlr_attention_prefix(q, k, v, ranks, sizes, causal, float(scale), depth_normalize, tiles, document_ids)
 
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()

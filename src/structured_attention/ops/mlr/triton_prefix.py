@@ -1,6 +1,6 @@
 """Triton kernels for MLR attention on tiles of one depth ("prefix-rank tiles").
 
-When every fine block size is a multiple of the tile sizes, each (query tile, key tile) pair lies
+Where every fine block size is a multiple of the tile sizes, each (query tile, key tile) pair lies
 inside one block of every level, so all its scores share one depth ``d``: the tile's score is one
 matmul over the prefix ``R_d = r_1 + ... + r_d`` of the head dims (docs/design.md), with no per-level
 masks. The head dims are cut into ``NCH <= 4`` chunks of ``CH`` columns, and a tile multiplies only
@@ -13,14 +13,23 @@ tile. Each tier is its own loop with the chunk count a compile-time constant, so
 run-time branches. The diagonal tiles (depth ``L``, full rank) are the only ones that need the
 causal mask.
 
+*Sub-tile levels*: the levels whose blocks are not multiples of the tiles (short sequences, whose
+finest blocks are a few rows, or lengths such as ``3 * 2^k``) come after the *coarse* ones, since
+blocks are nested. A tile pair shares one of their blocks only within the blocks of the coarsest
+of them that meet the own tile: a few *near* tiles around the diagonal. The tiers above walk the
+coarse levels alone up to the near tiles; a near tile pair adds each sub-tile level's columns
+(a product of the chunks its columns fall in, with the other columns zeroed) where row and column
+share the level's block, so each of its pairs has its own depth. Without sub-tile levels the near
+tiles are the diagonal ones.
+
 The forward stores the row log-sum-exp in base 2 for the backward; the backward is the
 flash-attention backward (one kernel for ``dK, dV`` that loops over the query heads of a GQA group,
-one for ``dQ``), recomputing the scores tier by tier. Numerics match
-:mod:`.triton_general`, which handles any block sizes.
+one for ``dQ``), recomputing the scores tier by tier. Numerics match :mod:`.triton_general`, which
+takes the calls whose sub-tile blocks reach further from the diagonal.
 
 Packed documents are segments of one launch, as in :mod:`.triton_general`: a program reads its
 segment's row, start and length from a table, and every position inside is local to the segment,
-so a document's tile pairs keep one depth each.
+so a document's tile pairs have the depths a whole row's would.
 """
 
 from __future__ import annotations
@@ -52,6 +61,18 @@ def _depth_rank(x0, y0, fsize, frank, R1):
     same = ((x0 // fsize) == (y0 // fsize)) & (frank > 0)
     depth = 1 + tl.sum(same.to(tl.int32), axis=0)
     rank = R1 + tl.sum(tl.where(same, frank, 0), axis=0)
+    return depth, rank
+
+
+@triton.jit
+def _depth_rank_near(x0, y0, fsize, frank, R, R1, NEAR: tl.constexpr):
+    """:func:`_depth_rank`, or for a near tile pair (inside the own tile's block of every coarse
+    level) the coarse depth and the whole head: its sub-tile levels are added pair by pair."""
+    if NEAR:
+        depth = 1 + tl.sum((frank > 0).to(tl.int32), axis=0)
+        rank = R
+    else:
+        depth, rank = _depth_rank(x0, y0, fsize, frank, R1)
     return depth, rank
 
 
@@ -132,6 +153,131 @@ def _store_chunks(ptr, ok, R, c0, c1, c2, c3, CH: tl.constexpr, NCH: tl.constexp
 
 
 @triton.jit
+def _pick(x0, x1, x2, x3, C: tl.constexpr):
+    """Chunk ``C`` of four (a compile-time choice)."""
+    x = x0
+    if C == 1:
+        x = x1
+    if C == 2:
+        x = x2
+    if C == 3:
+        x = x3
+    return x
+
+
+@triton.jit
+def _columns(x, C: tl.constexpr, CH: tl.constexpr, lo, hi):
+    """Chunk ``C`` of some rows with every column outside ``[lo, hi)`` zeroed."""
+    cols = C * CH + tl.arange(0, CH)
+    return tl.where(((cols >= lo) & (cols < hi))[None, :], x, 0.0)
+
+
+@triton.jit
+def _pair_scores(own, walked, OWN_ROWS: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    if OWN_ROWS:
+        s = dot(own, tl.trans(walked), PREC, UPCAST)
+    else:
+        s = dot(walked, tl.trans(own), PREC, UPCAST)
+    return s
+
+
+@triton.jit
+def _sub_level(SUB, f, alive, m0, m_last, n0, n_last):
+    """Sub-tile level ``f``'s head-dim columns ``[lo, hi)`` and block size, and whether the tile pair
+    (rows ``[m0, m_last]``, columns ``[n0, n_last]``) shares one of its blocks anywhere (``alive``
+    carries the coarser levels' answer: blocks are nested)."""
+    size = tl.load(SUB + 3 * f + 2)
+    meets = alive & (n0 // size <= m_last // size) & (m0 // size <= n_last // size)
+    return tl.load(SUB + 3 * f), tl.load(SUB + 3 * f + 1), size, meets
+
+
+@triton.jit
+def _near_scores(o0, o1, o2, o3, w0, w1, w2, w3, offs_m, offs_n, m0, m_last, n0, n_last, RC, SUB,
+                 NSUB: tl.constexpr, NCC: tl.constexpr, NCH: tl.constexpr, CH: tl.constexpr,
+                 OWN_ROWS: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """Scores of a tile pair near the diagonal, where sub-tile levels give each pair its own depth:
+    the coarse prefix (the first ``RC`` columns, shared by every pair of the tile pair) plus each
+    sub-tile level's columns where row and column share its block. ``o*``: the own tile's chunks,
+    ``w*``: the walked tile's (both of full rank). Returns the scores (queries x keys) and the number
+    of sub-tile levels each pair shares."""
+    s = _pair_scores(o0, _columns(w0, 0, CH, 0, RC), OWN_ROWS, PREC, UPCAST)
+    for C in tl.static_range(1, NCC):
+        s += _pair_scores(_pick(o0, o1, o2, o3, C), _columns(_pick(w0, w1, w2, w3, C), C, CH, 0, RC),
+                          OWN_ROWS, PREC, UPCAST)
+    shared_levels = tl.zeros_like(s)
+    alive = n0 >= 0  # True, as a tensor: the loop carries it
+    for f in range(NSUB):
+        lo, hi, size, alive = _sub_level(SUB, f, alive, m0, m_last, n0, n_last)
+        if alive:
+            part = tl.zeros_like(s)
+            for C in tl.static_range(NCC - 1, NCH):
+                if (lo < (C + 1) * CH) & (hi > C * CH):
+                    part += _pair_scores(_pick(o0, o1, o2, o3, C), _columns(_pick(w0, w1, w2, w3, C), C, CH, lo, hi),
+                                         OWN_ROWS, PREC, UPCAST)
+            shared = (offs_m[:, None] // size) == (offs_n[None, :] // size)
+            s += tl.where(shared, part, 0.0)
+            shared_levels += shared.to(tl.float32)
+    return s, shared_levels
+
+
+@triton.jit
+def _grad_into(g0, g1, g2, g3, ds, w, C: tl.constexpr, OWN_ROWS: tl.constexpr, PREC: tl.constexpr,
+               UPCAST: tl.constexpr):
+    """Add ``ds @ w`` (own rows are queries) or ``ds^T @ w`` (own rows are keys) into chunk ``C``."""
+    if OWN_ROWS:
+        a = ds
+    else:
+        a = tl.trans(ds)
+    if C == 0:
+        g0 = dot_acc(a, w, g0, PREC, UPCAST)
+    if C == 1:
+        g1 = dot_acc(a, w, g1, PREC, UPCAST)
+    if C == 2:
+        g2 = dot_acc(a, w, g2, PREC, UPCAST)
+    if C == 3:
+        g3 = dot_acc(a, w, g3, PREC, UPCAST)
+    return g0, g1, g2, g3
+
+
+@triton.jit
+def _near_grads(g0, g1, g2, g3, ds, w0, w1, w2, w3, offs_m, offs_n, m0, m_last, n0, n_last, RC, SUB,
+                NSUB: tl.constexpr, NCC: tl.constexpr, NCH: tl.constexpr, CH: tl.constexpr,
+                OWN_ROWS: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """The own tile's gradient chunks ``g*`` plus a near tile pair's share, with the column split of
+    :func:`_near_scores`: ``ds`` (queries x keys, float32) times the walked chunks ``w*``, each
+    sub-tile level's columns only where row and column share its block."""
+    dsx = ds.to(w0.dtype)
+    for C in tl.static_range(0, NCC):
+        g0, g1, g2, g3 = _grad_into(g0, g1, g2, g3, dsx, _columns(_pick(w0, w1, w2, w3, C), C, CH, 0, RC), C,
+                                    OWN_ROWS, PREC, UPCAST)
+    alive = n0 >= 0
+    for f in range(NSUB):
+        lo, hi, size, alive = _sub_level(SUB, f, alive, m0, m_last, n0, n_last)
+        if alive:
+            shared = (offs_m[:, None] // size) == (offs_n[None, :] // size)
+            dsl = tl.where(shared, ds, 0.0).to(w0.dtype)
+            for C in tl.static_range(NCC - 1, NCH):
+                if (lo < (C + 1) * CH) & (hi > C * CH):
+                    g0, g1, g2, g3 = _grad_into(g0, g1, g2, g3, dsl,
+                                                _columns(_pick(w0, w1, w2, w3, C), C, CH, lo, hi), C,
+                                                OWN_ROWS, PREC, UPCAST)
+    return g0, g1, g2, g3
+
+
+@triton.jit
+def _near_bounds(x0, OWN: tl.constexpr, STEP: tl.constexpr, T, SF, NSUB: tl.constexpr):
+    """The steps ``[lo, hi)`` around the own tile ``[x0, x0 + OWN)`` whose pairs may share a sub-tile
+    level's block: the blocks of the coarsest one (size ``SF``) that meet the own tile, widened to
+    whole steps; without sub-tile levels the own tile itself."""
+    lo = x0
+    hi = tl.minimum(x0 + OWN, T)
+    if NSUB > 0:
+        lo = ((x0 // SF) * SF) // STEP * STEP
+        hi = tl.minimum(((x0 + OWN + SF - 1) // SF * SF + STEP - 1) // STEP * STEP, T)
+    return lo, hi
+
+
+@triton.jit
 def _tier_start(x0, S):
     return (x0 // S) * S
 
@@ -147,14 +293,23 @@ def _tier_end(x0, S, T):
 
 
 @triton.jit
-def _fwd_tile(acc, m_i, l_i, q0, q1, q2, q3, k_base, v_base, offs_m, n0, depth, rank, stride_kt, stride_vt, T, DV,
-              qk_scale, NC: tl.constexpr, DIAG: tl.constexpr, CAUSAL: tl.constexpr, DEPTH_NORM: tl.constexpr,
+def _fwd_tile(acc, m_i, l_i, q0, q1, q2, q3, k_base, v_base, m0, offs_m, n0, depth, rank, stride_kt, stride_vt, T,
+              DV, qk_scale, RC, SUB, NC: tl.constexpr, NEAR: tl.constexpr, DIAG: tl.constexpr, CAUSAL: tl.constexpr,
+              DEPTH_NORM: tl.constexpr, NSUB: tl.constexpr, NCC: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, CH: tl.constexpr, DVP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
     dv = tl.arange(0, DVP)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < T
-    s, _, _, _, _ = _walked_scores(q0, q1, q2, q3, k_base, offs_n, n_ok, stride_kt, rank, NC, CH, True, PREC, UPCAST)
-    s = s * _depth_scale(qk_scale, depth, DEPTH_NORM)
+    if NEAR:  # ``rank`` is R: the walked chunks are whole, and each pair has its own depth
+        w0, w1, w2, w3 = _chunks(k_base, offs_n, n_ok, stride_kt, rank, CH, NC)
+        s, shared = _near_scores(q0, q1, q2, q3, w0, w1, w2, w3, offs_m, offs_n, m0,
+                                 tl.minimum(m0 + BLOCK_M, T) - 1, n0, tl.minimum(n0 + BLOCK_N, T) - 1, RC, SUB,
+                                 NSUB, NCC, NC, CH, True, PREC, UPCAST)
+        s = s * _depth_scale(qk_scale, depth + shared, DEPTH_NORM)
+    else:
+        s, _, _, _, _ = _walked_scores(q0, q1, q2, q3, k_base, offs_n, n_ok, stride_kt, rank, NC, CH, True, PREC,
+                                       UPCAST)
+        s = s * _depth_scale(qk_scale, depth, DEPTH_NORM)
     if DIAG:
         if CAUSAL:
             s = tl.where(offs_m[:, None] >= offs_n[None, :], s, float("-inf"))
@@ -172,29 +327,29 @@ def _fwd_tile(acc, m_i, l_i, q0, q1, q2, q3, k_base, v_base, offs_m, n0, depth, 
 
 @triton.jit
 def _fwd_tiles(acc, m_i, l_i, q0, q1, q2, q3, k_base, v_base, m0, offs_m, lo, hi,
-               fsize, frank, stride_kt, stride_vt, T, R1, DV, qk_scale,
-               NC: tl.constexpr, DIAG: tl.constexpr, CAUSAL: tl.constexpr, DEPTH_NORM: tl.constexpr,
-               BLOCK_N: tl.constexpr, CH: tl.constexpr, DVP: tl.constexpr,
-               PREC: tl.constexpr, UPCAST: tl.constexpr):
+               fsize, frank, stride_kt, stride_vt, T, R, R1, DV, qk_scale, RC, SUB,
+               NC: tl.constexpr, NEAR: tl.constexpr, DIAG: tl.constexpr, CAUSAL: tl.constexpr,
+               DEPTH_NORM: tl.constexpr, NSUB: tl.constexpr, NCC: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, CH: tl.constexpr, DVP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
     for n0 in range(lo, hi, BLOCK_N):
-        depth, rank = _depth_rank(m0, n0, fsize, frank, R1)
-        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q0, q1, q2, q3, k_base, v_base, offs_m, n0, depth, rank,
-                                  stride_kt, stride_vt, T, DV, qk_scale, NC, DIAG, CAUSAL, DEPTH_NORM,
-                                  BLOCK_N, CH, DVP, PREC, UPCAST)
+        depth, rank = _depth_rank_near(m0, n0, fsize, frank, R, R1, NEAR)
+        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q0, q1, q2, q3, k_base, v_base, m0, offs_m, n0, depth, rank,
+                                  stride_kt, stride_vt, T, DV, qk_scale, RC, SUB, NC, NEAR, DIAG, CAUSAL, DEPTH_NORM,
+                                  NSUB, NCC, BLOCK_M, BLOCK_N, CH, DVP, PREC, UPCAST)
     return acc, m_i, l_i
 
 
 @triton.jit
 def _prefix_fwd_kernel(
-    Q, K, V, O, LSE, SEG, FSIZE, FRANK, TIERS,
+    Q, K, V, O, LSE, SEG, FSIZE, FRANK, TIERS, SUB,
     stride_qb, stride_qh, stride_qt,
     stride_kb, stride_kh, stride_kt,
     stride_vb, stride_vh, stride_vt,
     stride_ob, stride_oh, stride_ot,
-    H, G, TFULL, R, R1, DV, qk_scale,
+    H, G, TFULL, R, R1, RC, SF, DV, qk_scale,
     CAUSAL: tl.constexpr, DEPTH_NORM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CH: tl.constexpr, NCH: tl.constexpr,
-    LP: tl.constexpr, DVP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CH: tl.constexpr, NCH: tl.constexpr, NCC: tl.constexpr,
+    NSUB: tl.constexpr, LP: tl.constexpr, DVP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest rows of tiles start first
     pid_sh = tl.program_id(1)
@@ -220,34 +375,53 @@ def _prefix_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DVP], tl.float32)
-    # Left of the diagonal, fewest chunks first: tier t ends where the block of size TIERS[t] starts.
+    near_lo, near_hi = _near_bounds(m0, BLOCK_M, BLOCK_N, T, SF, NSUB)
+    # Left of the near tiles, fewest chunks first: tier t ends where the block of size TIERS[t] starts.
     lo = 0
-    for t in tl.static_range(1, NCH):
+    for t in tl.static_range(1, NCC):
         hi = _tier_start(m0, tl.load(TIERS + t))
         acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q0, q1, q2, q3, k_base, v_base, m0, offs_m, lo, hi,
-                                   fsize, frank, stride_kt, stride_vt, T, R1, DV, qk_scale,
-                                   t, False, CAUSAL, DEPTH_NORM, BLOCK_N, CH, DVP, PREC, UPCAST)
+                                   fsize, frank, stride_kt, stride_vt, T, R, R1, DV, qk_scale, RC, SUB,
+                                   t, False, False, CAUSAL, DEPTH_NORM, NSUB, NCC, BLOCK_M, BLOCK_N, CH, DVP,
+                                   PREC, UPCAST)
         lo = hi
-    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q0, q1, q2, q3, k_base, v_base, m0, offs_m, lo, m0,
-                               fsize, frank, stride_kt, stride_vt, T, R1, DV, qk_scale,
-                               NCH, False, CAUSAL, DEPTH_NORM, BLOCK_N, CH, DVP, PREC, UPCAST)
-    # The diagonal: full rank, the only tiles that need the causal mask.
+    acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q0, q1, q2, q3, k_base, v_base, m0, offs_m, lo, near_lo,
+                               fsize, frank, stride_kt, stride_vt, T, R, R1, DV, qk_scale, RC, SUB,
+                               NCC, False, False, CAUSAL, DEPTH_NORM, NSUB, NCC, BLOCK_M, BLOCK_N, CH, DVP,
+                               PREC, UPCAST)
+    # The near tiles left of the diagonal (none without sub-tile levels), then the diagonal: full
+    # rank, the only tiles that need the causal mask.
+    if NSUB > 0:
+        acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q0, q1, q2, q3, k_base, v_base, m0, offs_m, near_lo, m0,
+                                   fsize, frank, stride_kt, stride_vt, T, R, R1, DV, qk_scale, RC, SUB,
+                                   NCH, True, False, CAUSAL, DEPTH_NORM, NSUB, NCC, BLOCK_M, BLOCK_N, CH, DVP,
+                                   PREC, UPCAST)
     acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q0, q1, q2, q3, k_base, v_base, m0, offs_m,
                                m0, tl.minimum(m0 + BLOCK_M, T),
-                               fsize, frank, stride_kt, stride_vt, T, R1, DV, qk_scale,
-                               NCH, True, CAUSAL, DEPTH_NORM, BLOCK_N, CH, DVP, PREC, UPCAST)
+                               fsize, frank, stride_kt, stride_vt, T, R, R1, DV, qk_scale, RC, SUB,
+                               NCH, NSUB > 0, True, CAUSAL, DEPTH_NORM, NSUB, NCC, BLOCK_M, BLOCK_N, CH, DVP,
+                               PREC, UPCAST)
     if not CAUSAL:
-        # Right of the diagonal, most chunks first: tier t ends where the block of TIERS[t - 1] ends.
+        # Right of the diagonal: the near tiles, then the tiers, most chunks first: tier t ends where
+        # the block of TIERS[t - 1] ends.
         lo = m0 + BLOCK_M
-        for i in tl.static_range(0, NCH - 1):
-            hi = _tier_end(m0, tl.load(TIERS + NCH - 1 - i), T)
+        if NSUB > 0:
+            acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q0, q1, q2, q3, k_base, v_base, m0, offs_m, lo, near_hi,
+                                       fsize, frank, stride_kt, stride_vt, T, R, R1, DV, qk_scale, RC, SUB,
+                                       NCH, True, False, CAUSAL, DEPTH_NORM, NSUB, NCC, BLOCK_M, BLOCK_N, CH, DVP,
+                                       PREC, UPCAST)
+            lo = tl.maximum(near_hi, lo)
+        for i in tl.static_range(0, NCC - 1):
+            hi = _tier_end(m0, tl.load(TIERS + NCC - 1 - i), T)
             acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q0, q1, q2, q3, k_base, v_base, m0, offs_m, lo, hi,
-                                       fsize, frank, stride_kt, stride_vt, T, R1, DV, qk_scale,
-                                       NCH - i, False, CAUSAL, DEPTH_NORM, BLOCK_N, CH, DVP, PREC, UPCAST)
+                                       fsize, frank, stride_kt, stride_vt, T, R, R1, DV, qk_scale, RC, SUB,
+                                       NCC - i, False, False, CAUSAL, DEPTH_NORM, NSUB, NCC, BLOCK_M, BLOCK_N, CH,
+                                       DVP, PREC, UPCAST)
             lo = hi
         acc, m_i, l_i = _fwd_tiles(acc, m_i, l_i, q0, q1, q2, q3, k_base, v_base, m0, offs_m, lo, T,
-                                   fsize, frank, stride_kt, stride_vt, T, R1, DV, qk_scale,
-                                   1, False, CAUSAL, DEPTH_NORM, BLOCK_N, CH, DVP, PREC, UPCAST)
+                                   fsize, frank, stride_kt, stride_vt, T, R, R1, DV, qk_scale, RC, SUB,
+                                   1, False, False, CAUSAL, DEPTH_NORM, NSUB, NCC, BLOCK_M, BLOCK_N, CH, DVP,
+                                   PREC, UPCAST)
 
     acc = acc / l_i[:, None]
     o_ptr = O + b * stride_ob + h * stride_oh + (start + offs_m)[:, None] * stride_ot + dv[None, :]
@@ -262,14 +436,23 @@ def _prefix_fwd_kernel(
 
 @triton.jit
 def _dkdv_tile(dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, lse_base, delta_base,
-               offs_n, m0, depth, rank, stride_qt, stride_dot, T, DV, sm_scale, qk_scale,
-               NC: tl.constexpr, DIAG: tl.constexpr, CAUSAL: tl.constexpr, DEPTH_NORM: tl.constexpr,
-               BLOCK_M: tl.constexpr, CH: tl.constexpr, DVP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+               n0, offs_n, m0, depth, rank, stride_qt, stride_dot, T, DV, sm_scale, qk_scale, RC, SUB,
+               NC: tl.constexpr, NEAR: tl.constexpr, DIAG: tl.constexpr, CAUSAL: tl.constexpr,
+               DEPTH_NORM: tl.constexpr, NSUB: tl.constexpr, NCC: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, CH: tl.constexpr, DVP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
     dv = tl.arange(0, DVP)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     m_ok = offs_m < T
-    s, q0, q1, q2, q3 = _walked_scores(k0, k1, k2, k3, q_base, offs_m, m_ok, stride_qt, rank, NC, CH, False,
-                                       PREC, UPCAST)
+    m_last = tl.minimum(m0 + BLOCK_M, T) - 1
+    n_last = tl.minimum(n0 + BLOCK_N, T) - 1
+    if NEAR:
+        q0, q1, q2, q3 = _chunks(q_base, offs_m, m_ok, stride_qt, rank, CH, NC)
+        s, shared = _near_scores(k0, k1, k2, k3, q0, q1, q2, q3, offs_m, offs_n, m0, m_last, n0, n_last, RC, SUB,
+                                 NSUB, NCC, NC, CH, False, PREC, UPCAST)
+        depth = depth + shared
+    else:
+        s, q0, q1, q2, q3 = _walked_scores(k0, k1, k2, k3, q_base, offs_m, m_ok, stride_qt, rank, NC, CH, False,
+                                           PREC, UPCAST)
     # Rows past T load zeros (q, dO, lse, delta), so they add nothing below.
     lse = tl.load(lse_base + offs_m, mask=m_ok, other=0.0)
     delta = tl.load(delta_base + offs_m, mask=m_ok, other=0.0)
@@ -282,43 +465,47 @@ def _dkdv_tile(dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, 
     dv_acc = dot_acc(tl.trans(p.to(do.dtype)), do, dv_acc, PREC, UPCAST)
     dp = dot(do, tl.trans(vt), PREC, UPCAST)
     ds = p * (dp - delta[:, None]) * _depth_scale(sm_scale, depth, DEPTH_NORM)
-    ds_t = tl.trans(ds.to(q0.dtype))
-    dk0 = dot_acc(ds_t, q0, dk0, PREC, UPCAST)
-    if NC > 1:
-        dk1 = dot_acc(ds_t, q1, dk1, PREC, UPCAST)
-    if NC > 2:
-        dk2 = dot_acc(ds_t, q2, dk2, PREC, UPCAST)
-    if NC > 3:
-        dk3 = dot_acc(ds_t, q3, dk3, PREC, UPCAST)
+    if NEAR:
+        dk0, dk1, dk2, dk3 = _near_grads(dk0, dk1, dk2, dk3, ds, q0, q1, q2, q3, offs_m, offs_n, m0, m_last, n0,
+                                         n_last, RC, SUB, NSUB, NCC, NC, CH, False, PREC, UPCAST)
+    else:
+        ds_t = tl.trans(ds.to(q0.dtype))
+        dk0 = dot_acc(ds_t, q0, dk0, PREC, UPCAST)
+        if NC > 1:
+            dk1 = dot_acc(ds_t, q1, dk1, PREC, UPCAST)
+        if NC > 2:
+            dk2 = dot_acc(ds_t, q2, dk2, PREC, UPCAST)
+        if NC > 3:
+            dk3 = dot_acc(ds_t, q3, dk3, PREC, UPCAST)
     return dk0, dk1, dk2, dk3, dv_acc
 
 
 @triton.jit
 def _dkdv_tiles(dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, lse_base, delta_base,
-                n0, offs_n, lo, hi, fsize, frank, stride_qt, stride_dot, T, R1, DV, sm_scale, qk_scale,
-                NC: tl.constexpr, DIAG: tl.constexpr, CAUSAL: tl.constexpr, DEPTH_NORM: tl.constexpr,
-                BLOCK_M: tl.constexpr, CH: tl.constexpr, DVP: tl.constexpr,
-                PREC: tl.constexpr, UPCAST: tl.constexpr):
+                n0, offs_n, lo, hi, fsize, frank, stride_qt, stride_dot, T, R, R1, DV, sm_scale, qk_scale, RC, SUB,
+                NC: tl.constexpr, NEAR: tl.constexpr, DIAG: tl.constexpr, CAUSAL: tl.constexpr,
+                DEPTH_NORM: tl.constexpr, NSUB: tl.constexpr, NCC: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, CH: tl.constexpr, DVP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
     for m0 in range(lo, hi, BLOCK_M):
-        depth, rank = _depth_rank(m0, n0, fsize, frank, R1)
+        depth, rank = _depth_rank_near(m0, n0, fsize, frank, R, R1, NEAR)
         dk0, dk1, dk2, dk3, dv_acc = _dkdv_tile(
             dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, lse_base, delta_base,
-            offs_n, m0, depth, rank, stride_qt, stride_dot, T, DV, sm_scale, qk_scale,
-            NC, DIAG, CAUSAL, DEPTH_NORM, BLOCK_M, CH, DVP, PREC, UPCAST)
+            n0, offs_n, m0, depth, rank, stride_qt, stride_dot, T, DV, sm_scale, qk_scale, RC, SUB,
+            NC, NEAR, DIAG, CAUSAL, DEPTH_NORM, NSUB, NCC, BLOCK_M, BLOCK_N, CH, DVP, PREC, UPCAST)
     return dk0, dk1, dk2, dk3, dv_acc
 
 
 @triton.jit
 def _prefix_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV_, SEG, FSIZE, FRANK, TIERS,
+    Q, K, V, DO, LSE, DELTA, DK, DV_, SEG, FSIZE, FRANK, TIERS, SUB,
     stride_qb, stride_qh, stride_qt,
     stride_kb, stride_kh, stride_kt,
     stride_vb, stride_vh, stride_vt,
     stride_dob, stride_doh, stride_dot,
-    H, HK, G, TFULL, R, R1, DV, sm_scale, qk_scale,
+    H, HK, G, TFULL, R, R1, RC, SF, DV, sm_scale, qk_scale,
     CAUSAL: tl.constexpr, DEPTH_NORM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CH: tl.constexpr, NCH: tl.constexpr,
-    LP: tl.constexpr, DVP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CH: tl.constexpr, NCH: tl.constexpr, NCC: tl.constexpr,
+    NSUB: tl.constexpr, LP: tl.constexpr, DVP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
     # DK has k's strides and DV_ has v's strides (all contiguous, same shapes).
     pid_n = tl.program_id(0)
@@ -346,6 +533,7 @@ def _prefix_dkdv_kernel(
     dk2 = tl.zeros([BLOCK_N, CH], tl.float32)
     dk3 = tl.zeros([BLOCK_N, CH], tl.float32)
     dv_acc = tl.zeros([BLOCK_N, DVP], tl.float32)
+    near_lo, near_hi = _near_bounds(n0, BLOCK_N, BLOCK_M, T, SF, NSUB)
 
     # The group's first query head; the loop steps one head at a time.
     q_group = Q + b * stride_qb + hk * G * stride_qh + start * stride_qt
@@ -357,36 +545,52 @@ def _prefix_dkdv_kernel(
         lse_base = LSE + row_group + g * TFULL
         delta_base = DELTA + row_group + g * TFULL
         if not CAUSAL:
-            # Query tiles above the diagonal, fewest chunks first.
+            # Query tiles above the diagonal, fewest chunks first, then the near ones.
             lo = 0
-            for t in tl.static_range(1, NCH):
+            for t in tl.static_range(1, NCC):
                 hi = _tier_start(n0, tl.load(TIERS + t))
                 dk0, dk1, dk2, dk3, dv_acc = _dkdv_tiles(
                     dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, lse_base, delta_base,
-                    n0, offs_n, lo, hi, fsize, frank, stride_qt, stride_dot, T, R1, DV, sm_scale, qk_scale,
-                    t, False, CAUSAL, DEPTH_NORM, BLOCK_M, CH, DVP, PREC, UPCAST)
+                    n0, offs_n, lo, hi, fsize, frank, stride_qt, stride_dot, T, R, R1, DV, sm_scale, qk_scale,
+                    RC, SUB, t, False, False, CAUSAL, DEPTH_NORM, NSUB, NCC, BLOCK_M, BLOCK_N, CH, DVP,
+                    PREC, UPCAST)
                 lo = hi
             dk0, dk1, dk2, dk3, dv_acc = _dkdv_tiles(
                 dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, lse_base, delta_base,
-                n0, offs_n, lo, n0, fsize, frank, stride_qt, stride_dot, T, R1, DV, sm_scale, qk_scale,
-                NCH, False, CAUSAL, DEPTH_NORM, BLOCK_M, CH, DVP, PREC, UPCAST)
-        # The diagonal, then the query tiles below it, most chunks first.
+                n0, offs_n, lo, near_lo, fsize, frank, stride_qt, stride_dot, T, R, R1, DV, sm_scale, qk_scale,
+                RC, SUB, NCC, False, False, CAUSAL, DEPTH_NORM, NSUB, NCC, BLOCK_M, BLOCK_N, CH, DVP, PREC, UPCAST)
+            if NSUB > 0:
+                dk0, dk1, dk2, dk3, dv_acc = _dkdv_tiles(
+                    dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, lse_base, delta_base,
+                    n0, offs_n, near_lo, n0, fsize, frank, stride_qt, stride_dot, T, R, R1, DV, sm_scale, qk_scale,
+                    RC, SUB, NCH, True, False, CAUSAL, DEPTH_NORM, NSUB, NCC, BLOCK_M, BLOCK_N, CH, DVP, PREC,
+                    UPCAST)
+        # The diagonal, the near query tiles below it, then the tiers below, most chunks first.
         dk0, dk1, dk2, dk3, dv_acc = _dkdv_tiles(
             dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, lse_base, delta_base,
-            n0, offs_n, n0, tl.minimum(n0 + BLOCK_N, T), fsize, frank, stride_qt, stride_dot, T, R1, DV,
-            sm_scale, qk_scale, NCH, True, CAUSAL, DEPTH_NORM, BLOCK_M, CH, DVP, PREC, UPCAST)
+            n0, offs_n, n0, tl.minimum(n0 + BLOCK_N, T), fsize, frank, stride_qt, stride_dot, T, R, R1, DV,
+            sm_scale, qk_scale, RC, SUB, NCH, NSUB > 0, True, CAUSAL, DEPTH_NORM, NSUB, NCC, BLOCK_M, BLOCK_N, CH,
+            DVP, PREC, UPCAST)
         lo = n0 + BLOCK_N
-        for i in tl.static_range(0, NCH - 1):
-            hi = _tier_end(n0, tl.load(TIERS + NCH - 1 - i), T)
+        if NSUB > 0:
             dk0, dk1, dk2, dk3, dv_acc = _dkdv_tiles(
                 dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, lse_base, delta_base,
-                n0, offs_n, lo, hi, fsize, frank, stride_qt, stride_dot, T, R1, DV, sm_scale, qk_scale,
-                NCH - i, False, CAUSAL, DEPTH_NORM, BLOCK_M, CH, DVP, PREC, UPCAST)
+                n0, offs_n, lo, near_hi, fsize, frank, stride_qt, stride_dot, T, R, R1, DV, sm_scale,
+                qk_scale, RC, SUB, NCH, True, False, CAUSAL, DEPTH_NORM, NSUB, NCC, BLOCK_M, BLOCK_N, CH, DVP,
+                PREC, UPCAST)
+            lo = tl.maximum(near_hi, lo)
+        for i in tl.static_range(0, NCC - 1):
+            hi = _tier_end(n0, tl.load(TIERS + NCC - 1 - i), T)
+            dk0, dk1, dk2, dk3, dv_acc = _dkdv_tiles(
+                dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, lse_base, delta_base,
+                n0, offs_n, lo, hi, fsize, frank, stride_qt, stride_dot, T, R, R1, DV, sm_scale, qk_scale,
+                RC, SUB, NCC - i, False, False, CAUSAL, DEPTH_NORM, NSUB, NCC, BLOCK_M, BLOCK_N, CH, DVP,
+                PREC, UPCAST)
             lo = hi
         dk0, dk1, dk2, dk3, dv_acc = _dkdv_tiles(
             dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, lse_base, delta_base,
-            n0, offs_n, lo, T, fsize, frank, stride_qt, stride_dot, T, R1, DV, sm_scale, qk_scale,
-            1, False, CAUSAL, DEPTH_NORM, BLOCK_M, CH, DVP, PREC, UPCAST)
+            n0, offs_n, lo, T, fsize, frank, stride_qt, stride_dot, T, R, R1, DV, sm_scale, qk_scale,
+            RC, SUB, 1, False, False, CAUSAL, DEPTH_NORM, NSUB, NCC, BLOCK_M, BLOCK_N, CH, DVP, PREC, UPCAST)
 
     _store_chunks(DK + k_off + offs_n[:, None] * stride_kt, n_ok, R, dk0, dk1, dk2, dk3, CH, NCH)
     tl.store(DV_ + v_off + offs_n[:, None] * stride_vt + dv[None, :], dv_acc.to(DV_.dtype.element_ty),
@@ -394,15 +598,24 @@ def _prefix_dkdv_kernel(
 
 
 @triton.jit
-def _dq_tile(dq0, dq1, dq2, dq3, q0, q1, q2, q3, do, lse, delta, k_base, v_base, offs_m, n0, depth, rank,
-             stride_kt, stride_vt, T, DV, sm_scale, qk_scale,
-             NC: tl.constexpr, DIAG: tl.constexpr, CAUSAL: tl.constexpr, DEPTH_NORM: tl.constexpr,
+def _dq_tile(dq0, dq1, dq2, dq3, q0, q1, q2, q3, do, lse, delta, k_base, v_base, m0, offs_m, n0, depth, rank,
+             stride_kt, stride_vt, T, DV, sm_scale, qk_scale, RC, SUB,
+             NC: tl.constexpr, NEAR: tl.constexpr, DIAG: tl.constexpr, CAUSAL: tl.constexpr,
+             DEPTH_NORM: tl.constexpr, NSUB: tl.constexpr, NCC: tl.constexpr, BLOCK_M: tl.constexpr,
              BLOCK_N: tl.constexpr, CH: tl.constexpr, DVP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
     dv = tl.arange(0, DVP)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < T
-    s, k0, k1, k2, k3 = _walked_scores(q0, q1, q2, q3, k_base, offs_n, n_ok, stride_kt, rank, NC, CH, True,
-                                       PREC, UPCAST)
+    m_last = tl.minimum(m0 + BLOCK_M, T) - 1
+    n_last = tl.minimum(n0 + BLOCK_N, T) - 1
+    if NEAR:
+        k0, k1, k2, k3 = _chunks(k_base, offs_n, n_ok, stride_kt, rank, CH, NC)
+        s, shared = _near_scores(q0, q1, q2, q3, k0, k1, k2, k3, offs_m, offs_n, m0, m_last, n0, n_last, RC, SUB,
+                                 NSUB, NCC, NC, CH, True, PREC, UPCAST)
+        depth = depth + shared
+    else:
+        s, k0, k1, k2, k3 = _walked_scores(q0, q1, q2, q3, k_base, offs_n, n_ok, stride_kt, rank, NC, CH, True,
+                                           PREC, UPCAST)
     p = tl.exp2(s * _depth_scale(qk_scale, depth, DEPTH_NORM) - lse[:, None])
     if DIAG:
         if CAUSAL:
@@ -413,42 +626,47 @@ def _dq_tile(dq0, dq1, dq2, dq3, q0, q1, q2, q3, do, lse, delta, k_base, v_base,
                  mask=n_ok[:, None] & (dv < DV)[None, :], other=0.0)
     dp = dot(do, tl.trans(vt), PREC, UPCAST)
     ds = p * (dp - delta[:, None]) * _depth_scale(sm_scale, depth, DEPTH_NORM)
-    ds = ds.to(k0.dtype)
-    dq0 = dot_acc(ds, k0, dq0, PREC, UPCAST)
-    if NC > 1:
-        dq1 = dot_acc(ds, k1, dq1, PREC, UPCAST)
-    if NC > 2:
-        dq2 = dot_acc(ds, k2, dq2, PREC, UPCAST)
-    if NC > 3:
-        dq3 = dot_acc(ds, k3, dq3, PREC, UPCAST)
+    if NEAR:
+        dq0, dq1, dq2, dq3 = _near_grads(dq0, dq1, dq2, dq3, ds, k0, k1, k2, k3, offs_m, offs_n, m0, m_last, n0,
+                                         n_last, RC, SUB, NSUB, NCC, NC, CH, True, PREC, UPCAST)
+    else:
+        ds = ds.to(k0.dtype)
+        dq0 = dot_acc(ds, k0, dq0, PREC, UPCAST)
+        if NC > 1:
+            dq1 = dot_acc(ds, k1, dq1, PREC, UPCAST)
+        if NC > 2:
+            dq2 = dot_acc(ds, k2, dq2, PREC, UPCAST)
+        if NC > 3:
+            dq3 = dot_acc(ds, k3, dq3, PREC, UPCAST)
     return dq0, dq1, dq2, dq3
 
 
 @triton.jit
 def _dq_tiles(dq0, dq1, dq2, dq3, q0, q1, q2, q3, do, lse, delta, k_base, v_base, m0, offs_m, lo, hi,
-              fsize, frank, stride_kt, stride_vt, T, R1, DV, sm_scale, qk_scale,
-              NC: tl.constexpr, DIAG: tl.constexpr, CAUSAL: tl.constexpr, DEPTH_NORM: tl.constexpr,
-              BLOCK_N: tl.constexpr, CH: tl.constexpr, DVP: tl.constexpr,
-              PREC: tl.constexpr, UPCAST: tl.constexpr):
+              fsize, frank, stride_kt, stride_vt, T, R, R1, DV, sm_scale, qk_scale, RC, SUB,
+              NC: tl.constexpr, NEAR: tl.constexpr, DIAG: tl.constexpr, CAUSAL: tl.constexpr,
+              DEPTH_NORM: tl.constexpr, NSUB: tl.constexpr, NCC: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, CH: tl.constexpr, DVP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
     for n0 in range(lo, hi, BLOCK_N):
-        depth, rank = _depth_rank(m0, n0, fsize, frank, R1)
+        depth, rank = _depth_rank_near(m0, n0, fsize, frank, R, R1, NEAR)
         dq0, dq1, dq2, dq3 = _dq_tile(dq0, dq1, dq2, dq3, q0, q1, q2, q3, do, lse, delta, k_base, v_base,
-                                      offs_m, n0, depth, rank, stride_kt, stride_vt, T, DV, sm_scale,
-                                      qk_scale, NC, DIAG, CAUSAL, DEPTH_NORM, BLOCK_N, CH, DVP, PREC, UPCAST)
+                                      m0, offs_m, n0, depth, rank, stride_kt, stride_vt, T, DV, sm_scale,
+                                      qk_scale, RC, SUB, NC, NEAR, DIAG, CAUSAL, DEPTH_NORM, NSUB, NCC, BLOCK_M,
+                                      BLOCK_N, CH, DVP, PREC, UPCAST)
     return dq0, dq1, dq2, dq3
 
 
 @triton.jit
 def _prefix_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, SEG, FSIZE, FRANK, TIERS,
+    Q, K, V, DO, LSE, DELTA, DQ, SEG, FSIZE, FRANK, TIERS, SUB,
     stride_qb, stride_qh, stride_qt,
     stride_kb, stride_kh, stride_kt,
     stride_vb, stride_vh, stride_vt,
     stride_dob, stride_doh, stride_dot,
-    H, G, TFULL, R, R1, DV, sm_scale, qk_scale,
+    H, G, TFULL, R, R1, RC, SF, DV, sm_scale, qk_scale,
     CAUSAL: tl.constexpr, DEPTH_NORM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CH: tl.constexpr, NCH: tl.constexpr,
-    LP: tl.constexpr, DVP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CH: tl.constexpr, NCH: tl.constexpr, NCC: tl.constexpr,
+    NSUB: tl.constexpr, LP: tl.constexpr, DVP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
     # DQ has q's strides.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest rows of tiles start first
@@ -480,36 +698,48 @@ def _prefix_dq_kernel(
     dq1 = tl.zeros([BLOCK_M, CH], tl.float32)
     dq2 = tl.zeros([BLOCK_M, CH], tl.float32)
     dq3 = tl.zeros([BLOCK_M, CH], tl.float32)
+    near_lo, near_hi = _near_bounds(m0, BLOCK_M, BLOCK_N, T, SF, NSUB)
 
     lo = 0
-    for t in tl.static_range(1, NCH):
+    for t in tl.static_range(1, NCC):
         hi = _tier_start(m0, tl.load(TIERS + t))
         dq0, dq1, dq2, dq3 = _dq_tiles(dq0, dq1, dq2, dq3, q0, q1, q2, q3, do, lse, delta, k_base, v_base,
-                                       m0, offs_m, lo, hi, fsize, frank, stride_kt, stride_vt, T, R1, DV,
-                                       sm_scale, qk_scale, t, False, CAUSAL, DEPTH_NORM, BLOCK_N, CH, DVP,
-                                       PREC, UPCAST)
+                                       m0, offs_m, lo, hi, fsize, frank, stride_kt, stride_vt, T, R, R1, DV,
+                                       sm_scale, qk_scale, RC, SUB, t, False, False, CAUSAL, DEPTH_NORM, NSUB, NCC,
+                                       BLOCK_M, BLOCK_N, CH, DVP, PREC, UPCAST)
         lo = hi
     dq0, dq1, dq2, dq3 = _dq_tiles(dq0, dq1, dq2, dq3, q0, q1, q2, q3, do, lse, delta, k_base, v_base,
-                                   m0, offs_m, lo, m0, fsize, frank, stride_kt, stride_vt, T, R1, DV,
-                                   sm_scale, qk_scale, NCH, False, CAUSAL, DEPTH_NORM, BLOCK_N, CH, DVP,
-                                   PREC, UPCAST)
+                                   m0, offs_m, lo, near_lo, fsize, frank, stride_kt, stride_vt, T, R, R1, DV,
+                                   sm_scale, qk_scale, RC, SUB, NCC, False, False, CAUSAL, DEPTH_NORM, NSUB, NCC,
+                                   BLOCK_M, BLOCK_N, CH, DVP, PREC, UPCAST)
+    if NSUB > 0:
+        dq0, dq1, dq2, dq3 = _dq_tiles(dq0, dq1, dq2, dq3, q0, q1, q2, q3, do, lse, delta, k_base, v_base,
+                                       m0, offs_m, near_lo, m0, fsize, frank, stride_kt, stride_vt, T, R, R1, DV,
+                                       sm_scale, qk_scale, RC, SUB, NCH, True, False, CAUSAL, DEPTH_NORM, NSUB, NCC,
+                                       BLOCK_M, BLOCK_N, CH, DVP, PREC, UPCAST)
     dq0, dq1, dq2, dq3 = _dq_tiles(dq0, dq1, dq2, dq3, q0, q1, q2, q3, do, lse, delta, k_base, v_base,
                                    m0, offs_m, m0, tl.minimum(m0 + BLOCK_M, T), fsize, frank, stride_kt,
-                                   stride_vt, T, R1, DV, sm_scale, qk_scale, NCH, True, CAUSAL, DEPTH_NORM,
-                                   BLOCK_N, CH, DVP, PREC, UPCAST)
+                                   stride_vt, T, R, R1, DV, sm_scale, qk_scale, RC, SUB, NCH, NSUB > 0, True, CAUSAL,
+                                   DEPTH_NORM, NSUB, NCC, BLOCK_M, BLOCK_N, CH, DVP, PREC, UPCAST)
     if not CAUSAL:
         lo = m0 + BLOCK_M
-        for i in tl.static_range(0, NCH - 1):
-            hi = _tier_end(m0, tl.load(TIERS + NCH - 1 - i), T)
+        if NSUB > 0:
+            dq0, dq1, dq2, dq3 = _dq_tiles(dq0, dq1, dq2, dq3, q0, q1, q2, q3, do, lse, delta, k_base, v_base,
+                                           m0, offs_m, lo, near_hi, fsize, frank, stride_kt, stride_vt, T, R,
+                                           R1, DV, sm_scale, qk_scale, RC, SUB, NCH, True, False, CAUSAL, DEPTH_NORM,
+                                           NSUB, NCC, BLOCK_M, BLOCK_N, CH, DVP, PREC, UPCAST)
+            lo = tl.maximum(near_hi, lo)
+        for i in tl.static_range(0, NCC - 1):
+            hi = _tier_end(m0, tl.load(TIERS + NCC - 1 - i), T)
             dq0, dq1, dq2, dq3 = _dq_tiles(dq0, dq1, dq2, dq3, q0, q1, q2, q3, do, lse, delta, k_base,
                                            v_base, m0, offs_m, lo, hi, fsize, frank, stride_kt, stride_vt,
-                                           T, R1, DV, sm_scale, qk_scale, NCH - i, False, CAUSAL,
-                                           DEPTH_NORM, BLOCK_N, CH, DVP, PREC, UPCAST)
+                                           T, R, R1, DV, sm_scale, qk_scale, RC, SUB, NCC - i, False, False, CAUSAL,
+                                           DEPTH_NORM, NSUB, NCC, BLOCK_M, BLOCK_N, CH, DVP, PREC, UPCAST)
             lo = hi
         dq0, dq1, dq2, dq3 = _dq_tiles(dq0, dq1, dq2, dq3, q0, q1, q2, q3, do, lse, delta, k_base, v_base,
-                                       m0, offs_m, lo, T, fsize, frank, stride_kt, stride_vt, T, R1, DV,
-                                       sm_scale, qk_scale, 1, False, CAUSAL, DEPTH_NORM, BLOCK_N, CH, DVP,
-                                       PREC, UPCAST)
+                                       m0, offs_m, lo, T, fsize, frank, stride_kt, stride_vt, T, R, R1, DV,
+                                       sm_scale, qk_scale, RC, SUB, 1, False, False, CAUSAL, DEPTH_NORM, NSUB, NCC,
+                                       BLOCK_M, BLOCK_N, CH, DVP, PREC, UPCAST)
 
     _store_chunks(DQ + q_off + offs_m[:, None] * stride_qt, m_ok, R, dq0, dq1, dq2, dq3, CH, NCH)
 
@@ -524,8 +754,11 @@ class PrefixTiles:
     """Tile sizes (powers of two >= 16) and launch settings of the three kernels.
 
     Each kernel owns tiles of one size and steps over the other axis in tiles of the other; the
-    step must divide the own tile (so the diagonal is whole steps) and every tile must divide every
-    fine block size (so each tile pair has one depth).
+    step must divide the own tile (so the diagonal is whole steps). The levels whose block sizes are
+    multiples of every tile are *coarse*: each tile pair lies inside one of their blocks or in none.
+    The finer ones are *sub-tile* levels, added pair by pair on the few tiles around the diagonal
+    that share their blocks; they fit when the coarsest of them is smaller than twice the largest
+    tile, so those tiles stay within a step or two of the diagonal.
     """
 
     fwd_m: int = 64  # forward: own query tile
@@ -537,26 +770,43 @@ class PrefixTiles:
     num_warps: int = 4
     num_stages: int = 2
 
+    @property
+    def largest(self) -> int:
+        return max(self.fwd_m, self.fwd_n, self.dkdv_n, self.dkdv_m, self.dq_m, self.dq_n)
+
+    def coarse_levels(self, sizes: Sequence[int]) -> int:
+        """How many leading levels every tile pair sees whole (level 1 always: its block holds the
+        whole sequence); blocks are nested, so the levels after them are all sub-tile ones."""
+        whole = 1
+        while whole < len(sizes) and sizes[whole] % self.largest == 0:
+            whole += 1
+        return whole
+
     def fits(self, fine_sizes: Sequence[int]) -> bool:
         pairs = ((self.fwd_m, self.fwd_n), (self.dkdv_n, self.dkdv_m), (self.dq_m, self.dq_n))
         sizes = [x for pair in pairs for x in pair]
+        sub_tile = [s for s in fine_sizes if s % self.largest]
         return (all(t >= 16 and t & (t - 1) == 0 for t in sizes)
                 and all(own % step == 0 for own, step in pairs)
-                and all(s % t == 0 for s in fine_sizes for t in sizes))
+                and all(s < 2 * self.largest for s in sub_tile))
 
 
-def square_tiles(fine_sizes: Sequence[int], largest: int) -> PrefixTiles | None:
-    """The largest square tiles, at most ``largest``, that divide every fine block size (None if < 16)."""
+def square_tiles(fine_sizes: Sequence[int], largest: int, smallest: int, sub_tile: bool,
+                 num_warps: int = 4) -> PrefixTiles | None:
+    """Square tiles for the prefix-rank kernels: the largest, from ``largest`` down to ``smallest``
+    (both powers of two >= 16), that every fine block size is a multiple of; else, with
+    ``sub_tile``, tiles of ``largest`` with sub-tile levels if they fit; else None."""
     tile = largest
-    while tile >= 16 and any(s % tile for s in fine_sizes):
+    while tile >= max(smallest, 16):
+        if all(s % tile == 0 for s in fine_sizes):
+            return PrefixTiles(*(tile,) * 6, num_warps=num_warps)
         tile //= 2
-    if tile < 16:
-        return None
-    return PrefixTiles(tile, tile, tile, tile, tile, tile)
+    tiles = PrefixTiles(*(largest,) * 6, num_warps=num_warps)
+    return tiles if sub_tile and tiles.fits(fine_sizes) else None
 
 
 class PrefixPlan:
-    """The chunking, tier sizes and fine-level metadata of one call."""
+    """The chunking, tier sizes and level metadata of one call."""
 
     def __init__(self, q: torch.Tensor, v: torch.Tensor, ranks: tuple[int, ...], sizes: tuple[int, ...],
                  tiles: PrefixTiles) -> None:
@@ -565,25 +815,38 @@ class PrefixPlan:
         self.CH = pow2(math.ceil(R / 4), 16)
         self.NCH = math.ceil(R / self.CH)
         prefix = [sum(ranks[: d + 1]) for d in range(len(ranks))]
-        # tiers[t - 1]: the block size inside which tiles need at least t chunks.
+        coarse = tiles.coarse_levels(sizes)
+        # The coarse levels: their prefix, its chunks, and tiers[t - 1], the block size inside which
+        # tiles need at least t chunks.
+        self.RC = prefix[coarse - 1]
+        self.NCC = math.ceil(self.RC / self.CH)
         tiers = [sizes[next(d for d, p in enumerate(prefix) if p > (t - 1) * self.CH)]
-                 for t in range(1, self.NCH + 1)]
-        fine = list(ranks[1:])
+                 for t in range(1, self.NCC + 1)]
+        fine = list(ranks[1:coarse])
         self.LP = pow2(len(fine))
         pad = self.LP - len(fine)
-        self.fsize = device_table(tuple(sizes[1:]) + (1,) * pad, torch.int32, q.device)
+        self.fsize = device_table(tuple(sizes[1:coarse]) + (1,) * pad, torch.int32, q.device)
         self.frank = device_table(tuple(fine) + (0,) * pad, torch.int32, q.device)
         self.tiers = device_table(tuple(tiers) + (1,) * (4 - len(tiers)), torch.int32, q.device)
+        # The sub-tile levels: (first column, end column, block size) each.
+        sub = [(prefix[d - 1], prefix[d], sizes[d]) for d in range(coarse, len(ranks))]
+        self.NSUB = len(sub)
+        self.SF = sizes[coarse] if sub else 1
+        self.sub = device_table(tuple(x for level in sub for x in level) or (0, 0, 1), torch.int32, q.device)
         self.DV = v.shape[-1]
         self.DVP = pow2(self.DV, 16)
         self.tiles = tiles
         self.prec = "ieee" if q.dtype == torch.float32 else "tf32"
         self.upcast = INTERPRETED and q.dtype == torch.bfloat16
 
+    def tables(self) -> tuple[torch.Tensor, ...]:
+        return self.fsize, self.frank, self.tiers, self.sub
+
     def constexprs(self, causal: bool, depth_normalize: bool, block_m: int, block_n: int) -> dict:
         return dict(CAUSAL=causal, DEPTH_NORM=depth_normalize, BLOCK_M=block_m, BLOCK_N=block_n,
-                    CH=self.CH, NCH=self.NCH, LP=self.LP, DVP=self.DVP, PREC=self.prec, UPCAST=self.upcast,
-                    num_warps=self.tiles.num_warps, num_stages=self.tiles.num_stages)
+                    CH=self.CH, NCH=self.NCH, NCC=self.NCC, NSUB=self.NSUB, LP=self.LP, DVP=self.DVP,
+                    PREC=self.prec, UPCAST=self.upcast, num_warps=self.tiles.num_warps,
+                    num_stages=self.tiles.num_stages)
 
 
 def _forward(q, k, v, segments, max_len: int, plan: PrefixPlan, causal: bool, scale: float, depth_normalize: bool):
@@ -593,12 +856,12 @@ def _forward(q, k, v, segments, max_len: int, plan: PrefixPlan, causal: bool, sc
     o = torch.empty(B, H, T, plan.DV, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
     _prefix_fwd_kernel[(cdiv(max_len, tiles.fwd_m), segments.shape[0] * H)](
-        q, k, v, o, lse, segments, plan.fsize, plan.frank, plan.tiers,
+        q, k, v, o, lse, segments, *plan.tables(),
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         o.stride(0), o.stride(1), o.stride(2),
-        H, H // k.shape[1], T, plan.R, plan.R1, plan.DV, scale * _LOG2E,
+        H, H // k.shape[1], T, plan.R, plan.R1, plan.RC, plan.SF, plan.DV, scale * _LOG2E,
         **plan.constexprs(causal, depth_normalize, tiles.fwd_m, tiles.fwd_n),
     )
     return o, lse
@@ -620,13 +883,13 @@ def _backward(q, k, v, o, lse, do, segments, max_len: int, plan: PrefixPlan, cau
         do.stride(0), do.stride(1), do.stride(2),
     )
     _prefix_dkdv_kernel[(cdiv(max_len, tiles.dkdv_n), segments.shape[0] * Hk)](
-        q, k, v, do, lse, delta, dk, dv, segments, plan.fsize, plan.frank, plan.tiers, *strides,
-        H, Hk, H // Hk, T, plan.R, plan.R1, plan.DV, scale, scale * _LOG2E,
+        q, k, v, do, lse, delta, dk, dv, segments, *plan.tables(), *strides,
+        H, Hk, H // Hk, T, plan.R, plan.R1, plan.RC, plan.SF, plan.DV, scale, scale * _LOG2E,
         **plan.constexprs(causal, depth_normalize, tiles.dkdv_m, tiles.dkdv_n),
     )
     _prefix_dq_kernel[(cdiv(max_len, tiles.dq_m), segments.shape[0] * H)](
-        q, k, v, do, lse, delta, dq, segments, plan.fsize, plan.frank, plan.tiers, *strides,
-        H, H // Hk, T, plan.R, plan.R1, plan.DV, scale, scale * _LOG2E,
+        q, k, v, do, lse, delta, dq, segments, *plan.tables(), *strides,
+        H, H // Hk, T, plan.R, plan.R1, plan.RC, plan.SF, plan.DV, scale, scale * _LOG2E,
         **plan.constexprs(causal, depth_normalize, tiles.dq_m, tiles.dq_n),
     )
     return dq, dk, dv
