@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check of the kernels, for a machine with one CUDA GPU: the Triton and compile tests on the GPU, the
 # tile-setting and decoding timings, and the issue-3 benchmarks in bfloat16.
-#   scripts/gpu-check.sh [OUT_DIR] [tests|tune|decode|varlen|generate|ncu|bench|all|suite] [K/N]
+#   scripts/gpu-check.sh [OUT_DIR] [tests|tune|decode|subtile|varlen|generate|ncu|bench|all|suite] [K/N]
 # (default OUT_DIR runs/gpu-check, or $OUT on the lent device machine; default all). On an H100 the
 # tests take about 5 minutes (most of it compiling), tune about 4 and bench about 3, so a machine
 # that stops a command after 10 minutes needs two calls. decode is the short one for a small
@@ -12,6 +12,8 @@
 # generate (about 6 minutes, not part of all) runs the static-cache tests on the GPU and times
 # generation per kind, growing and static caches, eager and CUDA-graph-captured. ncu (about 2 minutes, not part of all)
 # writes Nsight Compute's profile of the decoding and prefill kernels beside flash attention's.
+# subtile (about 4 minutes, not part of all) checks the prefix-rank kernels' sub-tile levels (the
+# lengths below 4096 with 8 levels) on the GPU and times them against the general kernel, flash and cuDNN.
 # suite K/N (not part of all) runs the K-th of N shards of the whole test suite (every N-th
 # test) on 14 workers, one line per test as it finishes, so a run stopped by the machine's time
 # limit still names its failures; on an H200 the whole suite took about 14 minutes (2026-11-27),
@@ -51,6 +53,13 @@ if [[ $step == suite ]]; then
     timeout -s INT -k 30 510 python3 -m pytest -o addopts= -p no:cacheprovider -n 14 -v -rfE --tb=short \
         --durations=40 "${ids[@]}" > "$out/suite-${shard/\//of}.log" 2>&1 || status=1
     grep -E "^(FAILED|ERROR) |[0-9]+ (passed|failed)" "$out/suite-${shard/\//of}.log" | tail -n 40
+fi
+if [[ $step == subtile ]]; then
+    timeout 300 python3 -m pytest -o addopts= -q -p no:cacheprovider -n 14 tests/test_mlr_grid.py \
+        tests/test_mlr_triton.py tests/test_mlr_documents.py -k "triton or cuda or documents" 2>&1 \
+        | tee "$out/subtile-tests.log" | tail -n 5 || status=1
+    timeout 240 python3 scripts/tune_mlr_triton.py --seq-lens 1024,2048,3072 --ranks "8|8|8|8|8|8|8|8" \
+        --settings 64/w4/s2 --no-decode --out "$out/subtile.json" 2>&1 | tee "$out/subtile.log" || status=1
 fi
 if [[ $step == tune || $step == all ]]; then
     python3 scripts/tune_mlr_triton.py --out "$out/tune.json" 2>&1 | tee "$out/tune.log" || status=1

@@ -1,7 +1,8 @@
 """The package's Triton kernels compiled for an NVIDIA GPU without one: each kernel's shared memory,
 registers, spill stack and compile time, the numbers that decide occupancy and local-memory traffic.
 
-    python3 scripts/triton_resources.py [--case general|prefix|decode] [--dtype bfloat16] [--arch 90] [--num-warps N]
+    python3 scripts/triton_resources.py [--case general|prefix|sub-tile|decode] [--dtype bfloat16] [--arch 90]
+                                        [--num-warps N] [--tile N]
 
 Step 1 runs one call of the case (forward and backward for ``general`` and ``prefix``, one decoding
 step for ``decode``) on CPU tensors in a child process under ``TRITON_INTERPRET=1`` and records
@@ -9,12 +10,15 @@ every kernel launch: its arguments' types, the 16-divisibility Triton specialise
 compile-time constants and the launch options. Step 2 compiles each launch with ``triton.compile``
 for ``sm_<arch>`` (Triton ships ptxas) and reads the resources from the cubin with cuobjdump.
 Nothing runs on a GPU, so speed itself still has to be measured on one (``scripts/gpu-check.sh``).
+The compile time is a first compile's: a kernel in Triton's cache (``TRITON_CACHE_DIR``) reads 0.
 
-Cases (8 levels of rank 8, ``Dv = 64``, GPU tiles of 64):
+Cases (8 levels of rank 8, ``Dv = 64``, GPU tiles of 64, or ``--tile`` for the prefix-rank ones):
 - ``general``: T = 640 with the default block sizes (finest block 5, not a multiple of a tile),
   bidirectional with ``depth_normalize``: the general kernels;
 - ``prefix``: causal with the block sizes of T = 8192 (finest block 64, a tile; run on 1024 tokens):
   the prefix-rank kernels of ``sattn bench mlr``;
+- ``sub-tile``: causal with the block sizes of T = 2048 (blocks of 32 and 16 finer than a tile; run
+  on 1024 tokens): the prefix-rank kernels with sub-tile levels;
 - ``decode``: one query against a 4096-token compressed cache (batch 2, 8 heads, 2 kv heads).
 """
 
@@ -31,13 +35,13 @@ import sys
 import tempfile
 import time
 
-CASES = ("general", "prefix", "decode")
+CASES = ("general", "prefix", "sub-tile", "decode")
 _TYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64", "int32": "i32",
           "int64": "i64", "bool": "i1", "int8": "i8", "uint8": "u8"}
 _OPTIONS = ("num_warps", "num_stages", "maxnreg")
 
 
-def record(case: str, dtype: str) -> list[dict]:
+def record(case: str, dtype: str, tile: int) -> list[dict]:
     """Step 1 (TRITON_INTERPRET=1): run the case and return every distinct kernel launch."""
     import torch
     from triton.runtime.interpreter import InterpretedFunction
@@ -87,13 +91,15 @@ def record(case: str, dtype: str) -> list[dict]:
                           torch.randn(B, Hk, n, 64, dtype=dt), ranks, 0.125)
     else:
         from structured_attention.ops.mlr.triton_general import mlr_attention_triton
+        from structured_attention.ops.mlr.triton_prefix import PrefixTiles, mlr_attention_prefix
 
-        # prefix: the sizes of T = 8192 (finest block 64, a tile) on a shorter sequence, the same kernels
-        T, sizes, causal, dn = ((640, None, False, True) if case == "general"
-                                else (1024, tuple(8192 >> i for i in range(8)), True, False))
-        q, k, v = (torch.randn(1, 2, T, 64, dtype=dt, requires_grad=True) for _ in range(3))
-        out = mlr_attention_triton(q, k, v, ranks, sizes, causal=causal, depth_normalize=dn, block_m=64,
-                                   block_n=64)
+        q, k, v = (torch.randn(1, 2, 1024, 64, dtype=dt, requires_grad=True) for _ in range(3))
+        if case == "general":
+            out = mlr_attention_triton(q[:, :, :640], k[:, :, :640], v[:, :, :640], ranks, causal=False,
+                                       depth_normalize=True, block_m=64, block_n=64)
+        else:  # the sizes of T = 8192 / 2048 on a shorter sequence: the same kernels, the GPU's tiles
+            sizes = tuple((8192 if case == "prefix" else 2048) >> i for i in range(8))
+            out = mlr_attention_prefix(q, k, v, ranks, sizes, True, 0.125, False, PrefixTiles(*(tile,) * 6))
         out.sum().backward()
     return list(launches.values())
 
@@ -132,12 +138,14 @@ def main() -> None:
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16")
     p.add_argument("--arch", type=int, default=90, help="compute capability x 10 (default 90: H100/H200)")
     p.add_argument("--num-warps", type=int, default=None, help="compile with this many warps instead of the launch's")
+    p.add_argument("--tile", type=int, default=64, help="the prefix-rank kernels' square tiles (default 64)")
     p.add_argument("--record", action="store_true", help=argparse.SUPPRESS)  # step 1, in the child
     args = p.parse_args()
     if args.record:
-        json.dump(record(args.case, args.dtype), sys.stdout)
+        json.dump(record(args.case, args.dtype, args.tile), sys.stdout)
         return
-    child = subprocess.run([sys.executable, __file__, "--record", "--case", args.case, "--dtype", args.dtype],
+    child = subprocess.run([sys.executable, __file__, "--record", "--case", args.case, "--dtype", args.dtype,
+                            "--tile", str(args.tile)],
                            env=os.environ | {"TRITON_INTERPRET": "1"}, capture_output=True, text=True)
     if child.returncode != 0:
         sys.exit(f"triton_resources.py: the recording run failed:\n{child.stderr}")

@@ -1,11 +1,13 @@
 """Check and time the Triton MLR kernels' tile settings against SDPA on one CUDA GPU.
 
-    PYTHONPATH=src python3 scripts/tune_mlr_triton.py [--seq-lens 8192,16384] [--out FILE.json]
+    PYTHONPATH=src python3 scripts/tune_mlr_triton.py [--seq-lens 8192,16384] [--no-decode] [--out FILE.json]
 
 Prints, for each T and rank split (B=1, H=8, Dv=64, bfloat16, causal): SDPA's default and flash
 backends, the general Triton kernel, and the prefix-rank kernels under several tile / warp / stage
 settings, each as forward and forward+backward medians (``triton.testing.do_bench``). Every
-setting is first checked against the exact reference on a small input. It also times one decoding
+setting is first checked against the exact reference at the shortest length. Below T = 4096 (8
+levels), the default tiles run the prefix-rank kernels with sub-tile levels, so the general kernel
+beside them is the alternative they replace. It also times one decoding
 step's attention (the kernel alone, no projections) at a 16k cache: SDPA's cuDNN, flash and
 memory-efficient kernels, and the MLR decoding kernel under several grid / tile / stage / register
 settings, each checked against the float32 reference, timed from a CUDA graph so that the host's
@@ -84,9 +86,9 @@ def _case(fn, q, k, v):
     return fwd, fwd_bwd
 
 
-def check(tiles: PrefixTiles, ranks: tuple[int, ...]) -> float:
-    """Largest error of output and gradients against the float32 reference (bfloat16 inputs)."""
-    T = max(1024, 64 * 2 ** (len(ranks) - 1))  # the finest default block holds a 64-row tile
+def check(tiles: PrefixTiles, ranks: tuple[int, ...], T: int) -> float:
+    """Largest error of output and gradients against the float32 reference (bfloat16 inputs, ``T``
+    tokens, the default block sizes); NaN where the tiles do not fit those blocks."""
     gen = torch.Generator(device="cuda").manual_seed(1)
     q, k = (torch.randn(1, 2, T, sum(ranks), device="cuda", generator=gen) for _ in range(2))
     v, do = (torch.randn(1, 2, T, 64, device="cuda", generator=gen) for _ in range(2))
@@ -110,14 +112,17 @@ def main() -> None:
     parser.add_argument("--settings", default=",".join(SETTINGS))
     parser.add_argument("--out", default=None)
     parser.add_argument("--decode-only", action="store_true", help="time only the decoding step")
+    parser.add_argument("--no-decode", action="store_true", help="leave out the decoding step")
     args = parser.parse_args()
+    seq_lens = sorted(int(t) for t in args.seq_lens.split(","))
     rows = []
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__}", flush=True)
     for spec in [] if args.decode_only else args.ranks.split(","):
         ranks = tuple(int(r) for r in spec.split("|"))
         for name in args.settings.split(","):
-            print(f"check {spec} {name}: max relative error {check(SETTINGS[name], ranks):.2e}", flush=True)
-        for T in (int(t) for t in args.seq_lens.split(",")):
+            error = check(SETTINGS[name], ranks, seq_lens[0])
+            print(f"check {spec} {name} T={seq_lens[0]}: max relative error {error:.2e}", flush=True)
+        for T in seq_lens:
             torch.manual_seed(0)
             q, k = (torch.randn(1, 8, T, sum(ranks), device="cuda", dtype=torch.bfloat16, requires_grad=True)
                     for _ in range(2))
@@ -153,6 +158,9 @@ def main() -> None:
                 print(f"  {spec:18s} T={T:6d} {name:22s} fwd {a:7.3f} ms ({base[0] / a:4.2f}x)  "
                       f"fwd+bwd {b:7.3f} ms ({base[1] / b:4.2f}x)", flush=True)
 
+    if args.no_decode:
+        _write(rows, args.out)
+        return
     # One decoding step's attention at a 16k cache, batch 16, 8 heads: the kernel against SDPA.
     q1, keys, starts, vals, kfull = decode_case()
     B, H, T, ranks = *vals.shape[:2], DECODE_CACHE, DECODE_RANKS
@@ -202,8 +210,12 @@ def main() -> None:
     floor = _graph_ms(lambda: mlr_decode_triton(q1[..., :8], keys[:1], starts[:1], vals, ranks[:1], 0.125))
     rows.append(dict(case="decode level 1 only", cache=T, batch=B, mlr_ms=floor))
     print(f"  level 1 and values only (default setting): {floor * 1e3:.1f} us", flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
+    _write(rows, args.out)
+
+
+def _write(rows: list[dict], path: str | None) -> None:
+    if path:
+        with open(path, "w") as f:
             json.dump(rows, f, indent=1)
 
 
