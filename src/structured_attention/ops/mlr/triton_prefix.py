@@ -4,7 +4,11 @@ Where every fine block size is a multiple of the tile sizes, each (query tile, k
 inside one block of every level, so all its scores share one depth ``d``: the tile's score is one
 matmul over the prefix ``R_d = r_1 + ... + r_d`` of the head dims (docs/design.md), with no per-level
 masks. The head dims are cut into ``NCH <= 4`` chunks of ``CH`` columns, and a tile multiplies only
-the chunks its prefix reaches (the last one masked to ``R_d``).
+the chunks its prefix reaches, the last one cut at ``R_d``. The cut is applied to the products (the
+queries operand, held in registers, for the scores; the last chunk's product for the gradients),
+not to the loads: a walked tile's chunks are loaded with a mask that changes only with the rows,
+so Triton's software pipelining issues them a tile ahead, into shared memory, from where they go
+to the matrix units as loaded.
 
 Blocks are nested, so walking from a program's own tile outwards the depth only falls: the tiles
 that need ``t`` chunks form one run on each side (a *tier*), bounded by the block of size ``S_t``
@@ -85,71 +89,31 @@ def _depth_scale(scale, depth, DEPTH_NORM: tl.constexpr):
 
 
 @triton.jit
-def _chunk(base, offs, ok, stride_t, C: tl.constexpr, CH: tl.constexpr, rank):
-    """Columns ``[C * CH, (C + 1) * CH)`` of rows ``offs``, zero from column ``rank`` on."""
+def _chunk(base, offs, ok, stride_t, C: tl.constexpr, CH: tl.constexpr, R):
+    """Columns ``[C * CH, (C + 1) * CH)`` of rows ``offs``, zero from the head's ``R`` columns on.
+
+    The mask changes with nothing but the rows, so the loads of a walk are issued ahead of the tile
+    that uses them (Triton's software pipelining into shared memory); a tile pair's prefix rank is
+    applied to the products instead (:func:`_operands`, :func:`_grad_into`)."""
     cols = C * CH + tl.arange(0, CH)
     return tl.load(base + offs[:, None] * stride_t + cols[None, :],
-                   mask=ok[:, None] & (cols < rank)[None, :], other=0.0)
+                   mask=ok[:, None] & (cols < R)[None, :], other=0.0)
 
 
 @triton.jit
-def _chunks(base, offs, ok, stride_t, rank, CH: tl.constexpr, NC: tl.constexpr):
-    """The first ``NC`` chunks of rows ``offs``, zero from column ``rank`` on (the unused ones repeat
-    the first)."""
-    c0 = _chunk(base, offs, ok, stride_t, 0, CH, rank)
+def _chunks(base, offs, ok, stride_t, R, CH: tl.constexpr, NC: tl.constexpr):
+    """The first ``NC`` chunks of rows ``offs`` (the unused ones repeat the first)."""
+    c0 = _chunk(base, offs, ok, stride_t, 0, CH, R)
     c1 = c0
     c2 = c0
     c3 = c0
     if NC > 1:
-        c1 = _chunk(base, offs, ok, stride_t, 1, CH, rank)
+        c1 = _chunk(base, offs, ok, stride_t, 1, CH, R)
     if NC > 2:
-        c2 = _chunk(base, offs, ok, stride_t, 2, CH, rank)
+        c2 = _chunk(base, offs, ok, stride_t, 2, CH, R)
     if NC > 3:
-        c3 = _chunk(base, offs, ok, stride_t, 3, CH, rank)
+        c3 = _chunk(base, offs, ok, stride_t, 3, CH, R)
     return c0, c1, c2, c3
-
-
-@triton.jit
-def _chunk_scores(a0, a1, a2, a3, b0, b1, b2, b3, NC: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
-    """``sum_c a_c @ b_c^T`` over the first ``NC`` column chunks."""
-    s = dot(a0, tl.trans(b0), PREC, UPCAST)
-    if NC > 1:
-        s = dot_acc(a1, tl.trans(b1), s, PREC, UPCAST)
-    if NC > 2:
-        s = dot_acc(a2, tl.trans(b2), s, PREC, UPCAST)
-    if NC > 3:
-        s = dot_acc(a3, tl.trans(b3), s, PREC, UPCAST)
-    return s
-
-
-@triton.jit
-def _walked_scores(o0, o1, o2, o3, base, offs, ok, stride_t, rank, NC: tl.constexpr, CH: tl.constexpr,
-                   OWN_ROWS: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
-    """Load the first ``NC`` chunks of the walked tile's rows ``offs`` (zero from column ``rank`` on)
-    and score them against the own tile's chunks ``o*``: own rows by walked rows when ``OWN_ROWS``,
-    else walked rows by own rows. Returns the scores and the loaded chunks (unused ones repeat the
-    first)."""
-    c0, c1, c2, c3 = _chunks(base, offs, ok, stride_t, rank, CH, NC)
-    if OWN_ROWS:
-        s = _chunk_scores(o0, o1, o2, o3, c0, c1, c2, c3, NC, PREC, UPCAST)
-    else:
-        s = _chunk_scores(c0, c1, c2, c3, o0, o1, o2, o3, NC, PREC, UPCAST)
-    return s, c0, c1, c2, c3
-
-
-@triton.jit
-def _store_chunks(ptr, ok, R, c0, c1, c2, c3, CH: tl.constexpr, NCH: tl.constexpr):
-    """Store the gradient chunks of the program's own rows (``ptr``: their row starts)."""
-    cols = tl.arange(0, CH)
-    tl.store(ptr + cols[None, :], c0.to(ptr.dtype.element_ty), mask=ok[:, None] & (cols < R)[None, :])
-    if NCH > 1:
-        tl.store(ptr + CH + cols[None, :], c1.to(ptr.dtype.element_ty), mask=ok[:, None] & (CH + cols < R)[None, :])
-    if NCH > 2:
-        tl.store(ptr + 2 * CH + cols[None, :], c2.to(ptr.dtype.element_ty),
-                 mask=ok[:, None] & (2 * CH + cols < R)[None, :])
-    if NCH > 3:
-        tl.store(ptr + 3 * CH + cols[None, :], c3.to(ptr.dtype.element_ty),
-                 mask=ok[:, None] & (3 * CH + cols < R)[None, :])
 
 
 @triton.jit
@@ -167,18 +131,104 @@ def _pick(x0, x1, x2, x3, C: tl.constexpr):
 
 @triton.jit
 def _columns(x, C: tl.constexpr, CH: tl.constexpr, lo, hi):
-    """Chunk ``C`` of some rows with every column outside ``[lo, hi)`` zeroed."""
+    """Chunk ``C`` of some rows (or of their gradient) with every column outside ``[lo, hi)`` zeroed."""
     cols = C * CH + tl.arange(0, CH)
     return tl.where(((cols >= lo) & (cols < hi))[None, :], x, 0.0)
 
 
 @triton.jit
-def _pair_scores(own, walked, OWN_ROWS: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+def _operands(own, walked, C: tl.constexpr, CH: tl.constexpr, lo, hi, MASK: tl.constexpr, OWN_ROWS: tl.constexpr):
+    """Chunk ``C``'s (queries, keys) operands: the own chunk first when the own rows are queries
+    (``OWN_ROWS``), else the walked one; with ``MASK`` the queries' columns outside ``[lo, hi)``
+    zeroed. The queries are the operand held in registers, so the keys reach the matrix units as
+    they were loaded, from shared memory."""
     if OWN_ROWS:
-        s = dot(own, tl.trans(walked), PREC, UPCAST)
+        a = own
+        b = walked
     else:
-        s = dot(walked, tl.trans(own), PREC, UPCAST)
+        a = walked
+        b = own
+    if MASK:
+        a = _columns(a, C, CH, lo, hi)
+    return a, b
+
+
+@triton.jit
+def _prefix_scores(o0, o1, o2, o3, w0, w1, w2, w3, rank, NC: tl.constexpr, CH: tl.constexpr,
+                   OWN_ROWS: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """Queries x keys scores over the first ``rank`` columns, of the own chunks ``o*`` and the walked
+    ones ``w*``: ``NC`` chunk products, the last one cut at ``rank`` (a tile pair that needs ``NC``
+    chunks has more than ``NC - 1`` chunks' columns, so only the last one is cut)."""
+    a, b = _operands(o0, w0, 0, CH, 0, rank, NC == 1, OWN_ROWS)
+    s = dot(a, tl.trans(b), PREC, UPCAST)
+    for C in tl.static_range(1, NC):
+        a, b = _operands(_pick(o0, o1, o2, o3, C), _pick(w0, w1, w2, w3, C), C, CH, 0, rank, C == NC - 1, OWN_ROWS)
+        s = dot_acc(a, tl.trans(b), s, PREC, UPCAST)
     return s
+
+
+@triton.jit
+def _walked_scores(o0, o1, o2, o3, base, offs, ok, stride_t, R, rank, NC: tl.constexpr, CH: tl.constexpr,
+                   OWN_ROWS: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """Load the first ``NC`` chunks of the walked tile's rows ``offs`` and score them against the own
+    tile's chunks ``o*`` over the first ``rank`` columns (queries x keys). Returns the scores and
+    the loaded chunks (whole: the gradients cut them at ``rank`` with :func:`_prefix_grads`)."""
+    c0, c1, c2, c3 = _chunks(base, offs, ok, stride_t, R, CH, NC)
+    s = _prefix_scores(o0, o1, o2, o3, c0, c1, c2, c3, rank, NC, CH, OWN_ROWS, PREC, UPCAST)
+    return s, c0, c1, c2, c3
+
+
+@triton.jit
+def _grad_into(g0, g1, g2, g3, a, w, C: tl.constexpr, CH: tl.constexpr, lo, hi, MASK: tl.constexpr,
+               PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """Add ``a @ w`` into gradient chunk ``C``; with ``MASK`` only its columns in ``[lo, hi)`` (the
+    product is cut, not ``w``, which reaches the matrix units as loaded)."""
+    if MASK:
+        x = _columns(dot(a, w, PREC, UPCAST), C, CH, lo, hi)
+        if C == 0:
+            g0 += x
+        if C == 1:
+            g1 += x
+        if C == 2:
+            g2 += x
+        if C == 3:
+            g3 += x
+    else:
+        if C == 0:
+            g0 = dot_acc(a, w, g0, PREC, UPCAST)
+        if C == 1:
+            g1 = dot_acc(a, w, g1, PREC, UPCAST)
+        if C == 2:
+            g2 = dot_acc(a, w, g2, PREC, UPCAST)
+        if C == 3:
+            g3 = dot_acc(a, w, g3, PREC, UPCAST)
+    return g0, g1, g2, g3
+
+
+@triton.jit
+def _prefix_grads(g0, g1, g2, g3, a, w0, w1, w2, w3, rank, NC: tl.constexpr, CH: tl.constexpr,
+                  PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """The own rows' gradient chunks plus ``a`` (``dS`` or ``dS^T``) times the walked chunks, over
+    the first ``rank`` columns (the last of ``NC`` chunks cut, as in :func:`_prefix_scores`)."""
+    for C in tl.static_range(0, NC):
+        g0, g1, g2, g3 = _grad_into(g0, g1, g2, g3, a, _pick(w0, w1, w2, w3, C), C, CH, 0, rank, C == NC - 1,
+                                    PREC, UPCAST)
+    return g0, g1, g2, g3
+
+
+@triton.jit
+def _store_chunks(ptr, ok, R, c0, c1, c2, c3, CH: tl.constexpr, NCH: tl.constexpr):
+    """Store the gradient chunks of the program's own rows (``ptr``: their row starts)."""
+    cols = tl.arange(0, CH)
+    tl.store(ptr + cols[None, :], c0.to(ptr.dtype.element_ty), mask=ok[:, None] & (cols < R)[None, :])
+    if NCH > 1:
+        tl.store(ptr + CH + cols[None, :], c1.to(ptr.dtype.element_ty), mask=ok[:, None] & (CH + cols < R)[None, :])
+    if NCH > 2:
+        tl.store(ptr + 2 * CH + cols[None, :], c2.to(ptr.dtype.element_ty),
+                 mask=ok[:, None] & (2 * CH + cols < R)[None, :])
+    if NCH > 3:
+        tl.store(ptr + 3 * CH + cols[None, :], c3.to(ptr.dtype.element_ty),
+                 mask=ok[:, None] & (3 * CH + cols < R)[None, :])
 
 
 @triton.jit
@@ -200,10 +250,7 @@ def _near_scores(o0, o1, o2, o3, w0, w1, w2, w3, offs_m, offs_n, m0, m_last, n0,
     sub-tile level's columns where row and column share its block. ``o*``: the own tile's chunks,
     ``w*``: the walked tile's (both of full rank). Returns the scores (queries x keys) and the number
     of sub-tile levels each pair shares."""
-    s = _pair_scores(o0, _columns(w0, 0, CH, 0, RC), OWN_ROWS, PREC, UPCAST)
-    for C in tl.static_range(1, NCC):
-        s += _pair_scores(_pick(o0, o1, o2, o3, C), _columns(_pick(w0, w1, w2, w3, C), C, CH, 0, RC),
-                          OWN_ROWS, PREC, UPCAST)
+    s = _prefix_scores(o0, o1, o2, o3, w0, w1, w2, w3, RC, NCC, CH, OWN_ROWS, PREC, UPCAST)
     shared_levels = tl.zeros_like(s)
     alive = n0 >= 0  # True, as a tensor: the loop carries it
     for f in range(NSUB):
@@ -212,8 +259,9 @@ def _near_scores(o0, o1, o2, o3, w0, w1, w2, w3, offs_m, offs_n, m0, m_last, n0,
             part = tl.zeros_like(s)
             for C in tl.static_range(NCC - 1, NCH):
                 if (lo < (C + 1) * CH) & (hi > C * CH):
-                    part += _pair_scores(_pick(o0, o1, o2, o3, C), _columns(_pick(w0, w1, w2, w3, C), C, CH, lo, hi),
-                                         OWN_ROWS, PREC, UPCAST)
+                    a, b = _operands(_pick(o0, o1, o2, o3, C), _pick(w0, w1, w2, w3, C), C, CH, lo, hi, True,
+                                     OWN_ROWS)
+                    part = dot_acc(a, tl.trans(b), part, PREC, UPCAST)
             shared = (offs_m[:, None] // size) == (offs_n[None, :] // size)
             s += tl.where(shared, part, 0.0)
             shared_levels += shared.to(tl.float32)
@@ -221,46 +269,30 @@ def _near_scores(o0, o1, o2, o3, w0, w1, w2, w3, offs_m, offs_n, m0, m_last, n0,
 
 
 @triton.jit
-def _grad_into(g0, g1, g2, g3, ds, w, C: tl.constexpr, OWN_ROWS: tl.constexpr, PREC: tl.constexpr,
-               UPCAST: tl.constexpr):
-    """Add ``ds @ w`` (own rows are queries) or ``ds^T @ w`` (own rows are keys) into chunk ``C``."""
-    if OWN_ROWS:
-        a = ds
-    else:
-        a = tl.trans(ds)
-    if C == 0:
-        g0 = dot_acc(a, w, g0, PREC, UPCAST)
-    if C == 1:
-        g1 = dot_acc(a, w, g1, PREC, UPCAST)
-    if C == 2:
-        g2 = dot_acc(a, w, g2, PREC, UPCAST)
-    if C == 3:
-        g3 = dot_acc(a, w, g3, PREC, UPCAST)
-    return g0, g1, g2, g3
-
-
-@triton.jit
 def _near_grads(g0, g1, g2, g3, ds, w0, w1, w2, w3, offs_m, offs_n, m0, m_last, n0, n_last, RC, SUB,
                 NSUB: tl.constexpr, NCC: tl.constexpr, NCH: tl.constexpr, CH: tl.constexpr,
                 OWN_ROWS: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
     """The own tile's gradient chunks ``g*`` plus a near tile pair's share, with the column split of
-    :func:`_near_scores`: ``ds`` (queries x keys, float32) times the walked chunks ``w*``, each
-    sub-tile level's columns only where row and column share its block."""
-    dsx = ds.to(w0.dtype)
-    for C in tl.static_range(0, NCC):
-        g0, g1, g2, g3 = _grad_into(g0, g1, g2, g3, dsx, _columns(_pick(w0, w1, w2, w3, C), C, CH, 0, RC), C,
-                                    OWN_ROWS, PREC, UPCAST)
+    :func:`_near_scores`: ``dS`` (queries x keys, float32; transposed when the own rows are keys)
+    times the walked chunks ``w*``, each sub-tile level's columns only where row and column share
+    its block."""
+    if OWN_ROWS:
+        a = ds.to(w0.dtype)
+    else:
+        a = tl.trans(ds.to(w0.dtype))
+    g0, g1, g2, g3 = _prefix_grads(g0, g1, g2, g3, a, w0, w1, w2, w3, RC, NCC, CH, PREC, UPCAST)
     alive = n0 >= 0
     for f in range(NSUB):
         lo, hi, size, alive = _sub_level(SUB, f, alive, m0, m_last, n0, n_last)
         if alive:
             shared = (offs_m[:, None] // size) == (offs_n[None, :] // size)
             dsl = tl.where(shared, ds, 0.0).to(w0.dtype)
+            if not OWN_ROWS:
+                dsl = tl.trans(dsl)
             for C in tl.static_range(NCC - 1, NCH):
                 if (lo < (C + 1) * CH) & (hi > C * CH):
-                    g0, g1, g2, g3 = _grad_into(g0, g1, g2, g3, dsl,
-                                                _columns(_pick(w0, w1, w2, w3, C), C, CH, lo, hi), C,
-                                                OWN_ROWS, PREC, UPCAST)
+                    g0, g1, g2, g3 = _grad_into(g0, g1, g2, g3, dsl, _pick(w0, w1, w2, w3, C), C, CH, lo, hi,
+                                                True, PREC, UPCAST)
     return g0, g1, g2, g3
 
 
@@ -293,22 +325,22 @@ def _tier_end(x0, S, T):
 
 
 @triton.jit
-def _fwd_tile(acc, m_i, l_i, q0, q1, q2, q3, k_base, v_base, m0, offs_m, n0, depth, rank, stride_kt, stride_vt, T,
-              DV, qk_scale, RC, SUB, NC: tl.constexpr, NEAR: tl.constexpr, DIAG: tl.constexpr, CAUSAL: tl.constexpr,
+def _fwd_tile(acc, m_i, l_i, q0, q1, q2, q3, k_base, v_base, m0, offs_m, n0, depth, rank, R, stride_kt, stride_vt,
+              T, DV, qk_scale, RC, SUB, NC: tl.constexpr, NEAR: tl.constexpr, DIAG: tl.constexpr, CAUSAL: tl.constexpr,
               DEPTH_NORM: tl.constexpr, NSUB: tl.constexpr, NCC: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, CH: tl.constexpr, DVP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
     dv = tl.arange(0, DVP)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < T
-    if NEAR:  # ``rank`` is R: the walked chunks are whole, and each pair has its own depth
-        w0, w1, w2, w3 = _chunks(k_base, offs_n, n_ok, stride_kt, rank, CH, NC)
+    if NEAR:  # each pair has its own depth
+        w0, w1, w2, w3 = _chunks(k_base, offs_n, n_ok, stride_kt, R, CH, NC)
         s, shared = _near_scores(q0, q1, q2, q3, w0, w1, w2, w3, offs_m, offs_n, m0,
                                  tl.minimum(m0 + BLOCK_M, T) - 1, n0, tl.minimum(n0 + BLOCK_N, T) - 1, RC, SUB,
                                  NSUB, NCC, NC, CH, True, PREC, UPCAST)
         s = s * _depth_scale(qk_scale, depth + shared, DEPTH_NORM)
     else:
-        s, _, _, _, _ = _walked_scores(q0, q1, q2, q3, k_base, offs_n, n_ok, stride_kt, rank, NC, CH, True, PREC,
-                                       UPCAST)
+        s, _, _, _, _ = _walked_scores(q0, q1, q2, q3, k_base, offs_n, n_ok, stride_kt, R, rank, NC, CH, True,
+                                       PREC, UPCAST)
         s = s * _depth_scale(qk_scale, depth, DEPTH_NORM)
     if DIAG:
         if CAUSAL:
@@ -333,7 +365,7 @@ def _fwd_tiles(acc, m_i, l_i, q0, q1, q2, q3, k_base, v_base, m0, offs_m, lo, hi
                BLOCK_N: tl.constexpr, CH: tl.constexpr, DVP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
     for n0 in range(lo, hi, BLOCK_N):
         depth, rank = _depth_rank_near(m0, n0, fsize, frank, R, R1, NEAR)
-        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q0, q1, q2, q3, k_base, v_base, m0, offs_m, n0, depth, rank,
+        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q0, q1, q2, q3, k_base, v_base, m0, offs_m, n0, depth, rank, R,
                                   stride_kt, stride_vt, T, DV, qk_scale, RC, SUB, NC, NEAR, DIAG, CAUSAL, DEPTH_NORM,
                                   NSUB, NCC, BLOCK_M, BLOCK_N, CH, DVP, PREC, UPCAST)
     return acc, m_i, l_i
@@ -436,7 +468,7 @@ def _prefix_fwd_kernel(
 
 @triton.jit
 def _dkdv_tile(dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, lse_base, delta_base,
-               n0, offs_n, m0, depth, rank, stride_qt, stride_dot, T, DV, sm_scale, qk_scale, RC, SUB,
+               n0, offs_n, m0, depth, rank, R, stride_qt, stride_dot, T, DV, sm_scale, qk_scale, RC, SUB,
                NC: tl.constexpr, NEAR: tl.constexpr, DIAG: tl.constexpr, CAUSAL: tl.constexpr,
                DEPTH_NORM: tl.constexpr, NSUB: tl.constexpr, NCC: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, CH: tl.constexpr, DVP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
@@ -446,13 +478,13 @@ def _dkdv_tile(dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, 
     m_last = tl.minimum(m0 + BLOCK_M, T) - 1
     n_last = tl.minimum(n0 + BLOCK_N, T) - 1
     if NEAR:
-        q0, q1, q2, q3 = _chunks(q_base, offs_m, m_ok, stride_qt, rank, CH, NC)
+        q0, q1, q2, q3 = _chunks(q_base, offs_m, m_ok, stride_qt, R, CH, NC)
         s, shared = _near_scores(k0, k1, k2, k3, q0, q1, q2, q3, offs_m, offs_n, m0, m_last, n0, n_last, RC, SUB,
                                  NSUB, NCC, NC, CH, False, PREC, UPCAST)
         depth = depth + shared
     else:
-        s, q0, q1, q2, q3 = _walked_scores(k0, k1, k2, k3, q_base, offs_m, m_ok, stride_qt, rank, NC, CH, False,
-                                           PREC, UPCAST)
+        s, q0, q1, q2, q3 = _walked_scores(k0, k1, k2, k3, q_base, offs_m, m_ok, stride_qt, R, rank, NC, CH,
+                                           False, PREC, UPCAST)
     # Rows past T load zeros (q, dO, lse, delta), so they add nothing below.
     lse = tl.load(lse_base + offs_m, mask=m_ok, other=0.0)
     delta = tl.load(delta_base + offs_m, mask=m_ok, other=0.0)
@@ -469,14 +501,8 @@ def _dkdv_tile(dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, 
         dk0, dk1, dk2, dk3 = _near_grads(dk0, dk1, dk2, dk3, ds, q0, q1, q2, q3, offs_m, offs_n, m0, m_last, n0,
                                          n_last, RC, SUB, NSUB, NCC, NC, CH, False, PREC, UPCAST)
     else:
-        ds_t = tl.trans(ds.to(q0.dtype))
-        dk0 = dot_acc(ds_t, q0, dk0, PREC, UPCAST)
-        if NC > 1:
-            dk1 = dot_acc(ds_t, q1, dk1, PREC, UPCAST)
-        if NC > 2:
-            dk2 = dot_acc(ds_t, q2, dk2, PREC, UPCAST)
-        if NC > 3:
-            dk3 = dot_acc(ds_t, q3, dk3, PREC, UPCAST)
+        dk0, dk1, dk2, dk3 = _prefix_grads(dk0, dk1, dk2, dk3, tl.trans(ds.to(q0.dtype)), q0, q1, q2, q3, rank, NC,
+                                           CH, PREC, UPCAST)
     return dk0, dk1, dk2, dk3, dv_acc
 
 
@@ -490,7 +516,7 @@ def _dkdv_tiles(dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base,
         depth, rank = _depth_rank_near(m0, n0, fsize, frank, R, R1, NEAR)
         dk0, dk1, dk2, dk3, dv_acc = _dkdv_tile(
             dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, lse_base, delta_base,
-            n0, offs_n, m0, depth, rank, stride_qt, stride_dot, T, DV, sm_scale, qk_scale, RC, SUB,
+            n0, offs_n, m0, depth, rank, R, stride_qt, stride_dot, T, DV, sm_scale, qk_scale, RC, SUB,
             NC, NEAR, DIAG, CAUSAL, DEPTH_NORM, NSUB, NCC, BLOCK_M, BLOCK_N, CH, DVP, PREC, UPCAST)
     return dk0, dk1, dk2, dk3, dv_acc
 
@@ -598,7 +624,7 @@ def _prefix_dkdv_kernel(
 
 
 @triton.jit
-def _dq_tile(dq0, dq1, dq2, dq3, q0, q1, q2, q3, do, lse, delta, k_base, v_base, m0, offs_m, n0, depth, rank,
+def _dq_tile(dq0, dq1, dq2, dq3, q0, q1, q2, q3, do, lse, delta, k_base, v_base, m0, offs_m, n0, depth, rank, R,
              stride_kt, stride_vt, T, DV, sm_scale, qk_scale, RC, SUB,
              NC: tl.constexpr, NEAR: tl.constexpr, DIAG: tl.constexpr, CAUSAL: tl.constexpr,
              DEPTH_NORM: tl.constexpr, NSUB: tl.constexpr, NCC: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -609,12 +635,12 @@ def _dq_tile(dq0, dq1, dq2, dq3, q0, q1, q2, q3, do, lse, delta, k_base, v_base,
     m_last = tl.minimum(m0 + BLOCK_M, T) - 1
     n_last = tl.minimum(n0 + BLOCK_N, T) - 1
     if NEAR:
-        k0, k1, k2, k3 = _chunks(k_base, offs_n, n_ok, stride_kt, rank, CH, NC)
+        k0, k1, k2, k3 = _chunks(k_base, offs_n, n_ok, stride_kt, R, CH, NC)
         s, shared = _near_scores(q0, q1, q2, q3, k0, k1, k2, k3, offs_m, offs_n, m0, m_last, n0, n_last, RC, SUB,
                                  NSUB, NCC, NC, CH, True, PREC, UPCAST)
         depth = depth + shared
     else:
-        s, k0, k1, k2, k3 = _walked_scores(q0, q1, q2, q3, k_base, offs_n, n_ok, stride_kt, rank, NC, CH, True,
+        s, k0, k1, k2, k3 = _walked_scores(q0, q1, q2, q3, k_base, offs_n, n_ok, stride_kt, R, rank, NC, CH, True,
                                            PREC, UPCAST)
     p = tl.exp2(s * _depth_scale(qk_scale, depth, DEPTH_NORM) - lse[:, None])
     if DIAG:
@@ -630,14 +656,8 @@ def _dq_tile(dq0, dq1, dq2, dq3, q0, q1, q2, q3, do, lse, delta, k_base, v_base,
         dq0, dq1, dq2, dq3 = _near_grads(dq0, dq1, dq2, dq3, ds, k0, k1, k2, k3, offs_m, offs_n, m0, m_last, n0,
                                          n_last, RC, SUB, NSUB, NCC, NC, CH, True, PREC, UPCAST)
     else:
-        ds = ds.to(k0.dtype)
-        dq0 = dot_acc(ds, k0, dq0, PREC, UPCAST)
-        if NC > 1:
-            dq1 = dot_acc(ds, k1, dq1, PREC, UPCAST)
-        if NC > 2:
-            dq2 = dot_acc(ds, k2, dq2, PREC, UPCAST)
-        if NC > 3:
-            dq3 = dot_acc(ds, k3, dq3, PREC, UPCAST)
+        dq0, dq1, dq2, dq3 = _prefix_grads(dq0, dq1, dq2, dq3, ds.to(k0.dtype), k0, k1, k2, k3, rank, NC, CH, PREC,
+                                           UPCAST)
     return dq0, dq1, dq2, dq3
 
 
@@ -650,7 +670,7 @@ def _dq_tiles(dq0, dq1, dq2, dq3, q0, q1, q2, q3, do, lse, delta, k_base, v_base
     for n0 in range(lo, hi, BLOCK_N):
         depth, rank = _depth_rank_near(m0, n0, fsize, frank, R, R1, NEAR)
         dq0, dq1, dq2, dq3 = _dq_tile(dq0, dq1, dq2, dq3, q0, q1, q2, q3, do, lse, delta, k_base, v_base,
-                                      m0, offs_m, n0, depth, rank, stride_kt, stride_vt, T, DV, sm_scale,
+                                      m0, offs_m, n0, depth, rank, R, stride_kt, stride_vt, T, DV, sm_scale,
                                       qk_scale, RC, SUB, NC, NEAR, DIAG, CAUSAL, DEPTH_NORM, NSUB, NCC, BLOCK_M,
                                       BLOCK_N, CH, DVP, PREC, UPCAST)
     return dq0, dq1, dq2, dq3
