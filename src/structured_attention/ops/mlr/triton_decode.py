@@ -107,7 +107,8 @@ def _mlr_decode_split_kernel(
     stride_qb, stride_qh, stride_k0b, stride_k0h, stride_vb, stride_vh, stride_vt,
     HK: tl.constexpr, G: tl.constexpr,
     R0: tl.constexpr, DV: tl.constexpr, N_FINE: tl.constexpr, DEPTH_NORMALIZE: tl.constexpr,
-    BLOCK_G: tl.constexpr, R0P: tl.constexpr, RFP: tl.constexpr, DVP: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_G: tl.constexpr, R0P: tl.constexpr, RF: tl.constexpr, RFP: tl.constexpr, DVP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     ALIGN: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, HAS_ROW_STARTS: tl.constexpr,
     RINGS: tl.constexpr,
 ):
@@ -149,7 +150,13 @@ def _mlr_decode_split_kernel(
             k0 = tl.load(k0_rows + n[:, None] * R0 + d0[None, :], mask=n_ok[:, None] & (d0[None, :] < R0), other=0.0)
             s = dot(q0, tl.trans(k0), PREC, UPCAST)  # (BLOCK_G, BLOCK_N)
             for i in tl.static_range(j):
-                rank = tl.load(FINE_RANK + i)
+                # A rank known at compile time (RF: every finer level's, when they are equal) keeps
+                # the load's mask constant along a row, so the rows load as vectors and the loads are
+                # issued a tile ahead; a rank read from the table leaves each load to its own tile.
+                if RF > 0:
+                    rank = RF
+                else:
+                    rank = tl.load(FINE_RANK + i)
                 row = tl.multiple_of(tl.load(FINE_OFFS + i) + b * tl.load(FINE_STRIDES + 3 * i)
                                      + hk * tl.load(FINE_STRIDES + 3 * i + 1), ALIGN)
                 step = tl.multiple_of(tl.load(FINE_STRIDES + 3 * i + 2), ALIGN)
@@ -348,7 +355,7 @@ def _launch(q: torch.Tensor, keys: list[torch.Tensor], key_starts: list[int], v:
     _mlr_decode_split_kernel[(B * Hk, n_splits)](
         q, k0, t.base, v, t.offsets, t.strides, t.starts, t.query_dims, t.ranks, rows,
         t.starts if slot is None else slot, t.rings, part_acc, part_m, part_l, *scalars,
-        RFP=pow2(max(ranks[1:], default=1), 16), ALIGN=t.align,
+        RF=ranks[1] if len(set(ranks[1:])) == 1 else 0, RFP=pow2(max(ranks[1:], default=1), 16), ALIGN=t.align,
         HAS_ROW_STARTS=row_starts is not None, RINGS=slot is not None, **common,
     )
     out = torch.empty(B, H, 1, Dv, dtype=v.dtype, device=device)
