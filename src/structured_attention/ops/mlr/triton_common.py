@@ -10,8 +10,8 @@ import triton.language as tl
 
 from .contract import document_bounds
 
-__all__ = ["INTERPRETED", "cdiv", "device_table", "dot", "dot_acc", "load_segment", "pow2", "segments_of_documents",
-           "segments_of_rows"]
+__all__ = ["INTERPRETED", "blocks_meet", "cdiv", "device_table", "dot", "dot_acc", "load_segment", "pow2",
+           "segments_of_documents", "segments_of_rows"]
 
 
 @triton.jit
@@ -36,6 +36,12 @@ def dot_acc(a, b, acc, PREC: tl.constexpr, UPCAST: tl.constexpr):
     else:
         out = tl.dot(a, b, acc, input_precision=PREC)
     return out
+
+
+@triton.jit
+def blocks_meet(size, m0, m_last, n0, n_last):
+    """Whether rows ``[m0, m_last]`` and columns ``[n0, n_last]`` share a block of ``size`` anywhere."""
+    return (n0 // size <= m_last // size) & (m0 // size <= n_last // size)
 
 
 @triton.jit

@@ -46,7 +46,7 @@ import triton.language as tl
 
 from ..._checks import require
 from .contract import attach_backward, check_mlr_arguments
-from .triton_common import (INTERPRETED, cdiv, device_table, dot, load_segment, pow2,
+from .triton_common import (INTERPRETED, blocks_meet, cdiv, device_table, dot, load_segment, pow2,
                             segments_of_documents, segments_of_rows)
 from .triton_prefix import mlr_attention_prefix, square_tiles
 
@@ -67,8 +67,7 @@ def _fine_level(FOFF, FRANK, FSIZE, level, alive, m0, m_last, n0, n_last):
     carries the answer of the coarser levels: blocks are nested, so a level no pair shares leaves
     every finer level unshared too)."""
     size = tl.load(FSIZE + level)
-    meets = alive & (n0 // size <= m_last // size) & (m0 // size <= n_last // size)
-    return tl.load(FOFF + level), tl.load(FRANK + level), size, meets
+    return tl.load(FOFF + level), tl.load(FRANK + level), size, alive & blocks_meet(size, m0, m_last, n0, n_last)
 
 
 @triton.jit

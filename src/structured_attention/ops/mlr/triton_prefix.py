@@ -48,8 +48,8 @@ import triton
 import triton.language as tl
 
 from .contract import attach_backward
-from .triton_common import (INTERPRETED, cdiv, device_table, dot, dot_acc, load_segment, pow2, segments_of_documents,
-                            segments_of_rows)
+from .triton_common import (INTERPRETED, blocks_meet, cdiv, device_table, dot, dot_acc, load_segment, pow2,
+                            segments_of_documents, segments_of_rows)
 
 __all__ = ["PrefixTiles", "square_tiles", "mlr_attention_prefix"]
 
@@ -168,17 +168,6 @@ def _prefix_scores(o0, o1, o2, o3, w0, w1, w2, w3, rank, NC: tl.constexpr, CH: t
 
 
 @triton.jit
-def _walked_scores(o0, o1, o2, o3, base, offs, ok, stride_t, R, rank, NC: tl.constexpr, CH: tl.constexpr,
-                   OWN_ROWS: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
-    """Load the first ``NC`` chunks of the walked tile's rows ``offs`` and score them against the own
-    tile's chunks ``o*`` over the first ``rank`` columns (queries x keys). Returns the scores and
-    the loaded chunks (whole: the gradients cut them at ``rank`` with :func:`_prefix_grads`)."""
-    c0, c1, c2, c3 = _chunks(base, offs, ok, stride_t, R, CH, NC)
-    s = _prefix_scores(o0, o1, o2, o3, c0, c1, c2, c3, rank, NC, CH, OWN_ROWS, PREC, UPCAST)
-    return s, c0, c1, c2, c3
-
-
-@triton.jit
 def _grad_into(g0, g1, g2, g3, a, w, C: tl.constexpr, CH: tl.constexpr, lo, hi, MASK: tl.constexpr,
                PREC: tl.constexpr, UPCAST: tl.constexpr):
     """Add ``a @ w`` into gradient chunk ``C``; with ``MASK`` only its columns in ``[lo, hi)`` (the
@@ -237,8 +226,7 @@ def _sub_level(SUB, f, alive, m0, m_last, n0, n_last):
     (rows ``[m0, m_last]``, columns ``[n0, n_last]``) shares one of its blocks anywhere (``alive``
     carries the coarser levels' answer: blocks are nested)."""
     size = tl.load(SUB + 3 * f + 2)
-    meets = alive & (n0 // size <= m_last // size) & (m0 // size <= n_last // size)
-    return tl.load(SUB + 3 * f), tl.load(SUB + 3 * f + 1), size, meets
+    return tl.load(SUB + 3 * f), tl.load(SUB + 3 * f + 1), size, alive & blocks_meet(size, m0, m_last, n0, n_last)
 
 
 @triton.jit
@@ -266,6 +254,25 @@ def _near_scores(o0, o1, o2, o3, w0, w1, w2, w3, offs_m, offs_n, m0, m_last, n0,
             s += tl.where(shared, part, 0.0)
             shared_levels += shared.to(tl.float32)
     return s, shared_levels
+
+
+@triton.jit
+def _tile_scores(o0, o1, o2, o3, base, offs, ok, stride_t, offs_m, offs_n, m0, m_last, n0, n_last, R, rank, RC, SUB,
+                 NEAR: tl.constexpr, NSUB: tl.constexpr, NCC: tl.constexpr, NC: tl.constexpr, CH: tl.constexpr,
+                 OWN_ROWS: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """Load the first ``NC`` chunks of the walked tile's rows ``offs`` and score the tile pair
+    against the own tile's chunks ``o*`` (queries x keys, rows ``[m0, m_last]``, columns
+    ``[n0, n_last]``): over the first ``rank`` columns, or ``NEAR`` the diagonal pair by pair
+    (:func:`_near_scores`). Returns the scores, the number of sub-tile levels each pair shares (0
+    away from the diagonal) and the walked chunks, whole (the gradients cut them as the scores did)."""
+    w0, w1, w2, w3 = _chunks(base, offs, ok, stride_t, R, CH, NC)
+    if NEAR:
+        s, shared = _near_scores(o0, o1, o2, o3, w0, w1, w2, w3, offs_m, offs_n, m0, m_last, n0, n_last, RC, SUB,
+                                 NSUB, NCC, NC, CH, OWN_ROWS, PREC, UPCAST)
+    else:
+        s = _prefix_scores(o0, o1, o2, o3, w0, w1, w2, w3, rank, NC, CH, OWN_ROWS, PREC, UPCAST)
+        shared = 0
+    return s, shared, w0, w1, w2, w3
 
 
 @triton.jit
@@ -332,16 +339,10 @@ def _fwd_tile(acc, m_i, l_i, q0, q1, q2, q3, k_base, v_base, m0, offs_m, n0, dep
     dv = tl.arange(0, DVP)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < T
-    if NEAR:  # each pair has its own depth
-        w0, w1, w2, w3 = _chunks(k_base, offs_n, n_ok, stride_kt, R, CH, NC)
-        s, shared = _near_scores(q0, q1, q2, q3, w0, w1, w2, w3, offs_m, offs_n, m0,
-                                 tl.minimum(m0 + BLOCK_M, T) - 1, n0, tl.minimum(n0 + BLOCK_N, T) - 1, RC, SUB,
-                                 NSUB, NCC, NC, CH, True, PREC, UPCAST)
-        s = s * _depth_scale(qk_scale, depth + shared, DEPTH_NORM)
-    else:
-        s, _, _, _, _ = _walked_scores(q0, q1, q2, q3, k_base, offs_n, n_ok, stride_kt, R, rank, NC, CH, True,
-                                       PREC, UPCAST)
-        s = s * _depth_scale(qk_scale, depth, DEPTH_NORM)
+    s, shared, _, _, _, _ = _tile_scores(q0, q1, q2, q3, k_base, offs_n, n_ok, stride_kt, offs_m, offs_n, m0,
+                                         tl.minimum(m0 + BLOCK_M, T) - 1, n0, tl.minimum(n0 + BLOCK_N, T) - 1, R,
+                                         rank, RC, SUB, NEAR, NSUB, NCC, NC, CH, True, PREC, UPCAST)
+    s = s * _depth_scale(qk_scale, depth + shared, DEPTH_NORM)
     if DIAG:
         if CAUSAL:
             s = tl.where(offs_m[:, None] >= offs_n[None, :], s, float("-inf"))
@@ -477,14 +478,10 @@ def _dkdv_tile(dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, 
     m_ok = offs_m < T
     m_last = tl.minimum(m0 + BLOCK_M, T) - 1
     n_last = tl.minimum(n0 + BLOCK_N, T) - 1
-    if NEAR:
-        q0, q1, q2, q3 = _chunks(q_base, offs_m, m_ok, stride_qt, R, CH, NC)
-        s, shared = _near_scores(k0, k1, k2, k3, q0, q1, q2, q3, offs_m, offs_n, m0, m_last, n0, n_last, RC, SUB,
-                                 NSUB, NCC, NC, CH, False, PREC, UPCAST)
-        depth = depth + shared
-    else:
-        s, q0, q1, q2, q3 = _walked_scores(k0, k1, k2, k3, q_base, offs_m, m_ok, stride_qt, R, rank, NC, CH,
-                                           False, PREC, UPCAST)
+    s, shared, q0, q1, q2, q3 = _tile_scores(k0, k1, k2, k3, q_base, offs_m, m_ok, stride_qt, offs_m, offs_n, m0,
+                                             m_last, n0, n_last, R, rank, RC, SUB, NEAR, NSUB, NCC, NC, CH, False,
+                                             PREC, UPCAST)
+    depth = depth + shared
     # Rows past T load zeros (q, dO, lse, delta), so they add nothing below.
     lse = tl.load(lse_base + offs_m, mask=m_ok, other=0.0)
     delta = tl.load(delta_base + offs_m, mask=m_ok, other=0.0)
@@ -634,14 +631,10 @@ def _dq_tile(dq0, dq1, dq2, dq3, q0, q1, q2, q3, do, lse, delta, k_base, v_base,
     n_ok = offs_n < T
     m_last = tl.minimum(m0 + BLOCK_M, T) - 1
     n_last = tl.minimum(n0 + BLOCK_N, T) - 1
-    if NEAR:
-        k0, k1, k2, k3 = _chunks(k_base, offs_n, n_ok, stride_kt, R, CH, NC)
-        s, shared = _near_scores(q0, q1, q2, q3, k0, k1, k2, k3, offs_m, offs_n, m0, m_last, n0, n_last, RC, SUB,
-                                 NSUB, NCC, NC, CH, True, PREC, UPCAST)
-        depth = depth + shared
-    else:
-        s, k0, k1, k2, k3 = _walked_scores(q0, q1, q2, q3, k_base, offs_n, n_ok, stride_kt, R, rank, NC, CH, True,
-                                           PREC, UPCAST)
+    s, shared, k0, k1, k2, k3 = _tile_scores(q0, q1, q2, q3, k_base, offs_n, n_ok, stride_kt, offs_m, offs_n, m0,
+                                             m_last, n0, n_last, R, rank, RC, SUB, NEAR, NSUB, NCC, NC, CH, True,
+                                             PREC, UPCAST)
+    depth = depth + shared
     p = tl.exp2(s * _depth_scale(qk_scale, depth, DEPTH_NORM) - lse[:, None])
     if DIAG:
         if CAUSAL:
