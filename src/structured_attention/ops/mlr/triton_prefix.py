@@ -69,12 +69,12 @@ def _depth_rank(x0, y0, fsize, frank, R1):
 
 
 @triton.jit
-def _depth_rank_near(x0, y0, fsize, frank, R, R1, NEAR: tl.constexpr):
+def _depth_rank_near(x0, y0, fsize, frank, R1, RC, NEAR: tl.constexpr):
     """:func:`_depth_rank`, or for a near tile pair (inside the own tile's block of every coarse
-    level) the coarse depth and the whole head: its sub-tile levels are added pair by pair."""
+    level) the coarse depth and prefix ``RC``: its sub-tile levels are added pair by pair."""
     if NEAR:
         depth = 1 + tl.sum((frank > 0).to(tl.int32), axis=0)
-        rank = R
+        rank = RC
     else:
         depth, rank = _depth_rank(x0, y0, fsize, frank, R1)
     return depth, rank
@@ -257,17 +257,17 @@ def _near_scores(o0, o1, o2, o3, w0, w1, w2, w3, offs_m, offs_n, m0, m_last, n0,
 
 
 @triton.jit
-def _tile_scores(o0, o1, o2, o3, base, offs, ok, stride_t, offs_m, offs_n, m0, m_last, n0, n_last, R, rank, RC, SUB,
+def _tile_scores(o0, o1, o2, o3, base, offs, ok, stride_t, offs_m, offs_n, m0, m_last, n0, n_last, R, rank, SUB,
                  NEAR: tl.constexpr, NSUB: tl.constexpr, NCC: tl.constexpr, NC: tl.constexpr, CH: tl.constexpr,
                  OWN_ROWS: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
     """Load the first ``NC`` chunks of the walked tile's rows ``offs`` and score the tile pair
     against the own tile's chunks ``o*`` (queries x keys, rows ``[m0, m_last]``, columns
     ``[n0, n_last]``): over the first ``rank`` columns, or ``NEAR`` the diagonal pair by pair
-    (:func:`_near_scores`). Returns the scores, the number of sub-tile levels each pair shares (0
+    (:func:`_near_scores`, ``rank`` the coarse prefix). Returns the scores, the number of sub-tile levels each pair shares (0
     away from the diagonal) and the walked chunks, whole (the gradients cut them as the scores did)."""
     w0, w1, w2, w3 = _chunks(base, offs, ok, stride_t, R, CH, NC)
     if NEAR:
-        s, shared = _near_scores(o0, o1, o2, o3, w0, w1, w2, w3, offs_m, offs_n, m0, m_last, n0, n_last, RC, SUB,
+        s, shared = _near_scores(o0, o1, o2, o3, w0, w1, w2, w3, offs_m, offs_n, m0, m_last, n0, n_last, rank, SUB,
                                  NSUB, NCC, NC, CH, OWN_ROWS, PREC, UPCAST)
     else:
         s = _prefix_scores(o0, o1, o2, o3, w0, w1, w2, w3, rank, NC, CH, OWN_ROWS, PREC, UPCAST)
@@ -333,7 +333,7 @@ def _tier_end(x0, S, T):
 
 @triton.jit
 def _fwd_tile(acc, m_i, l_i, q0, q1, q2, q3, k_base, v_base, m0, offs_m, n0, depth, rank, R, stride_kt, stride_vt,
-              T, DV, qk_scale, RC, SUB, NC: tl.constexpr, NEAR: tl.constexpr, DIAG: tl.constexpr, CAUSAL: tl.constexpr,
+              T, DV, qk_scale, SUB, NC: tl.constexpr, NEAR: tl.constexpr, DIAG: tl.constexpr, CAUSAL: tl.constexpr,
               DEPTH_NORM: tl.constexpr, NSUB: tl.constexpr, NCC: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, CH: tl.constexpr, DVP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
     dv = tl.arange(0, DVP)
@@ -341,7 +341,7 @@ def _fwd_tile(acc, m_i, l_i, q0, q1, q2, q3, k_base, v_base, m0, offs_m, n0, dep
     n_ok = offs_n < T
     s, shared, _, _, _, _ = _tile_scores(q0, q1, q2, q3, k_base, offs_n, n_ok, stride_kt, offs_m, offs_n, m0,
                                          tl.minimum(m0 + BLOCK_M, T) - 1, n0, tl.minimum(n0 + BLOCK_N, T) - 1, R,
-                                         rank, RC, SUB, NEAR, NSUB, NCC, NC, CH, True, PREC, UPCAST)
+                                         rank, SUB, NEAR, NSUB, NCC, NC, CH, True, PREC, UPCAST)
     s = s * _depth_scale(qk_scale, depth + shared, DEPTH_NORM)
     if DIAG:
         if CAUSAL:
@@ -365,9 +365,9 @@ def _fwd_tiles(acc, m_i, l_i, q0, q1, q2, q3, k_base, v_base, m0, offs_m, lo, hi
                DEPTH_NORM: tl.constexpr, NSUB: tl.constexpr, NCC: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, CH: tl.constexpr, DVP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
     for n0 in range(lo, hi, BLOCK_N):
-        depth, rank = _depth_rank_near(m0, n0, fsize, frank, R, R1, NEAR)
+        depth, rank = _depth_rank_near(m0, n0, fsize, frank, R1, RC, NEAR)
         acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q0, q1, q2, q3, k_base, v_base, m0, offs_m, n0, depth, rank, R,
-                                  stride_kt, stride_vt, T, DV, qk_scale, RC, SUB, NC, NEAR, DIAG, CAUSAL, DEPTH_NORM,
+                                  stride_kt, stride_vt, T, DV, qk_scale, SUB, NC, NEAR, DIAG, CAUSAL, DEPTH_NORM,
                                   NSUB, NCC, BLOCK_M, BLOCK_N, CH, DVP, PREC, UPCAST)
     return acc, m_i, l_i
 
@@ -469,7 +469,7 @@ def _prefix_fwd_kernel(
 
 @triton.jit
 def _dkdv_tile(dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, lse_base, delta_base,
-               n0, offs_n, m0, depth, rank, R, stride_qt, stride_dot, T, DV, sm_scale, qk_scale, RC, SUB,
+               n0, offs_n, m0, depth, rank, R, stride_qt, stride_dot, T, DV, sm_scale, qk_scale, SUB,
                NC: tl.constexpr, NEAR: tl.constexpr, DIAG: tl.constexpr, CAUSAL: tl.constexpr,
                DEPTH_NORM: tl.constexpr, NSUB: tl.constexpr, NCC: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, CH: tl.constexpr, DVP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
@@ -479,7 +479,7 @@ def _dkdv_tile(dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, 
     m_last = tl.minimum(m0 + BLOCK_M, T) - 1
     n_last = tl.minimum(n0 + BLOCK_N, T) - 1
     s, shared, q0, q1, q2, q3 = _tile_scores(k0, k1, k2, k3, q_base, offs_m, m_ok, stride_qt, offs_m, offs_n, m0,
-                                             m_last, n0, n_last, R, rank, RC, SUB, NEAR, NSUB, NCC, NC, CH, False,
+                                             m_last, n0, n_last, R, rank, SUB, NEAR, NSUB, NCC, NC, CH, False,
                                              PREC, UPCAST)
     depth = depth + shared
     # Rows past T load zeros (q, dO, lse, delta), so they add nothing below.
@@ -496,7 +496,7 @@ def _dkdv_tile(dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, 
     ds = p * (dp - delta[:, None]) * _depth_scale(sm_scale, depth, DEPTH_NORM)
     if NEAR:
         dk0, dk1, dk2, dk3 = _near_grads(dk0, dk1, dk2, dk3, ds, q0, q1, q2, q3, offs_m, offs_n, m0, m_last, n0,
-                                         n_last, RC, SUB, NSUB, NCC, NC, CH, False, PREC, UPCAST)
+                                         n_last, rank, SUB, NSUB, NCC, NC, CH, False, PREC, UPCAST)
     else:
         dk0, dk1, dk2, dk3 = _prefix_grads(dk0, dk1, dk2, dk3, tl.trans(ds.to(q0.dtype)), q0, q1, q2, q3, rank, NC,
                                            CH, PREC, UPCAST)
@@ -510,10 +510,10 @@ def _dkdv_tiles(dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base,
                 DEPTH_NORM: tl.constexpr, NSUB: tl.constexpr, NCC: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, CH: tl.constexpr, DVP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
     for m0 in range(lo, hi, BLOCK_M):
-        depth, rank = _depth_rank_near(m0, n0, fsize, frank, R, R1, NEAR)
+        depth, rank = _depth_rank_near(m0, n0, fsize, frank, R1, RC, NEAR)
         dk0, dk1, dk2, dk3, dv_acc = _dkdv_tile(
             dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, lse_base, delta_base,
-            n0, offs_n, m0, depth, rank, R, stride_qt, stride_dot, T, DV, sm_scale, qk_scale, RC, SUB,
+            n0, offs_n, m0, depth, rank, R, stride_qt, stride_dot, T, DV, sm_scale, qk_scale, SUB,
             NC, NEAR, DIAG, CAUSAL, DEPTH_NORM, NSUB, NCC, BLOCK_M, BLOCK_N, CH, DVP, PREC, UPCAST)
     return dk0, dk1, dk2, dk3, dv_acc
 
@@ -622,7 +622,7 @@ def _prefix_dkdv_kernel(
 
 @triton.jit
 def _dq_tile(dq0, dq1, dq2, dq3, q0, q1, q2, q3, do, lse, delta, k_base, v_base, m0, offs_m, n0, depth, rank, R,
-             stride_kt, stride_vt, T, DV, sm_scale, qk_scale, RC, SUB,
+             stride_kt, stride_vt, T, DV, sm_scale, qk_scale, SUB,
              NC: tl.constexpr, NEAR: tl.constexpr, DIAG: tl.constexpr, CAUSAL: tl.constexpr,
              DEPTH_NORM: tl.constexpr, NSUB: tl.constexpr, NCC: tl.constexpr, BLOCK_M: tl.constexpr,
              BLOCK_N: tl.constexpr, CH: tl.constexpr, DVP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
@@ -632,7 +632,7 @@ def _dq_tile(dq0, dq1, dq2, dq3, q0, q1, q2, q3, do, lse, delta, k_base, v_base,
     m_last = tl.minimum(m0 + BLOCK_M, T) - 1
     n_last = tl.minimum(n0 + BLOCK_N, T) - 1
     s, shared, k0, k1, k2, k3 = _tile_scores(q0, q1, q2, q3, k_base, offs_n, n_ok, stride_kt, offs_m, offs_n, m0,
-                                             m_last, n0, n_last, R, rank, RC, SUB, NEAR, NSUB, NCC, NC, CH, True,
+                                             m_last, n0, n_last, R, rank, SUB, NEAR, NSUB, NCC, NC, CH, True,
                                              PREC, UPCAST)
     depth = depth + shared
     p = tl.exp2(s * _depth_scale(qk_scale, depth, DEPTH_NORM) - lse[:, None])
@@ -647,7 +647,7 @@ def _dq_tile(dq0, dq1, dq2, dq3, q0, q1, q2, q3, do, lse, delta, k_base, v_base,
     ds = p * (dp - delta[:, None]) * _depth_scale(sm_scale, depth, DEPTH_NORM)
     if NEAR:
         dq0, dq1, dq2, dq3 = _near_grads(dq0, dq1, dq2, dq3, ds, k0, k1, k2, k3, offs_m, offs_n, m0, m_last, n0,
-                                         n_last, RC, SUB, NSUB, NCC, NC, CH, True, PREC, UPCAST)
+                                         n_last, rank, SUB, NSUB, NCC, NC, CH, True, PREC, UPCAST)
     else:
         dq0, dq1, dq2, dq3 = _prefix_grads(dq0, dq1, dq2, dq3, ds.to(k0.dtype), k0, k1, k2, k3, rank, NC, CH, PREC,
                                            UPCAST)
@@ -661,10 +661,10 @@ def _dq_tiles(dq0, dq1, dq2, dq3, q0, q1, q2, q3, do, lse, delta, k_base, v_base
               DEPTH_NORM: tl.constexpr, NSUB: tl.constexpr, NCC: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, CH: tl.constexpr, DVP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
     for n0 in range(lo, hi, BLOCK_N):
-        depth, rank = _depth_rank_near(m0, n0, fsize, frank, R, R1, NEAR)
+        depth, rank = _depth_rank_near(m0, n0, fsize, frank, R1, RC, NEAR)
         dq0, dq1, dq2, dq3 = _dq_tile(dq0, dq1, dq2, dq3, q0, q1, q2, q3, do, lse, delta, k_base, v_base,
                                       m0, offs_m, n0, depth, rank, R, stride_kt, stride_vt, T, DV, sm_scale,
-                                      qk_scale, RC, SUB, NC, NEAR, DIAG, CAUSAL, DEPTH_NORM, NSUB, NCC, BLOCK_M,
+                                      qk_scale, SUB, NC, NEAR, DIAG, CAUSAL, DEPTH_NORM, NSUB, NCC, BLOCK_M,
                                       BLOCK_N, CH, DVP, PREC, UPCAST)
     return dq0, dq1, dq2, dq3
 
