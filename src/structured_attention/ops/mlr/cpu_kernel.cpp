@@ -37,6 +37,10 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
@@ -584,14 +588,29 @@ void backward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   });
 }
 
+// The key loops below fetch the group of eight keys 128 keys ahead of the one they score (4 KiB
+// with 8 dims): the hardware's stream prefetcher stops at every 4 KiB page, and a step's key runs
+// (level 1's 512 KiB per row and head at a 16k cache, the rings' 4-256 KiB) are short and many.
+// With 8 levels of rank 8, batch 16 and a 16k cache (out of the last-level cache) it made the step
+// 1.10x faster; the value rows, 256 B each, gained nothing from the same. A prefetch past the end
+// of a buffer is dropped by the hardware, not a fault.
+constexpr int64_t kKeysAhead = 128;
+
+template <typename T>
+inline void prefetch_keys(const T* k, int64_t st, int64_t j) {
+  const T* ahead = k + (j + kKeysAhead) * st;
+  for (int64_t c = 0; c < 8 * st; c += 64 / static_cast<int64_t>(sizeof(T))) __builtin_prefetch(ahead + c);
+}
+
 // s[j] += <q, k_j> for n keys of r dims, k_j at k + j * st. Short rows go eight keys at a time
 // (eight independent sums rather than one dependent chain per key); long rows vectorise each dot.
 template <typename T>
-void add_key_scores(const T* q, const T* k, int64_t st, int64_t r, int64_t n, T* s) {
+void add_key_scores_generic(const T* q, const T* k, int64_t st, int64_t r, int64_t n, T* s) {
   int64_t j = 0;
   if (r < 32) {
     for (; j + 8 <= n; j += 8) {
       const T* kr = k + j * st;
+      prefetch_keys(k, st, j);
       T dot[8] = {};
       for (int64_t d = 0; d < r; ++d)
         for (int u = 0; u < 8; ++u) dot[u] += q[d] * kr[u * st + d];
@@ -606,6 +625,52 @@ void add_key_scores(const T* q, const T* k, int64_t st, int64_t r, int64_t n, T*
     s[j] += dot;
   }
 }
+
+template <typename T>
+void add_key_scores(const T* q, const T* k, int64_t st, int64_t r, int64_t n, T* s) {
+  add_key_scores_generic(q, k, st, r, n, s);
+}
+
+#if defined(__AVX2__)
+// The eight lanes' sums of a0..a7, in order: a transposing tree of horizontal adds.
+inline __m256 lane_sums8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6, __m256 a7) {
+  // per 128-bit half: [a0 0+1, a0 2+3, a1 0+1, a1 2+3], and so on
+  const __m256 b0 = _mm256_hadd_ps(a0, a1), b1 = _mm256_hadd_ps(a2, a3);
+  const __m256 b2 = _mm256_hadd_ps(a4, a5), b3 = _mm256_hadd_ps(a6, a7);
+  // per half: a0..a3's (then a4..a7's) sums over the half's four lanes
+  const __m256 c0 = _mm256_hadd_ps(b0, b1), c1 = _mm256_hadd_ps(b2, b3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(c0, c1, 0x20), _mm256_permute2f128_ps(c0, c1, 0x31));
+}
+
+// add_key_scores for float keys of r = 8m dims: eight keys at a time, each key's products summed
+// over its 8-dim chunks in one vector, then the eight vectors reduced together, rather than a
+// horizontal sum per key (1.04x on the step above without the prefetch, 1.08x with it; 1.05x with
+// batch 1, the cache in the last-level cache). A short last group reads its missing keys as zeros,
+// so that a key's score is the same wherever its group starts (growing and static caches cut the
+// keys into different runs).
+void add_key_scores_by8(const float* q, const float* k, int64_t st, int64_t r, int64_t n, float* s) {
+  for (int64_t j = 0; j < n; j += 8) {
+    const int64_t m = std::min<int64_t>(8, n - j);
+    prefetch_keys(k, st, j);
+    __m256 p[8];
+    for (int u = 0; u < 8; ++u) {
+      p[u] = _mm256_setzero_ps();
+      if (u < m)
+        for (int64_t c = 0; c < r; c += 8)
+          p[u] = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), _mm256_loadu_ps(k + (j + u) * st + c), p[u]);
+    }
+    alignas(32) float dot[8];
+    _mm256_store_ps(dot, lane_sums8(p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]));
+    for (int64_t u = 0; u < m; ++u) s[j + u] += dot[u];
+  }
+}
+
+template <>
+void add_key_scores<float>(const float* q, const float* k, int64_t st, int64_t r, int64_t n, float* s) {
+  if (r % 8 == 0) return add_key_scores_by8(q, k, st, r, n, s);
+  add_key_scores_generic(q, k, st, r, n, s);
+}
+#endif
 
 // acc[d] += sum_j w[j] * rows[j * st + d] for n rows of Dv values. The float version keeps the
 // row's accumulators in vector registers across all rows (up to 8 vectors: Dv a multiple of the
