@@ -171,6 +171,9 @@ def test_opcheck_static_decoding_ops():
     slot, offsets = torch.tensor(21), torch.tensor([0, 3])
     real = torch.ones(2, T, dtype=torch.bool)
     opcheck(masked_decode, (_rand(2, 4, 1, R), _rand(2, 2, T, R), _rand(2, 2, T, DV), real, 0.5))
+    real[:, 22:] = False  # a static cache before its end, one row padded: the CPU reads 22 slots, masked
+    real[1, :3] = False
+    opcheck(masked_decode, (_rand(2, 4, 1, R), _rand(2, 2, T, R), _rand(2, 2, T, DV), real, 0.5))
     keys = [_rand(2, 2, T, 4), _rand(2, 2, 8, 4)]
     opcheck(mlr_decode_static, (_rand(2, 4, 1, R), keys, _rand(2, 2, T, DV), slot, offsets, [4, 4], [32, 8], 0.5, True))
 

@@ -83,6 +83,31 @@ def test_static_mlr_step_in_aten_ops_matches_the_kernel(name, monkeypatch):
     test_static_decoding_matches_each_row_alone(name)
 
 
+@pytest.mark.parametrize("name", ["mha", "gqa", "bilinear_btt", "bilinear_mlr"])
+def test_a_cpu_static_step_reads_no_slot_past_the_last_real_one(name):
+    """On the CPU the static read stops at the last real slot (a static cache early in its context
+    costs what a growing one does): slots past it hold NaN here, and the steps still equal those
+    of a growing cache, for a padded batch too (the mask then stays for the padding)."""
+    layer = make(SPECS[name])
+    x = torch.randn(2, CTX, D, generator=torch.Generator().manual_seed(4))
+    mask = torch.ones(2, CTX, dtype=torch.long)
+    mask[1, :3] = 0
+    for rows in (mask, None):
+        outs = []
+        for static in (False, True):
+            cache = layer.new_cache(batch_size=2, static=static)
+            with torch.no_grad():
+                layer(x[:, :PROMPT], cache, attention_mask=None if rows is None else rows[:, :PROMPT])
+                steps = [layer(x[:, PROMPT:PROMPT + 1], cache)]
+                if static:
+                    for buffer in cache.buffers.values():
+                        buffer[:, :, PROMPT + 1:] = float("nan")
+                steps += [layer(x[:, i:i + 1], cache) for i in range(PROMPT + 1, PROMPT + 6)]
+            outs.append(torch.cat(steps, dim=1))
+        assert outs[1].isfinite().all()
+        torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("spec", ["mlr:8|8|8|8", "mlr:16|8|8", "mlr:8|8|8|8:depth_normalize=true"])
 def test_static_and_growing_caches_decode_to_the_same_bits_in_the_cpu_kernel(spec):
     """The C++ kernel gets a static cache's finer levels in ring runs that start elsewhere than a

@@ -1,4 +1,4 @@
-"""One query per row against every slot of a static cache (``StaticKVCache``), as a custom op, so
+"""One query per row against the slots of a static cache (``StaticKVCache``), as a custom op, so
 that ``torch.compile`` keeps it whole: the read stays PyTorch's fused attention kernel (with the
 slots as a boolean mask) instead of generated loops."""
 
@@ -18,8 +18,17 @@ def masked_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: torch
     The cache's dtype decides, autocast or not (a bfloat16 query from autocast's projections reads
     a float32 cache in float32), so eager and compiled steps compute the same thing: a compiled
     graph runs its custom ops outside autocast."""
+    mask: torch.Tensor | None = real[:, None, None, :]
+    if q.device.type == "cpu":
+        # Here the op may read the mask (no device to wait for, no graph to keep fixed): it reads
+        # the slots up to the last real one only, so that a static cache early in its context costs
+        # what a growing one does, and no mask where every row's slots up to there are real.
+        held = real.any(0).nonzero()
+        n = int(held[-1]) + 1 if held.numel() else real.shape[1]
+        k, v, real = k[:, :, :n], v[:, :, :n], real[:, :n]
+        mask = None if bool(real.all()) else real[:, None, None, :]
     with torch.autocast(q.device.type, enabled=False):
-        return F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=real[:, None, None, :], scale=scale,
+        return F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask, scale=scale,
                                               enable_gqa=k.shape[1] != q.shape[1])
 
 
