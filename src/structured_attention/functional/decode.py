@@ -23,10 +23,9 @@ def masked_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: torch
         # Here the op may read the mask (no device to wait for, no graph to keep fixed): it reads
         # the slots up to the last real one only, so that a static cache early in its context costs
         # what a growing one does, and no mask where every row's slots up to there are real.
-        held = real.any(0).nonzero()
-        n = int(held[-1]) + 1 if held.numel() else real.shape[1]
+        n = real.shape[1] - int(real.any(0).flip(0).to(torch.uint8).argmax())  # no real slot: all of them
         k, v, real = k[:, :, :n], v[:, :, :n], real[:, :n]
-        mask = None if bool(real.all()) else real[:, None, None, :]
+        mask = None if int(real.sum()) == real.numel() else real[:, None, None, :]
     with torch.autocast(q.device.type, enabled=False):
         return F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask, scale=scale,
                                               enable_gqa=k.shape[1] != q.shape[1])
