@@ -590,10 +590,9 @@ void backward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 
 // The key loops below fetch the group of eight keys 128 keys ahead of the one they score (4 KiB
 // with 8 dims): the hardware's stream prefetcher stops at every 4 KiB page, and a step's key runs
-// (level 1's 512 KiB per row and head at a 16k cache, the rings' 4-256 KiB) are short and many.
-// With 8 levels of rank 8, batch 16 and a 16k cache (out of the last-level cache) it made the step
-// 1.10x faster; the value rows, 256 B each, gained nothing from the same. A prefetch past the end
-// of a buffer is dropped by the hardware, not a fault.
+// (level 1's 512 KiB per row and head at a 16k cache, the rings' 4-256 KiB) are short and many, so
+// without it the keys streamed at about half the values' rate. The value rows, 256 B each, gain
+// nothing from the same. A prefetch past the end of a buffer is dropped, not a fault.
 constexpr int64_t kKeysAhead = 128;
 
 template <typename T>
@@ -644,10 +643,9 @@ inline __m256 lane_sums8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, 
 
 // add_key_scores for float keys of r = 8m dims: eight keys at a time, each key's products summed
 // over its 8-dim chunks in one vector, then the eight vectors reduced together, rather than a
-// horizontal sum per key (1.04x on the step above without the prefetch, 1.08x with it; 1.05x with
-// batch 1, the cache in the last-level cache). A short last group reads its missing keys as zeros,
-// so that a key's score is the same wherever its group starts (growing and static caches cut the
-// keys into different runs).
+// horizontal sum per key, which cost more instructions than the keys' bytes allow. A short last
+// group reads its missing keys as zeros, so that a key's score is the same wherever its group
+// starts (growing and static caches cut the keys into different runs).
 void add_key_scores_by8(const float* q, const float* k, int64_t st, int64_t r, int64_t n, float* s) {
   for (int64_t j = 0; j < n; j += 8) {
     const int64_t m = std::min<int64_t>(8, n - j);
