@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check of the kernels, for a machine with one CUDA GPU: the Triton and compile tests on the GPU, the
 # tile-setting and decoding timings, and the issue-3 benchmarks in bfloat16.
-#   scripts/gpu-check.sh [OUT_DIR] [tests|tune|decode|subtile|varlen|generate|ncu|bench|all|suite] [K/N]
+#   scripts/gpu-check.sh [OUT_DIR] [tests|tune|decode|subtile|varlen|generate|ncu|bench|all|suite|ab] [K/N|TREE]
 # (default OUT_DIR runs/gpu-check, or $OUT on the lent device machine; default all). On an H100 the
 # tests take about 5 minutes (most of it compiling), tune about 4 and bench about 3, so a machine
 # that stops a command after 10 minutes needs two calls. decode is the short one for a small
@@ -18,6 +18,11 @@
 # test) on 14 workers, one line per test as it finishes, so a run stopped by the machine's time
 # limit still names its failures; on an H200 the whole suite took about 14 minutes (2026-11-27),
 # so use 1/2 and 2/2 in two calls, or 1/3 .. 3/3 where a session has less device time.
+# ab TREE (about 8 minutes, not part of all) times the kernels of src/ against those of TREE/src, another
+# version of the package prepared beforehand where git is (the device machine's copy has no history):
+#   mkdir -p runs/ab-before && git archive REV src | tar -x -C runs/ab-before
+# then, carrying runs/ab-before: the prefix-rank kernels at 8192 and 16384 (8 levels of rank 8, default
+# tiles) and the decoding step, the same tuning script over each tree, in one call.
 # Needs python3 with torch (CUDA), triton, numpy, pyyaml, safetensors, pytest, matplotlib; the
 # package is used from src/ without installing it.
 set -uo pipefail
@@ -60,6 +65,19 @@ if [[ $step == subtile ]]; then
         | tee "$out/subtile-tests.log" | tail -n 5 || status=1
     timeout 240 python3 scripts/tune_mlr_triton.py --seq-lens 1024,2048,3072 --ranks "8|8|8|8|8|8|8|8" \
         --settings 64/w4/s2 --no-decode --out "$out/subtile.json" 2>&1 | tee "$out/subtile.log" || status=1
+fi
+if [[ $step == ab ]]; then
+    tree=${3:?"ab: expected the other tree's folder (holding src/) as the third argument"}
+    [[ -d $tree/src/structured_attention ]] || { echo "ab: expected $tree/src/structured_attention" >&2; exit 2; }
+    for side in now before; do
+        package=src
+        [[ $side == before ]] && package=$tree/src
+        PYTHONPATH=$package timeout 200 python3 scripts/tune_mlr_triton.py --seq-lens 8192,16384 \
+            --ranks "8|8|8|8|8|8|8|8" --settings 64/w4/s2 --no-decode --out "$out/ab-prefill-$side.json" 2>&1 \
+            | tee "$out/ab-prefill-$side.log" || status=1
+        PYTHONPATH=$package timeout 100 python3 scripts/tune_mlr_triton.py --decode-only \
+            --out "$out/ab-decode-$side.json" 2>&1 | tee "$out/ab-decode-$side.log" || status=1
+    done
 fi
 if [[ $step == tune || $step == all ]]; then
     python3 scripts/tune_mlr_triton.py --out "$out/tune.json" 2>&1 | tee "$out/tune.log" || status=1
