@@ -39,6 +39,24 @@ def test_dispatch_takes_the_reference_when_gradients_are_needed():
     assert grad.shape == q_new.shape and grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("ranks", [(8, 8, 8), (5, 3)], ids=["r8", "r5"])
+def test_cpu_kernel_serves_a_key_heads_query_heads_together_as_each_alone(ranks):
+    """With GQA the C++ kernel reads a key head's cache once for its query heads (in chunks): each
+    query head's output has the bits of that head decoded alone against its key head."""
+    from structured_attention.ops.mlr import cpu
+
+    if not cpu.available():
+        pytest.skip("needs the C++ kernel")
+    s = cache_step(4, 8, 2, 700, ranks, (1024, 256, 64)[: len(ranks)], 24, torch.float32)
+    starts = torch.tensor([[0] * len(ranks), [9] * len(ranks)] * 2)  # rows 1 and 3 left-padded
+    together = cpu.mlr_decode_cpu(s.q_new, s.keys, s.starts, s.v, ranks, 0.3, row_starts=starts)
+    for h in range(8):
+        kv = slice(h // 4, h // 4 + 1)
+        alone = cpu.mlr_decode_cpu(s.q_new[:, h:h + 1], [k[:, kv] for k in s.keys], s.starts, s.v[:, kv], ranks, 0.3,
+                                   row_starts=starts)
+        assert torch.equal(together[:, h:h + 1], alone)
+
+
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install 'triton>=3.0')")
 from structured_attention.ops.mlr.triton_decode import mlr_decode_triton  # noqa: E402
 
