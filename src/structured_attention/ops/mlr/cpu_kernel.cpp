@@ -604,7 +604,7 @@ inline void prefetch_keys(const T* k, int64_t st, int64_t j) {
 // s[j] += <q, k_j> for n keys of r dims, k_j at k + j * st. Short rows go eight keys at a time
 // (eight independent sums rather than one dependent chain per key); long rows vectorise each dot.
 template <typename T>
-void add_key_scores_generic(const T* q, const T* k, int64_t st, int64_t r, int64_t n, T* s) {
+void add_key_scores(const T* q, const T* k, int64_t st, int64_t r, int64_t n, T* s) {
   int64_t j = 0;
   if (r < 32) {
     for (; j + 8 <= n; j += 8) {
@@ -623,11 +623,6 @@ void add_key_scores_generic(const T* q, const T* k, int64_t st, int64_t r, int64
     for (int64_t d = 0; d < r; ++d) dot += q[d] * kr[d];
     s[j] += dot;
   }
-}
-
-template <typename T>
-void add_key_scores(const T* q, const T* k, int64_t st, int64_t r, int64_t n, T* s) {
-  add_key_scores_generic(q, k, st, r, n, s);
 }
 
 #if defined(__AVX2__)
@@ -663,10 +658,10 @@ void add_key_scores_by8(const float* q, const float* k, int64_t st, int64_t r, i
   }
 }
 
-template <>
-void add_key_scores<float>(const float* q, const float* k, int64_t st, int64_t r, int64_t n, float* s) {
+// float keys: the vector path where the rank allows it (an overload, preferred to the template)
+void add_key_scores(const float* q, const float* k, int64_t st, int64_t r, int64_t n, float* s) {
   if (r % 8 == 0) return add_key_scores_by8(q, k, st, r, n, s);
-  add_key_scores_generic(q, k, st, r, n, s);
+  add_key_scores<float>(q, k, st, r, n, s);
 }
 #endif
 
