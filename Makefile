@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # Test processes: most of the suite is single-threaded Python (the Triton interpreter, subprocess
-# runs), so two workers take about 2/3 of the time of one on 2 cores.
+# runs), so one per core; each takes its share of torch's threads (tests/conftest.py).
 TEST_WORKERS ?= 2
 
 .PHONY: env demo test clean

@@ -1,7 +1,7 @@
 """Tests for the fused C++ CPU kernel (structured_attention.ops.mlr.cpu) beyond its agreement with
 the reference on the shared grid (tests/test_mlr_grid.py, backends ``cpu`` and ``dispatch``, in
-float64, float32, bfloat16 and float16): extreme scores, causality, argument validation and memory
-linear in T.
+float64, float32, bfloat16 and float16): extreme scores, causality, argument validation, memory
+linear in T, and results that do not depend on the thread count.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mlr_cases import make_qkv
+from mlr_cases import cache_step, make_qkv
 from structured_attention.functional import mlr_attention_reference
 from structured_attention.ops.mlr import cpu as mlr_cpu
 from structured_attention.ops.mlr.cpu import mlr_attention_cpu
@@ -47,6 +47,29 @@ def test_validation_names_the_parameter():
         mlr_attention_cpu(q, k, v, (4, 3))
     with pytest.raises(ValueError, match="block_sizes"):
         mlr_attention_cpu(q, k, v, (4, 4), (16, 6))
+
+
+def test_the_thread_count_changes_no_bit():
+    """Forward, backward and a decoding step give the same bits on 1, 2 and 3 threads: each
+    worker's share of the tiles (and, decoding with GQA, a task per key head or, where that would
+    leave a thread idle, per query head) keeps every sum's order."""
+    from structured_attention.ops.mlr.cpu import mlr_decode_cpu
+
+    step = cache_step(1, 4, 2, 700, (8, 4, 4), (1024, 256, 64), 16, torch.float32)  # 2 key heads: < 3 threads
+    results = []
+    before = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            q, k, v = make_qkv(2, 4, 2, 300, 16, 16, torch.float32, seed=7, requires_grad=True)
+            out = mlr_attention_cpu(q, k, v, (8, 4, 4), (512, 64, 16))
+            grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+            decoded = mlr_decode_cpu(step.q_new, step.keys, step.starts, step.v, (8, 4, 4), 0.3)
+            results.append((out, *grads, decoded))
+    finally:
+        torch.set_num_threads(before)
+    for name, one, two, three in zip(("out", "dq", "dk", "dv", "decoded"), *results):
+        assert torch.equal(one, two) and torch.equal(one, three), name
 
 
 def test_memory_is_linear_in_T():

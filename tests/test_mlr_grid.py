@@ -29,7 +29,8 @@ product. Without CUDA, each CUDA-only backend is collected once, as a skip.
 
 Threads: every call runs on one intra-op thread (the problems are small, and OpenMP's start-up and
 spinning cost far more than they save on them), except the C++ kernel's calls on the long cases,
-which keep the default thread count so that its parallel split of the work is checked too.
+which run on ``THREADED_THREADS`` so that its parallel split of the work is checked too, the same
+split whatever the machine's cores or the test workers' share of them.
 
 The reference itself is checked against the naive definition (one dense mask per level,
 ``mlr_cases.naive_mlr``) on every case by :func:`test_reference_matches_the_naive_definition`.
@@ -69,6 +70,7 @@ DEVICE = "cuda" if ON_GPU else "cpu"  # where the Triton backends run (the inter
 FULL = os.environ.get("MLR_GRID_FULL") == "1"  # the full product for the GPU backends too
 MAX_INTERPRETED_T = 64  # the full-attention Triton kernels in the interpreter (about 1-3 s a call)
 THREADED_T = 256
+THREADED_THREADS = 3  # not a divisor of the tasks of most cases: uneven splits
 DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 HALF_AND_FLOAT32 = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -252,7 +254,7 @@ class Backend:
     needs: Callable[[], str | None] = lambda: None  # the environment it needs (checked when run)
     accepts: Callable[[object], str | None] = lambda case: None  # why a case is out
     max_interpreted_T: int | None = None  # the longest case it runs in Triton's interpreter
-    # runs the long cases (T >= THREADED_T) at the default intra-op thread count, so that the
+    # runs the long cases (T >= THREADED_T) on THREADED_THREADS intra-op threads, so that the
     # kernel's parallel split of the work is checked too; everything else runs on one thread
     threaded: bool = False
 
@@ -281,13 +283,13 @@ class Backend:
     def threads(self, case) -> contextlib.AbstractContextManager:
         """One intra-op thread (tens of times faster than two on these small problems on a small,
         busy machine), except where the backend's long cases should run threaded."""
-        return contextlib.nullcontext() if self.threaded and case.T >= THREADED_T else one_thread()
+        return intra_op_threads(THREADED_THREADS if self.threaded and case.T >= THREADED_T else 1)
 
 
 @contextlib.contextmanager
-def one_thread():
+def intra_op_threads(n: int):
     before = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(n)
     try:
         yield
     finally:
@@ -465,7 +467,7 @@ def test_attention(backend, case, causal, depth_normalize, dtype):
     reference's, for inputs rounded to ``dtype``: the result and gradients have that dtype."""
     b = ATTENTION_BACKENDS[backend]
     b.require()
-    with one_thread():
+    with intra_op_threads(1):
         inputs, want = _attention_truth(case, causal, depth_normalize, dtype)
     q, k, v = (x.detach().to(b.where).requires_grad_() for x in inputs[:3])
     with b.threads(case):
@@ -485,7 +487,7 @@ def test_cached_attention(backend, case, depth_normalize, dtype):
     c, dn = case, depth_normalize
     step = cache_step(c.B, c.H, c.Hk, c.T, c.ranks, c.block_sizes, c.Dv, dtype, t=c.t, seed=c.seed,
                       capacity=c.capacity)
-    with one_thread():
+    with intra_op_threads(1):
         full = mlr_attention_reference(step.q.double(), step.k.double(), step.v.double(), c.ranks, step.sizes,
                                        causal=True, scale=c.scale, depth_normalize=dn)[:, :, -c.t:]
         prefill = mlr_prefill_reference(step.q_new.double(), [k.double() for k in step.keys], step.starts,
@@ -508,7 +510,7 @@ def test_reference_matches_the_naive_definition(case, causal, depth_normalize):
     results = []
     for fn in (mlr_attention_reference, naive_mlr):
         x = [t.clone().requires_grad_() for t in (q, k, v)]
-        with one_thread():
+        with intra_op_threads(1):
             out = fn(*x, case.ranks, case.block_sizes, causal=causal, scale=case.scale,
                      depth_normalize=depth_normalize)
             results.append((out, *torch.autograd.grad(out, x, do)))
