@@ -1,30 +1,35 @@
 #!/usr/bin/env bash
-# The GPU check of the kernels, for a machine with one CUDA GPU: the Triton and compile tests on the GPU, the
-# tile-setting and decoding timings, and the issue-3 benchmarks in bfloat16.
-#   scripts/gpu-check.sh [OUT_DIR] [tests|tune|decode|subtile|varlen|generate|ncu|bench|all|suite|ab] [K/N|TREE]
-# (default OUT_DIR runs/gpu-check, or $OUT on the lent device machine; default all). On an H100 the
-# tests take about 5 minutes (most of it compiling), tune about 4 and bench about 3, so a machine
-# that stops a command after 10 minutes needs two calls. decode is the short one for a small
-# budget (about 5 minutes): the decoding kernel's timings and tests, the per-kernel profile of a
-# whole decoding step, and the layers' decoding benchmark. varlen (about 8 minutes, not part of all)
-# runs the padded/packed/ragged tests and the kernels' document and row-start tests on the GPU, then
-# times packed documents against one call per document and mixed-length generation.
-# generate (about 6 minutes, not part of all) runs the static-cache tests on the GPU and times
-# generation per kind, growing and static caches, eager and CUDA-graph-captured. ncu (about 2 minutes, not part of all)
-# writes Nsight Compute's profile of the decoding and prefill kernels beside flash attention's.
-# subtile (about 4 minutes, not part of all) checks the prefix-rank kernels' sub-tile levels (the
-# lengths below 4096 with 8 levels) on the GPU and times them against the general kernel, flash and cuDNN.
-# suite K/N (not part of all) runs the K-th of N shards of the whole test suite (every N-th
-# test) on 14 workers, one line per test as it finishes, so a run stopped by the machine's time
-# limit still names its failures; on an H200 the whole suite took about 14 minutes (2026-11-27),
-# so use 1/2 and 2/2 in two calls, or 1/3 .. 3/3 where a session has less device time.
-# ab TREE (about 8 minutes, not part of all) times the kernels of src/ against those of TREE/src, another
+# The GPU check of the kernels, for a machine with one CUDA GPU: the test suite on the GPU, the
+# tile-setting and decoding timings, and the benchmarks in bfloat16.
+#   scripts/gpu-check.sh [OUT_DIR] [all|suite|tests|tune|decode|subtile|varlen|generate|ncu|bench|ab] [K/N|TREE]
+# (default OUT_DIR runs/gpu-check, or $OUT on the lent device machine; default all). Each step is
+# sized for a machine that stops a command after 10 minutes:
+# all: the benchmarks (bench, about 3 minutes on an H100), then the whole test suite (suite 1/1) in
+# the time left, stopped at 6.5 minutes.
+# suite K/N runs the K-th of N shards of the whole test suite (every N-th test) on 14 workers, one
+# line per test as it finishes, so a run stopped by the time limit still names its failures. On an
+# H200 the whole suite took about 14 minutes (2026-11-27), when each of the 14 workers ran 16 CPU
+# threads; tests/conftest.py now gives each its share, which cut the suite on 2 CPU cores from 7
+# minutes to 2.5. Where 1/1 is cut, 1/2 and 2/2 in two calls.
+# tests: the Triton and compile tests alone (about 5 minutes on an H100, most of it compiling).
+# tune (about 4 minutes): the prefix-rank kernels' tile settings and the decoding kernel's.
+# decode (about 5 minutes): the decoding kernel's timings and tests, the per-kernel profile of a
+# whole decoding step, and the layers' decoding benchmark.
+# varlen (about 8 minutes) runs the padded/packed/ragged tests and the kernels' document and row-start
+# tests on the GPU, then times packed documents against one call per document and mixed-length generation.
+# generate (about 6 minutes) runs the static-cache tests on the GPU and times generation per kind,
+# growing and static caches, eager and CUDA-graph-captured.
+# ncu (about 2 minutes) writes Nsight Compute's profile of the decoding and prefill kernels beside
+# flash attention's.
+# subtile (about 4 minutes) checks the prefix-rank kernels' sub-tile levels (the lengths below 4096
+# with 8 levels) on the GPU and times them against the general kernel, flash and cuDNN.
+# ab TREE (about 8 minutes) times the kernels of src/ against those of TREE/src, another
 # version of the package prepared beforehand where git is (the device machine's copy has no history):
 #   mkdir -p runs/ab-before && git archive REV src | tar -x -C runs/ab-before
 # then, carrying runs/ab-before: the prefix-rank kernels at 8192 and 16384 (8 levels of rank 8, default
 # tiles) and the decoding step, the same tuning script over each tree, in one call.
-# Needs python3 with torch (CUDA), triton, numpy, pyyaml, safetensors, pytest, matplotlib; the
-# package is used from src/ without installing it.
+# Needs python3 with torch (CUDA), triton, numpy, pyyaml, safetensors, pytest, pytest-xdist, matplotlib;
+# the package is used from src/ without installing it.
 set -uo pipefail
 out=${1:-${OUT:-runs/gpu-check}}
 step=${2:-all}
@@ -39,15 +44,23 @@ print(f"python {platform.python_version()} | torch {torch.__version__} | triton 
       f"{torch.cuda.get_device_name()} | CUDA {torch.version.cuda}")
 PY
 
-if [[ $step == tests || $step == all ]]; then
+if [[ $step == tests ]]; then
     # the backend grid (its Triton subset), the kernels' own tests, and opcheck and the compiled
     # graphs of the custom ops on CUDA
     python3 -m pytest -q -p no:cacheprovider tests/test_mlr_grid.py tests/test_mlr_triton.py tests/test_mlr_decode.py \
         tests/test_compile.py -k "not inductor and not training_step" 2>&1 \
         | tee "$out/tests.log" | tail -n 5 || status=1
 fi
-if [[ $step == suite ]]; then
+if [[ $step == bench || $step == all ]]; then
+    sattn bench mlr --device cuda --dtype bfloat16 --seq-lens 4096,8192,16384 --paths sdpa_flash,sdpa,mlr \
+        --repeats 10 --profile --out "$out/mlr" || status=1
+    sattn bench attention --device cuda --dtype bfloat16 --seq-lens 16384 --decode-cache 16368 --batch 16 \
+        --kinds "mha,mlr:8|8|8|8|8|8|8|8,mlr:16|16|16|16" --repeats 5 --no-memory --out "$out/decode-b16" || status=1
+fi
+if [[ $step == suite || $step == all ]]; then
     shard=${3:-1/1}
+    limit=510
+    [[ $step == all ]] && shard=1/1 && limit=390
     # every N-th test of the collected suite (by test, not by file: the backend grid alone is most of it)
     python3 -m pytest -o addopts= -p no:cacheprovider --collect-only -q tests 2>/dev/null | grep "::" \
         | awk -v k="${shard%/*}" -v n="${shard#*/}" '(NR - k) % n == 0' > "$out/suite-tests.txt"
@@ -55,7 +68,7 @@ if [[ $step == suite ]]; then
     # the project's addopts say -q, which would cancel -v: cleared here so every test is named
     # SIGINT at the limit: pytest then still prints the tracebacks of the failures so far
     # --durations: where the suite's time goes on the GPU machine (it has to fit one call of 10 minutes)
-    timeout -s INT -k 30 510 python3 -m pytest -o addopts= -p no:cacheprovider -n 14 -v -rfE --tb=short \
+    timeout -s INT -k 30 "$limit" python3 -m pytest -o addopts= -p no:cacheprovider -n 14 -v -rfE --tb=short \
         --durations=40 "${ids[@]}" > "$out/suite-${shard/\//of}.log" 2>&1 || status=1
     grep -E "^(FAILED|ERROR) |[0-9]+ (passed|failed)" "$out/suite-${shard/\//of}.log" | tail -n 40
 fi
@@ -79,7 +92,7 @@ if [[ $step == ab ]]; then
             --out "$out/ab-decode-$side.json" 2>&1 | tee "$out/ab-decode-$side.log" || status=1
     done
 fi
-if [[ $step == tune || $step == all ]]; then
+if [[ $step == tune ]]; then
     python3 scripts/tune_mlr_triton.py --out "$out/tune.json" 2>&1 | tee "$out/tune.log" || status=1
 fi
 if [[ $step == decode ]]; then
@@ -87,7 +100,7 @@ if [[ $step == decode ]]; then
     python3 -m pytest -q -p no:cacheprovider tests/test_mlr_decode.py \
         tests/test_attention.py::test_decoding_on_cuda_avoids_cudnn_attention 2>&1 | tail -n 5 || status=1
 fi
-if [[ $step == tune || $step == decode || $step == all ]]; then
+if [[ $step == tune || $step == decode ]]; then
     python3 scripts/profile_decode_step.py --device cuda --out "$out/decode-profile.txt" || status=1
 fi
 if [[ $step == decode ]]; then
@@ -119,11 +132,5 @@ if [[ $step == ncu ]]; then  # Nsight Compute's profile of the decoding and pref
             python3 scripts/ncu_kernels.py $case > "$out/ncu-$case.txt" 2>&1 || status=1
         tail -n 3 "$out/ncu-$case.txt"
     done
-fi
-if [[ $step == bench || $step == all ]]; then
-    sattn bench mlr --device cuda --dtype bfloat16 --seq-lens 4096,8192,16384 --paths sdpa_flash,sdpa,mlr \
-        --repeats 10 --profile --out "$out/mlr" || status=1
-    sattn bench attention --device cuda --dtype bfloat16 --seq-lens 16384 --decode-cache 16368 --batch 16 \
-        --kinds "mha,mlr:8|8|8|8|8|8|8|8,mlr:16|16|16|16" --repeats 5 --no-memory --out "$out/decode-b16" || status=1
 fi
 exit $status
