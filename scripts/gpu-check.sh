@@ -4,8 +4,9 @@
 #   scripts/gpu-check.sh [OUT_DIR] [all|suite|tests|tune|decode|subtile|varlen|generate|ncu|bench|ab] [K/N|TREE]
 # (default OUT_DIR runs/gpu-check, or $OUT on the lent device machine; default all). Each step is
 # sized for a machine that stops a command after 10 minutes:
-# all: the benchmarks (bench, about 3 minutes on an H100), then the whole test suite (suite 1/1) in
-# the time left, stopped at 6.5 minutes.
+# all: the benchmarks (bench: MLR against flash and cuDNN at head dims 64 and 128 and with one level,
+# the layers' decoding step, a GPT's training step at context 4096), then the whole test suite (suite
+# 1/1) in what is left of 9.5 minutes.
 # suite K/N runs the K-th of N shards of the whole test suite (every N-th test) on 14 workers, one
 # line per test as it finishes, so a run stopped by the time limit still names its failures. On an
 # H200 the whole suite took about 14 minutes (2026-11-27), when each of the 14 workers ran 16 CPU
@@ -56,11 +57,21 @@ if [[ $step == bench || $step == all ]]; then
         --repeats 10 --profile --out "$out/mlr" || status=1
     sattn bench attention --device cuda --dtype bfloat16 --seq-lens 16384 --decode-cache 16368 --batch 16 \
         --kinds "mha,mlr:8|8|8|8|8|8|8|8,mlr:16|16|16|16" --repeats 5 --no-memory --out "$out/decode-b16" || status=1
+    # head dim 128: 4 levels of rank 32, Dv = 128, batch 4, 16 heads
+    sattn bench mlr --device cuda --dtype bfloat16 --seq-lens 4096 --ranks "32|32|32|32" --v-dim 128 --batch 4 \
+        --n-heads 16 --paths sdpa_flash,sdpa,mlr --repeats 10 --out "$out/mlr-d128" || status=1
+    # one level of rank 64 is full causal attention: the kernels' quality against flash apart from the structure
+    sattn bench mlr --device cuda --dtype bfloat16 --seq-lens 8192,16384 --ranks 64 --paths sdpa_flash,sdpa,mlr \
+        --repeats 10 --no-memory --out "$out/mlr-one-level" || status=1
+    # a GPT's training step at context 4096 (tokens/s per kind)
+    sattn bench lm --device cuda --dtype bfloat16 --seq-lens 4096 --kinds "mha,mlr:16|16|16|16,mlr:8|8|8|8|8|8|8|8" \
+        --repeats 5 --out "$out/lm" || status=1
 fi
 if [[ $step == suite || $step == all ]]; then
     shard=${3:-1/1}
     limit=510
-    [[ $step == all ]] && shard=1/1 && limit=390
+    # all: the suite in what is left of 9.5 minutes after the benchmarks
+    [[ $step == all ]] && shard=1/1 && limit=$(( 570 - SECONDS > 60 ? 570 - SECONDS : 60 ))
     # every N-th test of the collected suite (by test, not by file: the backend grid alone is most of it)
     python3 -m pytest -o addopts= -p no:cacheprovider --collect-only -q tests 2>/dev/null | grep "::" \
         | awk -v k="${shard%/*}" -v n="${shard#*/}" '(NR - k) % n == 0' > "$out/suite-tests.txt"
