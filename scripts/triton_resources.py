@@ -8,8 +8,12 @@ Step 1 runs one call of the case (forward and backward for ``general`` and ``pre
 step for ``decode``) on CPU tensors in a child process under ``TRITON_INTERPRET=1`` and records
 every kernel launch: its arguments' types, the 16-divisibility Triton specialises on, the
 compile-time constants and the launch options. Step 2 compiles each launch with ``triton.compile``
-for ``sm_<arch>`` (Triton ships ptxas) and reads the resources from the cubin with cuobjdump.
-Nothing runs on a GPU, so speed itself still has to be measured on one (``scripts/gpu-check.sh``).
+for ``sm_<arch>`` (Triton ships ptxas) and reads the resources from the cubin with cuobjdump, and
+from the TTGIR the structure of its loops: the warp-group matrix products (``mma``, Hopper's
+asynchronous ``wgmma``), how many of their waits are for every product in flight (``waited at
+once``: the product's result is awaited before anything else is issued, so the matrix units do not
+overlap the softmax), the loads issued ahead into shared memory (asynchronous and TMA copies), and
+whether the compiler split the kernel into warp-specialised partitions. Nothing runs on a GPU, so speed itself still has to be measured on one (``scripts/gpu-check.sh``).
 The compile time is a first compile's: a kernel in Triton's cache (``TRITON_CACHE_DIR``) reads 0.
 
 Cases (8 levels of rank 8, ``Dv = 64``, GPU tiles of 64, or ``--tile`` for the prefix-rank ones):
@@ -127,8 +131,16 @@ def compile_launch(launch: dict, arch: int) -> dict:
         usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True,
                                check=True).stdout
     found = {key: int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("REG", "STACK")}
+    ttgir = kernel.asm["ttgir"]
     return {"kernel": launch["name"], "shared_bytes": kernel.metadata.shared, "registers": found["REG"],
             "spill_stack_bytes": found["STACK"], "compile_s": round(seconds, 1),
+            # Hopper's asynchronous warp-group products, and how many of their waits let none stay in
+            # flight (the product's result waited for at once: no overlap with what follows)
+            "mma": len(re.findall(r"ttng\.warp_group_dot ", ttgir)),
+            "mma_waited_at_once": len(re.findall(r"ttng\.warp_group_dot_wait .*pendings = 0\b", ttgir)),
+            # loads issued ahead into shared memory: asynchronous copies and TMA (tensor descriptor) copies
+            "async_loads": len(re.findall(r"ttn?g\.async(?:_tma)?_copy_global_to_local", ttgir)),
+            "warp_specialized": "ttg.warp_specialize" in ttgir,
             "options": launch["options"]}
 
 
@@ -150,13 +162,15 @@ def main() -> None:
     if child.returncode != 0:
         sys.exit(f"triton_resources.py: the recording run failed:\n{child.stderr}")
     print(f"case {args.case}, {args.dtype}, sm_{args.arch} (Triton's compiler, no GPU)")
-    print(f"{'kernel':32s} {'shared B':>9s} {'regs':>5s} {'spill B':>8s} {'compile s':>9s}")
+    print(f"{'kernel':32s} {'shared B':>9s} {'regs':>5s} {'spill B':>8s} {'compile s':>9s} {'mma':>4s} "
+          f"{'waited at once':>14s} {'async loads':>11s} {'warp-specialised':>16s}")
     for launch in json.loads(child.stdout):
         if args.num_warps is not None:
             launch["options"]["num_warps"] = args.num_warps
         r = compile_launch(launch, args.arch)
         print(f"{r['kernel']:32s} {r['shared_bytes']:9d} {r['registers']:5d} {r['spill_stack_bytes']:8d} "
-              f"{r['compile_s']:9.1f}")
+              f"{r['compile_s']:9.1f} {r['mma']:4d} {r['mma_waited_at_once']:14d} {r['async_loads']:11d} "
+              f"{'yes' if r['warp_specialized'] else 'no':>16s}")
 
 
 if __name__ == "__main__":
