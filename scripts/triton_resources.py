@@ -10,10 +10,11 @@ every kernel launch: its arguments' types, the 16-divisibility Triton specialise
 compile-time constants and the launch options. Step 2 compiles each launch with ``triton.compile``
 for ``sm_<arch>`` (Triton ships ptxas) and reads the resources from the cubin with cuobjdump, and
 from the TTGIR the structure of its loops: the warp-group matrix products (``mma``, Hopper's
-asynchronous ``wgmma``), how many of their waits are for every product in flight (``waited at
-once``: the product's result is awaited before anything else is issued, so the matrix units do not
-overlap the softmax), the loads issued ahead into shared memory (asynchronous and TMA copies), and
-whether the compiler split the kernel into warp-specialised partitions. Nothing runs on a GPU, so speed itself still has to be measured on one (``scripts/gpu-check.sh``).
+asynchronous ``wgmma``), how many of their waits leave none in flight (``waited at once``: a
+product's result awaited before anything else is issued, so the matrix units do not run beside the
+softmax), the loads issued ahead into shared memory (asynchronous and TMA copies), and whether the
+compiler split the kernel into warp-specialised partitions. Nothing runs on a GPU, so speed itself
+still has to be measured on one (``scripts/gpu-check.sh``).
 The compile time is a first compile's: a kernel in Triton's cache (``TRITON_CACHE_DIR``) reads 0.
 
 Cases (8 levels of rank 8, ``Dv = 64``, GPU tiles of 64, or ``--tile`` for the prefix-rank ones):
@@ -134,7 +135,7 @@ def compile_launch(launch: dict, arch: int) -> dict:
     ttgir = kernel.asm["ttgir"]
     return {"kernel": launch["name"], "shared_bytes": kernel.metadata.shared, "registers": found["REG"],
             "spill_stack_bytes": found["STACK"], "compile_s": round(seconds, 1),
-            # Hopper's asynchronous warp-group products, and how many of their waits let none stay in
+            # Hopper's asynchronous warp-group products, and how many of their waits leave none in
             # flight (the product's result waited for at once: no overlap with what follows)
             "mma": len(re.findall(r"ttng\.warp_group_dot ", ttgir)),
             "mma_waited_at_once": len(re.findall(r"ttng\.warp_group_dot_wait .*pendings = 0\b", ttgir)),

@@ -55,7 +55,8 @@ def test_the_thread_count_changes_no_bit():
     leave a thread idle, per query head) keeps every sum's order."""
     from structured_attention.ops.mlr.cpu import mlr_decode_cpu
 
-    step = cache_step(1, 4, 2, 700, (8, 4, 4), (1024, 256, 64), 16, torch.float32)  # 2 key heads: < 3 threads
+    # one row of 2 key heads: fewer tasks than 3 threads, so on 3 the step takes a task per query head
+    step = cache_step(1, 4, 2, 700, (8, 4, 4), (1024, 256, 64), 16, torch.float32)
     results = []
     before = torch.get_num_threads()
     try:
