@@ -24,11 +24,11 @@
 # flash attention's.
 # subtile (about 4 minutes) checks the prefix-rank kernels' sub-tile levels (the lengths below 4096
 # with 8 levels) on the GPU and times them against the general kernel, flash and cuDNN.
-# ab TREE (about 8 minutes) times the kernels of src/ against those of TREE/src, another
+# ab TREE (about 4 minutes) times the kernels of src/ against those of TREE/src, another
 # version of the package prepared beforehand where git is (the device machine's copy has no history):
 #   mkdir -p runs/ab-before && git archive REV src | tar -x -C runs/ab-before
 # then, carrying runs/ab-before: the prefix-rank kernels at 8192 and 16384 (8 levels of rank 8, default
-# tiles) and the decoding step, the same tuning script over each tree, in one call.
+# tiles) and the decoding step (the kernel's default settings), the same tuning script over each tree, in one call.
 # Needs python3 with torch (CUDA), triton, numpy, pyyaml, safetensors, pytest, pytest-xdist, matplotlib;
 # the package is used from src/ without installing it.
 set -uo pipefail
@@ -99,7 +99,7 @@ if [[ $step == ab ]]; then
         PYTHONPATH=$package timeout 200 python3 scripts/tune_mlr_triton.py --seq-lens 8192,16384 \
             --ranks "8|8|8|8|8|8|8|8" --settings 64/w4/s2 --no-decode --out "$out/ab-prefill-$side.json" 2>&1 \
             | tee "$out/ab-prefill-$side.log" || status=1
-        PYTHONPATH=$package timeout 100 python3 scripts/tune_mlr_triton.py --decode-only \
+        PYTHONPATH=$package timeout 100 python3 scripts/tune_mlr_triton.py --decode-only --decode-settings default \
             --out "$out/ab-decode-$side.json" 2>&1 | tee "$out/ab-decode-$side.log" || status=1
     done
 fi

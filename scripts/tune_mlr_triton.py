@@ -113,6 +113,9 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--decode-only", action="store_true", help="time only the decoding step")
     parser.add_argument("--no-decode", action="store_true", help="leave out the decoding step")
+    parser.add_argument("--decode-settings", choices=("sweep", "default"), default="sweep",
+                        help="the decoding kernel's settings: the sweep (a first compile each, about 15 s on an "
+                             "H200) or its default arguments alone (an A/B of two versions)")
     args = parser.parse_args()
     seq_lens = sorted(int(t) for t in args.seq_lens.split(","))
     rows = []
@@ -189,21 +192,25 @@ def main() -> None:
     # best of the earlier sweeps (docs/results/bench/gpu-h200/decode-maxnreg.log).
     settings = [(per_sm, 128, 4, 2, maxnreg) for per_sm in (4, 6, 8) for maxnreg in (None, 128, 96)]
     settings += [(4, 128, 4, 3, 128), (8, 64, 4, 2, 96), (2, 256, 4, 2, 168)]
-    for per_sm, block_n, warps, stages, maxnreg in settings:
-        splits = max(1, per_sm * sms // (B * H))
-        chunk = triton.cdiv(triton.cdiv(T + 1, splits), block_n) * block_n
+    if args.decode_settings == "default":
+        settings = [None]  # mlr_decode_triton's own defaults, whatever the version's are
+    for setting in settings:
+        named, tuning = {"setting": "default"}, {}
+        if setting is not None:
+            per_sm, block_n, warps, stages, maxnreg = setting
+            named = dict(per_sm=per_sm, block_n=block_n, warps=warps, stages=stages, maxnreg=maxnreg)
+            splits = max(1, per_sm * sms // (B * H))
+            tuning = dict(chunk=triton.cdiv(triton.cdiv(T + 1, splits), block_n) * block_n, block_n=block_n,
+                          num_warps=warps, num_stages=stages, maxnreg=maxnreg)
 
-        def step():
-            return mlr_decode_triton(q1, keys, starts, vals, ranks, 0.125, chunk=chunk, block_n=block_n,
-                                     num_warps=warps, num_stages=stages, maxnreg=maxnreg)
+        def step(tuning=tuning):
+            return mlr_decode_triton(q1, keys, starts, vals, ranks, 0.125, **tuning)
 
         err = float((step().float() - ref).abs().max())
         mlr = _graph_ms(step)
-        rows.append(dict(case="decode", cache=T, batch=B, per_sm=per_sm, block_n=block_n, warps=warps,
-                         stages=stages, maxnreg=maxnreg, mlr_ms=mlr, max_error=err,
+        rows.append(dict(case="decode", cache=T, batch=B, **named, mlr_ms=mlr, max_error=err,
                          **{f"sdpa_{n}_ms": t for n, t in mha.items()}))
-        print(f"  programs/SM {per_sm:2d} block_n {block_n:3d} warps {warps} stages {stages} "
-              f"maxnreg {maxnreg}: "
+        print(f"  {' '.join(f'{k} {v}' for k, v in named.items())}: "
               f"mlr kernel {mlr * 1e3:.1f} us ({base / mlr:.2f}x flash, {mlr_bytes / mlr / 1e9:.2f} TB/s, "
               f"error {err:.1e})", flush=True)
     # The floor without finer levels: level 1 and the values alone, in the default setting.
