@@ -58,9 +58,44 @@ def test_cpu_kernel_serves_a_key_heads_query_heads_together_as_each_alone(ranks)
 
 
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install 'triton>=3.0')")
-from structured_attention.ops.mlr.triton_decode import mlr_decode_triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from structured_attention.ops.mlr.triton_decode import _split_by_bytes, mlr_decode_triton  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@triton.jit
+def _split_probe(OUT, FINE_STARTS, FINE_RANK, n_splits, held_end, R0: tl.constexpr, DV: tl.constexpr,
+                 RF: tl.constexpr, N_FINE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Each split's ``[lo, hi)`` as the decoding kernel computes it (a row without padding, a
+    growing cache: the row-start and ring tables are never read)."""
+    split = tl.program_id(0)
+    lo, hi = _split_by_bytes(split, n_splits, 0, 0, held_end, FINE_STARTS, FINE_STARTS, FINE_STARTS, FINE_RANK, R0, DV,
+                             RF, N_FINE, False, False, BLOCK_N)
+    tl.store(OUT + 2 * split, lo)
+    tl.store(OUT + 2 * split + 1, hi)
+
+
+@pytest.mark.parametrize("ranks,equal", [((8,) * 8, True), ((8, 16, 4, 4, 2), False)], ids=["8x8", "unequal"])
+def test_triton_splits_read_equal_bytes(ranks, equal):
+    """The decoding kernel's splits of a 16k cache: contiguous, every held key once, and each within
+    one tile's bytes of an equal share, where a key of depth d reads r_1 + Dv + r_2 + ... + r_d
+    numbers (counted here key by key)."""
+    held, dv, block_n, n_splits = 16368, 64, 128, 7
+    sizes = [16384 >> level for level in range(len(ranks))]
+    fine_starts = [held // s * s for s in sizes[1:]]  # each finer level holds its current block
+    out = torch.zeros(2 * n_splits, dtype=torch.int32, device=DEVICE)
+    _split_probe[(n_splits,)](out, torch.tensor(fine_starts, dtype=torch.int32, device=DEVICE),
+                              torch.tensor(ranks[1:], dtype=torch.int32, device=DEVICE), n_splits, held,
+                              R0=ranks[0], DV=dv, RF=ranks[1] if equal else 0, N_FINE=len(ranks) - 1, BLOCK_N=block_n)
+    bounds = out.view(n_splits, 2).tolist()
+    assert bounds[0][0] == 0 and bounds[-1][1] == held
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))  # contiguous, none skipped or read twice
+    per_key = [ranks[0] + dv + sum(r for r, start in zip(ranks[1:], fine_starts) if n >= start) for n in range(held)]
+    share = sum(per_key) / n_splits
+    for lo, hi in bounds:
+        assert lo % block_n == 0 and abs(sum(per_key[lo:hi]) - share) <= block_n * max(per_key), (lo, hi)
 
 
 def test_triton_kernel_default_chunking_and_bad_input():
@@ -106,7 +141,8 @@ def test_triton_kernel_reads_levels_at_any_offset_and_stride(dtype):
 @pytest.mark.parametrize("dn", [False, True], ids=["no_dn", "dn"])
 def test_static_kernel_matches_the_static_step_in_aten_ops(slot, dn, monkeypatch):
     """decode_static against the static step's ATen form (itself checked against each row run
-    alone in test_static_cache.py), with splits of 16 keys: those past the slot hold nothing."""
+    alone in test_static_cache.py), with six splits of the keys held up to the slot (several of them
+    empty at the early slots)."""
     from structured_attention.ops.mlr import cpu, static
     from structured_attention.ops.mlr.triton_decode import decode_static
 

@@ -3,12 +3,14 @@
 :func:`mlr_decode_triton` has the contract of :func:`~.reference.mlr_decode_reference`; the two
 launches run inside one ``torch.library`` custom op (``sattn::mlr_triton_decode``).
 
-Design (flash-decoding): the keys ``[0, end)`` are cut into ``n_splits`` chunks; one program per
-(batch, kv head, chunk) scores the ``G = H / Hk`` query heads of its group against the chunk, tile
+Design (flash-decoding): each row's held keys are cut into ``n_splits`` splits; one program per
+(batch, kv head, split) scores the ``G = H / Hk`` query heads of its group against the split, tile
 by tile, with an online softmax, and writes its partial ``(max, sum, weighted values)``; a second
-kernel merges the chunks per query head. The held ranges are nested (``start_2 <= start_3 <= ...``),
+kernel merges the splits per query head. The held ranges are nested (``start_2 <= start_3 <= ...``),
 so the keys fall into regions of one depth: keys before ``start_2`` read level 1 (``r_1`` dims)
-and the values only, keys in ``[start_l, start_{l+1})`` also the first ``l - 1`` finer levels. Each
+and the values only, keys in ``[start_l, start_{l+1})`` also the first ``l - 1`` finer levels. The
+splits are cut so that each reads the same bytes (whole tiles), not the same number of keys, which
+would leave the splits at the end of the cache, where every finer level is held, the most. Each
 region is its own loop with the level count a compile-time constant, and the products run on the
 matrix units (the query heads of a group padded to 16 rows). The finer levels live in separate
 buffers of different shapes, so the kernel gets a table of their offsets from one base pointer
@@ -56,12 +58,6 @@ def _program_rows(Q, K0, V, stride_qb, stride_qh, stride_k0b, stride_k0h, stride
             V + b * stride_vb + hk * stride_vh)
 
 
-@triton.jit
-def _split_start(split, chunk, end, BLOCK_G: tl.constexpr, DVP: tl.constexpr):
-    """The keys ``[lo, hi)`` of this split and an empty online softmax for its query rows."""
-    lo = split * chunk
-    return (lo, tl.minimum(lo + chunk, end), tl.full([BLOCK_G], float("-inf"), tl.float32),
-            tl.zeros([BLOCK_G], tl.float32), tl.zeros([BLOCK_G, DVP], tl.float32))
 
 
 @triton.jit
@@ -101,9 +97,70 @@ def _row_start(ROW_STARTS, FINE_RING, b, level, last, N_FINE: tl.constexpr, RING
 
 
 @triton.jit
+def _region_start(j: tl.constexpr, b, last, FINE_STARTS, ROW_STARTS, FINE_RING, N_FINE: tl.constexpr,
+                  HAS_ROW_STARTS: tl.constexpr, RINGS: tl.constexpr):
+    """Row ``b``'s first key of depth ``j + 1``: its first key (0 unless the row starts later) for
+    ``j = 0``, the first key fine level ``j`` holds for the row after it."""
+    if j == 0:
+        start = 0
+        if HAS_ROW_STARTS:
+            start = _row_start(ROW_STARTS, FINE_RING, b, 0, last, N_FINE, RINGS)
+    else:
+        start = tl.load(FINE_STARTS + (j - 1)).to(tl.int32)
+        if HAS_ROW_STARTS:
+            start = tl.maximum(start, _row_start(ROW_STARTS, FINE_RING, b, j, last, N_FINE, RINGS))
+    return start
+
+
+@triton.jit
+def _split_by_bytes(split, n_splits, b, last, held_end, FINE_STARTS, ROW_STARTS, FINE_RING, FINE_RANK,
+                    R0: tl.constexpr, DV: tl.constexpr, RF: tl.constexpr, N_FINE: tl.constexpr,
+                    HAS_ROW_STARTS: tl.constexpr, RINGS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The keys ``[lo, hi)`` of split ``split`` of ``n_splits``: the row's held keys cut into ranges
+    that read equal bytes (a key of depth ``d`` reads ``R0 + DV + r_2 + ... + r_d`` numbers), the
+    inner boundaries rounded down to whole tiles. Keys cut into equal counts would leave the splits
+    at the end of the cache, where every finer level is held, with the most bytes."""
+    first = _region_start(0, b, last, FINE_STARTS, ROW_STARTS, FINE_RING, N_FINE, HAS_ROW_STARTS, RINGS)
+    weight = R0 + DV
+    total = tl.zeros([], tl.int64)
+    for j in tl.static_range(N_FINE + 1):  # the bytes of every region of one depth
+        lo_j = _region_start(j, b, last, FINE_STARTS, ROW_STARTS, FINE_RING, N_FINE, HAS_ROW_STARTS, RINGS)
+        hi_j = held_end
+        if j < N_FINE:
+            hi_j = _region_start(j + 1, b, last, FINE_STARTS, ROW_STARTS, FINE_RING, N_FINE, HAS_ROW_STARTS, RINGS)
+        lo_j = tl.minimum(tl.maximum(lo_j, first), held_end)
+        hi_j = tl.minimum(tl.maximum(hi_j, lo_j), held_end)
+        if j > 0:
+            weight += RF if RF > 0 else tl.load(FINE_RANK + (j - 1))
+        total += (hi_j - lo_j).to(tl.int64) * weight
+    lo_bytes = total * split // n_splits
+    hi_bytes = total * (split + 1) // n_splits
+    lo = first
+    hi = first
+    done = tl.zeros([], tl.int64)
+    weight = R0 + DV
+    for j in tl.static_range(N_FINE + 1):  # the key at which each boundary's bytes are reached
+        lo_j = _region_start(j, b, last, FINE_STARTS, ROW_STARTS, FINE_RING, N_FINE, HAS_ROW_STARTS, RINGS)
+        hi_j = held_end
+        if j < N_FINE:
+            hi_j = _region_start(j + 1, b, last, FINE_STARTS, ROW_STARTS, FINE_RING, N_FINE, HAS_ROW_STARTS, RINGS)
+        lo_j = tl.minimum(tl.maximum(lo_j, first), held_end)
+        hi_j = tl.minimum(tl.maximum(hi_j, lo_j), held_end)
+        if j > 0:
+            weight += RF if RF > 0 else tl.load(FINE_RANK + (j - 1))
+        keys = (hi_j - lo_j).to(tl.int64)
+        lo = tl.where(lo_bytes >= done, lo_j + tl.minimum((lo_bytes - done) // weight, keys), lo)
+        hi = tl.where(hi_bytes >= done, lo_j + tl.minimum((hi_bytes - done) // weight, keys), hi)
+        done += keys * weight
+    lo = tl.where(lo_bytes >= total, held_end, tl.maximum(first, lo // BLOCK_N * BLOCK_N)).to(tl.int32)
+    hi = tl.where(hi_bytes >= total, held_end, tl.maximum(first, hi // BLOCK_N * BLOCK_N)).to(tl.int32)
+    return lo, hi
+
+
+@triton.jit
 def _mlr_decode_split_kernel(
     Q, K0, KF, V, FINE_OFFS, FINE_STRIDES, FINE_STARTS, FINE_QOFF, FINE_RANK, ROW_STARTS, SLOT, FINE_RING, ACC, M, L,
-    end, chunk, qk_scale, N_SPLITS,
+    end, qk_scale, N_SPLITS,
     stride_qb, stride_qh, stride_k0b, stride_k0h, stride_vb, stride_vh, stride_vt,
     HK: tl.constexpr, G: tl.constexpr,
     R0: tl.constexpr, DV: tl.constexpr, N_FINE: tl.constexpr, DEPTH_NORMALIZE: tl.constexpr,
@@ -117,11 +174,16 @@ def _mlr_decode_split_kernel(
     dv = tl.arange(0, DVP)
     df = tl.arange(0, RFP)
 
-    lo, hi, m_i, l_i, acc = _split_start(split, chunk, end, BLOCK_G, DVP)
     last = 0
+    held_end = end
     if RINGS:  # a static cache: the buffers span the context, the keys held end at the slot on the device
         last = tl.load(SLOT).to(tl.int32)
-        hi = tl.minimum(hi, last + 1)
+        held_end = last + 1
+    lo, hi = _split_by_bytes(split, N_SPLITS, b, last, held_end, FINE_STARTS, ROW_STARTS, FINE_RING, FINE_RANK,
+                             R0, DV, RF, N_FINE, HAS_ROW_STARTS, RINGS, BLOCK_N)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, DVP], tl.float32)
     # The held ranges are nested (start_2 <= start_3 <= ...), so the keys fall into regions of one
     # depth: region j, [start of fine level j - 1, start of fine level j), reads level 1 and the
     # first j fine levels, with no per-key test. The per-level tables are read as scalars (uniform
@@ -130,20 +192,12 @@ def _mlr_decode_split_kernel(
     # Left-padded rows (ROW_STARTS, (B, N_FINE + 1)): the row attends from its own start on and
     # its region boundaries move to its own block starts, which are nested too.
     for j in tl.static_range(N_FINE + 1):
-        r_lo = lo
+        r_lo = tl.maximum(lo, _region_start(j, b, last, FINE_STARTS, ROW_STARTS, FINE_RING, N_FINE, HAS_ROW_STARTS,
+                                            RINGS))
         r_hi = hi
-        if j > 0:
-            bound = tl.load(FINE_STARTS + (j - 1))
-            if HAS_ROW_STARTS:
-                bound = tl.maximum(bound, _row_start(ROW_STARTS, FINE_RING, b, j, last, N_FINE, RINGS))
-            r_lo = tl.maximum(lo, bound)
-        elif HAS_ROW_STARTS:
-            r_lo = tl.maximum(lo, _row_start(ROW_STARTS, FINE_RING, b, 0, last, N_FINE, RINGS))
         if j < N_FINE:
-            bound = tl.load(FINE_STARTS + j)
-            if HAS_ROW_STARTS:
-                bound = tl.maximum(bound, _row_start(ROW_STARTS, FINE_RING, b, j + 1, last, N_FINE, RINGS))
-            r_hi = tl.minimum(hi, bound)
+            r_hi = tl.minimum(hi, _region_start(j + 1, b, last, FINE_STARTS, ROW_STARTS, FINE_RING, N_FINE,
+                                                HAS_ROW_STARTS, RINGS))
         for n0 in range(r_lo, r_hi, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             n_ok = n < r_hi
@@ -264,8 +318,9 @@ def mlr_decode_triton(
     maxnreg: int | None = 128,
 ) -> torch.Tensor:
     """One new query against the compressed MLR cache in two kernel launches; same arguments and
-    result as :func:`~.reference.mlr_decode_reference`. ``chunk`` (keys per program, a multiple of
-    ``block_n``) defaults to enough programs to fill the device; ``maxnreg`` caps the registers per
+    result as :func:`~.reference.mlr_decode_reference`. ``chunk`` (a multiple of ``block_n``) sets
+    the number of programs per (row, key head), ``ceil(keys / chunk)``, each reading an equal share
+    of the bytes; by default enough programs to fill the device. ``maxnreg`` caps the registers per
     thread, which bound how many programs a multiprocessor holds. The defaults were the fastest on
     an H200 at a 16k cache (docs/benchmarks.md): uncapped, the kernel takes 230 registers, so a
     multiprocessor holds two programs and the grid runs in two waves; at 128 registers and two
@@ -320,8 +375,9 @@ def decode_static(q: torch.Tensor, keys: Sequence[torch.Tensor], v: torch.Tensor
     buffers spanning the context, the keys held ending at ``slot``, level ``l > 1``'s position
     ``p`` at ``p % block_sizes[l - 1]`` of its ring, and each row's block starts derived from its
     first real slot ``offsets[b]``, all read on the device: a captured graph replays it for every
-    position. ``chunk`` and ``block_n`` as for :func:`mlr_decode_triton`: the splits cover the
-    context, and those past the slot exit at once."""
+    position. ``chunk`` and ``block_n`` as for :func:`mlr_decode_triton`, with the buffers' length
+    (the context) setting the number of splits, which share the keys held up to the slot: early in
+    the context every program still has its part."""
     require(v.dtype in (torch.float32, torch.float16, torch.bfloat16), "v.dtype", "float32, float16 or bfloat16", v.dtype)
     return _launch(q.to(v.dtype).contiguous(), list(keys), [0] * len(keys), v, list(ranks), float(scale),
                    depth_normalize, offsets, chunk, block_n, 4, 2, 128, slot=slot, rings=list(block_sizes[1:]))
@@ -349,7 +405,7 @@ def _launch(q: torch.Tensor, keys: list[torch.Tensor], key_starts: list[int], v:
                   PREC="ieee" if v.dtype == torch.float32 else "tf32",
                   UPCAST=INTERPRETED and v.dtype == torch.bfloat16,
                   num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg)
-    scalars = (end, chunk, float(scale) / math.log(2.0), n_splits,
+    scalars = (end, float(scale) / math.log(2.0), n_splits,
                q.stride(0), q.stride(1), k0.stride(0), k0.stride(1), v.stride(0), v.stride(1), v.stride(2))
     rows = t.starts if row_starts is None else row_starts.contiguous()
     _mlr_decode_split_kernel[(B * Hk, n_splits)](
