@@ -113,41 +113,48 @@ def _region_start(j: tl.constexpr, b, last, FINE_STARTS, ROW_STARTS, FINE_RING, 
 
 
 @triton.jit
+def _region(j: tl.constexpr, first, held_end, b, last, FINE_STARTS, ROW_STARTS, FINE_RING, FINE_RANK,
+            R0: tl.constexpr, DV: tl.constexpr, RF: tl.constexpr, N_FINE: tl.constexpr,
+            HAS_ROW_STARTS: tl.constexpr, RINGS: tl.constexpr):
+    """Row ``b``'s held keys of depth ``j + 1``, ``[lo, hi)`` within ``[first, held_end)``, and the
+    numbers each of them reads: ``R0 + DV`` and the ranks of the ``j`` finer levels it holds."""
+    lo = _region_start(j, b, last, FINE_STARTS, ROW_STARTS, FINE_RING, N_FINE, HAS_ROW_STARTS, RINGS)
+    hi = held_end
+    if j < N_FINE:
+        hi = _region_start(j + 1, b, last, FINE_STARTS, ROW_STARTS, FINE_RING, N_FINE, HAS_ROW_STARTS, RINGS)
+    lo = tl.minimum(tl.maximum(lo, first), held_end)
+    hi = tl.minimum(tl.maximum(hi, lo), held_end)
+    if RF > 0:
+        weight = R0 + DV + j * RF
+    else:
+        weight = R0 + DV
+        for i in tl.static_range(j):
+            weight += tl.load(FINE_RANK + i)
+    return lo, hi, weight
+
+
+@triton.jit
 def _split_by_bytes(split, n_splits, b, last, held_end, FINE_STARTS, ROW_STARTS, FINE_RING, FINE_RANK,
                     R0: tl.constexpr, DV: tl.constexpr, RF: tl.constexpr, N_FINE: tl.constexpr,
                     HAS_ROW_STARTS: tl.constexpr, RINGS: tl.constexpr, BLOCK_N: tl.constexpr):
     """The keys ``[lo, hi)`` of split ``split`` of ``n_splits``: the row's held keys cut into ranges
-    that read equal bytes (a key of depth ``d`` reads ``R0 + DV + r_2 + ... + r_d`` numbers), the
-    inner boundaries rounded down to whole tiles. Keys cut into equal counts would leave the splits
-    at the end of the cache, where every finer level is held, with the most bytes."""
+    that read equal bytes (see :func:`_region`), the inner boundaries rounded down to whole tiles.
+    Keys cut into equal counts would leave the splits at the end of the cache, where every finer
+    level is held, with the most bytes."""
     first = _region_start(0, b, last, FINE_STARTS, ROW_STARTS, FINE_RING, N_FINE, HAS_ROW_STARTS, RINGS)
-    weight = R0 + DV
     total = tl.zeros([], tl.int64)
-    for j in tl.static_range(N_FINE + 1):  # the bytes of every region of one depth
-        lo_j = _region_start(j, b, last, FINE_STARTS, ROW_STARTS, FINE_RING, N_FINE, HAS_ROW_STARTS, RINGS)
-        hi_j = held_end
-        if j < N_FINE:
-            hi_j = _region_start(j + 1, b, last, FINE_STARTS, ROW_STARTS, FINE_RING, N_FINE, HAS_ROW_STARTS, RINGS)
-        lo_j = tl.minimum(tl.maximum(lo_j, first), held_end)
-        hi_j = tl.minimum(tl.maximum(hi_j, lo_j), held_end)
-        if j > 0:
-            weight += RF if RF > 0 else tl.load(FINE_RANK + (j - 1))
+    for j in tl.static_range(N_FINE + 1):
+        lo_j, hi_j, weight = _region(j, first, held_end, b, last, FINE_STARTS, ROW_STARTS, FINE_RING, FINE_RANK, R0,
+                                     DV, RF, N_FINE, HAS_ROW_STARTS, RINGS)
         total += (hi_j - lo_j).to(tl.int64) * weight
     lo_bytes = total * split // n_splits
     hi_bytes = total * (split + 1) // n_splits
     lo = first
     hi = first
     done = tl.zeros([], tl.int64)
-    weight = R0 + DV
     for j in tl.static_range(N_FINE + 1):  # the key at which each boundary's bytes are reached
-        lo_j = _region_start(j, b, last, FINE_STARTS, ROW_STARTS, FINE_RING, N_FINE, HAS_ROW_STARTS, RINGS)
-        hi_j = held_end
-        if j < N_FINE:
-            hi_j = _region_start(j + 1, b, last, FINE_STARTS, ROW_STARTS, FINE_RING, N_FINE, HAS_ROW_STARTS, RINGS)
-        lo_j = tl.minimum(tl.maximum(lo_j, first), held_end)
-        hi_j = tl.minimum(tl.maximum(hi_j, lo_j), held_end)
-        if j > 0:
-            weight += RF if RF > 0 else tl.load(FINE_RANK + (j - 1))
+        lo_j, hi_j, weight = _region(j, first, held_end, b, last, FINE_STARTS, ROW_STARTS, FINE_RING, FINE_RANK, R0,
+                                     DV, RF, N_FINE, HAS_ROW_STARTS, RINGS)
         keys = (hi_j - lo_j).to(tl.int64)
         lo = tl.where(lo_bytes >= done, lo_j + tl.minimum((lo_bytes - done) // weight, keys), lo)
         hi = tl.where(hi_bytes >= done, lo_j + tl.minimum((hi_bytes - done) // weight, keys), hi)
