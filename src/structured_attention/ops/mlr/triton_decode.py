@@ -58,8 +58,6 @@ def _program_rows(Q, K0, V, stride_qb, stride_qh, stride_k0b, stride_k0h, stride
             V + b * stride_vb + hk * stride_vh)
 
 
-
-
 @triton.jit
 def _softmax_step(s, n, n_ok, v_rows, stride_vt, dv, m_i, l_i, acc, DV: tl.constexpr, PREC: tl.constexpr,
                   UPCAST: tl.constexpr):
@@ -198,13 +196,12 @@ def _mlr_decode_split_kernel(
     # the compiler issue vector loads for their rows.
     # Left-padded rows (ROW_STARTS, (B, N_FINE + 1)): the row attends from its own start on and
     # its region boundaries move to its own block starts, which are nested too.
+    first = _region_start(0, b, last, FINE_STARTS, ROW_STARTS, FINE_RING, N_FINE, HAS_ROW_STARTS, RINGS)
     for j in tl.static_range(N_FINE + 1):
-        r_lo = tl.maximum(lo, _region_start(j, b, last, FINE_STARTS, ROW_STARTS, FINE_RING, N_FINE, HAS_ROW_STARTS,
-                                            RINGS))
-        r_hi = hi
-        if j < N_FINE:
-            r_hi = tl.minimum(hi, _region_start(j + 1, b, last, FINE_STARTS, ROW_STARTS, FINE_RING, N_FINE,
-                                                HAS_ROW_STARTS, RINGS))
+        r_lo, r_hi, _ = _region(j, first, held_end, b, last, FINE_STARTS, ROW_STARTS, FINE_RING, FINE_RANK, R0, DV,
+                                RF, N_FINE, HAS_ROW_STARTS, RINGS)
+        r_lo = tl.maximum(lo, r_lo)
+        r_hi = tl.minimum(hi, r_hi)
         for n0 in range(r_lo, r_hi, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             n_ok = n < r_hi
