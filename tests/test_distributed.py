@@ -22,9 +22,12 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
 
 WORKER = textwrap.dedent(
     """
-    import gc, json, sys
+    import gc, json, os, sys
+    import torch
     from torch.nn.parallel import DistributedDataParallel
     from structured_attention.experiments.lm import load_lm_config, train_lm
+    if os.environ.get("AS_IF_A_GPU"):  # the machine's accelerator, as torch reports it, is CUDA
+        torch._C._get_accelerator = lambda: torch.device("cuda")
     result = train_lm(load_lm_config(None, json.loads(sys.argv[1])))
     # a wrapper that outlives training holds the process group until interpreter exit (a SIGABRT there)
     gc.disable()
@@ -42,28 +45,35 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(tmp_path, overrides: list[str], world_size: int = 2, timeout: float = 120) -> dict:
-    """Start ``world_size`` processes the way torchrun would (RANK/WORLD_SIZE/MASTER_* in the env)."""
+def launch(tmp_path, overrides: list[str], world_size: int = 2, timeout: float = 120,
+           env: dict[str, str] | None = None) -> dict:
+    """Start ``world_size`` processes the way torchrun would (RANK/WORLD_SIZE/MASTER_* in the env,
+    plus ``env``); on a timeout the failure shows what each process had printed."""
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     result_file = tmp_path / "result.json"
     port = _free_port()
     procs = []
     for rank in range(world_size):
-        env = {
-            **os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+        proc_env = {
+            **os.environ, **(env or {}), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
             "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size), "OMP_NUM_THREADS": "1",
             "PYTHONFAULTHANDLER": "1",  # a crash prints every thread's Python stack
         }
         procs.append(subprocess.Popen(
             [sys.executable, str(script), json.dumps(overrides), str(result_file)],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=proc_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         ))
     outputs = []
     try:
         for p in procs:
             out, _ = p.communicate(timeout=timeout)
             outputs.append(out)
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        printed = [p.communicate()[0] for p in procs]
+        pytest.fail(f"not done in {timeout} s; each process printed:\n" + "\n---\n".join(o[-2000:] for o in printed))
     finally:
         for p in procs:
             if p.poll() is None:
@@ -78,7 +88,9 @@ def test_two_processes_match_one(tmp_path, fsdp):
     common = tiny_overrides(tmp_path, steps=4, eval_every=0, sample_tokens=0, checkpoint_every=0, eval_batches=100,
                             device="cpu")  # gloo on the CPU, on any machine
     single = train_lm(load_lm_config(None, common + ["run.batch_size=8", f"run.out_dir={tmp_path / 'single'}"]))
-    multi = launch(tmp_path, common + ["run.batch_size=4", f"run.out_dir={tmp_path / 'multi'}", f"run.fsdp={fsdp}"])
+    # run.device=cpu on a machine whose accelerator is a GPU: the processes (and FSDP's shards) stay on the CPU
+    multi = launch(tmp_path, common + ["run.batch_size=4", f"run.out_dir={tmp_path / 'multi'}", f"run.fsdp={fsdp}"],
+                   env={"AS_IF_A_GPU": "1"})
     assert multi["world_size"] == 2
     assert len(multi["losses"]) == len(single.losses) == 4
     for a, b in zip(multi["losses"], single.losses):

@@ -91,11 +91,15 @@ def wrap_model(model: nn.Module, info: DistInfo, fsdp: bool) -> nn.Module:
     if fsdp:
         if not info.enabled:
             return model
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        # The run's device, not fully_shard's default (the machine's accelerator): on a machine with
+        # a GPU, run.device=cpu would otherwise shard onto a CUDA mesh over a gloo group.
+        mesh = init_device_mesh(info.device.type, (info.world_size,))
         for block in getattr(model, "blocks", []):
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         return model
     if not info.enabled:
         return model
