@@ -287,6 +287,27 @@ def test_train_tiny(tmp_path, capsys):
     assert "step 8/8" in err and "tok/s" in err and "ETA" in err
 
 
+def test_a_run_sets_tf32_products_on_cuda_only_while_it_runs(tmp_path):
+    from structured_attention.training.loop import run_matmul_precision
+
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("medium")  # the caller's choice, whatever it is
+    try:
+        with run_matmul_precision(torch.device("cuda")):
+            assert torch.get_float32_matmul_precision() == "high"
+        assert torch.get_float32_matmul_precision() == "medium"
+        with pytest.raises(RuntimeError), run_matmul_precision(torch.device("cuda")):
+            raise RuntimeError("a run that fails")
+        assert torch.get_float32_matmul_precision() == "medium"
+        with run_matmul_precision(torch.device("cpu")):
+            assert torch.get_float32_matmul_precision() == "medium"
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        train_lm(load_lm_config(None, tiny_overrides(tmp_path, steps=2, device=device)))
+        assert torch.get_float32_matmul_precision() == "medium"
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
 def test_resume_is_exact(tmp_path):
     """N steps in one go == N/2 steps, then --resume to N (cosine schedule, dropout on)."""
     base = tiny_overrides(tmp_path, steps=8, checkpoint_every=4) + ["model.dropout=0.1"]

@@ -233,6 +233,20 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+@contextlib.contextmanager
+def run_matmul_precision(device: torch.device) -> Any:
+    """TensorFloat-32 float32 products on CUDA for the length of a run, and the caller's setting
+    after it: the setting is the process's, so a run in the caller's process (a notebook, a test)
+    would otherwise change every float32 product that comes after it."""
+    before = torch.get_float32_matmul_precision()
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
 def autocast_context(mode: str, device: torch.device) -> contextlib.AbstractContextManager:
     """bfloat16 autocast for ``'bf16'``, and for ``'auto'`` on CUDA; otherwise nothing."""
     if mode == "bf16" or (mode == "auto" and device.type == "cuda"):
@@ -433,7 +447,8 @@ def fit(task: Task, *, resume: bool = False, stream: TextIO | None = None) -> Fi
                                  f"{task.config.run.out_dir!r}, in use by {holder} (its lock: {lock})")
         barrier(info)
         try:
-            return _fit(task, resume, info, stream)
+            with run_matmul_precision(info.device):
+                return _fit(task, resume, info, stream)
         finally:
             if info.is_main:
                 release(lock)
@@ -512,8 +527,6 @@ class _Training:
         self.out_dir = Path(self.run.out_dir)
         self.ckpt_dir, self.best_dir = self.out_dir / "ckpt", self.out_dir / "best"
         seed_everything(self.run.seed)
-        if self.device.type == "cuda":
-            torch.set_float32_matmul_precision("high")
         if info.is_main:  # rank 0 first: it may write data caches that the other ranks then read
             task.prepare(info)
             barrier(info)
