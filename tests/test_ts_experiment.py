@@ -190,7 +190,7 @@ def test_a_sweep_continues_an_interrupted_run_from_its_checkpoint(tmp_path, caps
     argv = ["--horizons", "12", "--kinds", "mha", "--seeds", "0", f"data.source={tmp_path / 'sine.csv'}",
             "data.lookback=48", "model.family=patch", "model.n_layers=1", "model.d_model=16", "model.n_heads=2",
             "model.patch_len=8", "model.stride=4", "run.eval_every=2", "run.batch_size=8", "run.eval_batches=2",
-            "run.log_every=2", "run.patience=0"]
+            "run.log_every=2", "run.patience=0", "run.device=cpu"]  # `sattn eval` below scores on the CPU
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     assert main(["sweep", "ts", "--out", str(whole), *argv, "run.steps=4"]) == 0
     # killed after its step-2 checkpoint, before writing result.json
