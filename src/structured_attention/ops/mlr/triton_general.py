@@ -38,6 +38,7 @@ Design
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -563,6 +564,11 @@ def mlr_attention_triton(
         largest, smallest, warps = 32, 32, 8
     tiles = (square_tiles(sizes[1:], largest, smallest, sub_tile=not explicit, num_warps=warps)
              if block_m == block_n else None)
+    if tiles is not None and tiles.coarse_levels(sizes) < len(sizes) and q.device.type == "cuda":
+        # Sub-tile levels add their products level by level in a loop, as the general kernels do;
+        # with four warps Triton 3.6 computed wrong half-precision results for both on an H200
+        # (the backend grid, docs/benchmarks.md), with eight right ones for the general kernels.
+        tiles = dataclasses.replace(tiles, num_warps=max(tiles.num_warps, 8))
     if tiles is not None:
         return mlr_attention_prefix(q, k, v, ranks, sizes, causal, float(scale), depth_normalize, tiles, document_ids)
 
