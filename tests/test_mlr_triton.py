@@ -61,6 +61,30 @@ def test_metadata_tables_are_made_once(sizes, tiles):
     assert after.misses == before.misses and after.hits > before.hits
 
 
+def test_a_repeated_call_reuses_its_plan_and_tiles():
+    # The host's arithmetic before the kernels start (tile choice, chunking, level tables) is done
+    # once per signature: a training step pays it on every layer otherwise.
+    from structured_attention.ops.mlr import triton_general, triton_prefix
+
+    q, k, v = make_qkv(1, 2, 2, 64, 16, 8, torch.float32, device=DEVICE)
+    mlr_attention_triton(q, k, v, (8, 8), (64, 16))
+    plans, tiles = triton_prefix._plan.cache_info(), triton_general._prefix_tiles.cache_info()
+    mlr_attention_triton(q, k, v, (8, 8), (64, 16))
+    assert triton_prefix._plan.cache_info().misses == plans.misses
+    assert triton_general._prefix_tiles.cache_info().misses == tiles.misses
+
+
+def test_sub_tile_levels_launch_with_eight_warps_on_cuda():
+    # With four warps Triton 3.6 computed wrong half-precision results for kernels that add levels
+    # one by one in a loop (the sub-tile levels here) on an H200; coarse-only tilings keep four.
+    from structured_attention.ops.mlr.triton_general import _prefix_tiles
+
+    sub_tile = _prefix_tiles((4096, 2048, 32, 16), torch.bfloat16, "cuda", 64, 64, False)
+    assert sub_tile is not None and sub_tile.coarse_levels((4096, 2048, 32, 16)) == 2 and sub_tile.num_warps == 8
+    assert _prefix_tiles((8192, 4096, 64), torch.bfloat16, "cuda", 64, 64, False).num_warps == 4
+    assert _prefix_tiles((4096, 2048, 32, 16), torch.float32, "cuda", 64, 64, False).num_warps == 8
+
+
 def test_forward_without_grad_and_prefix_consistency():
     # Block sizes fixed by the model: a prefix is scored exactly as inside the full sequence.
     q, k, v = make_qkv(1, 2, 2, 40, 16, 8, torch.float32, device=DEVICE)

@@ -99,11 +99,11 @@ def mlr_attention(
         index = torch.tensor(order, device=q.device)
         q, k = q.index_select(-1, index), k.index_select(-1, index)
     if document_ids is None:
-        return _mlr_attention(q, k, v, ranks, block_sizes, causal, scale, depth_normalize)
+        return _mlr_attention(q, k, v, ranks, sizes, causal, resolved_scale, depth_normalize)
     if on_triton(q):
-        from .triton_general import mlr_attention_triton
+        from .triton_general import mlr_attention_checked
 
-        return mlr_attention_triton(q, k, v, ranks, sizes, causal, resolved_scale, depth_normalize, document_ids)
+        return mlr_attention_checked(q, k, v, ranks, sizes, causal, resolved_scale, depth_normalize, document_ids)
     # The boundaries are read on the host with one .tolist(): a device synchronisation, and a graph
     # break (data-dependent shapes) under torch.compile.
     boundaries = document_bounds(document_ids)
@@ -126,19 +126,19 @@ def _mlr_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    ranks: Sequence[int],
-    block_sizes: Sequence[int] | None,
+    ranks: tuple[int, ...],
+    sizes: tuple[int, ...],
     causal: bool,
-    scale: float | None,
+    scale: float,
     depth_normalize: bool,
 ) -> torch.Tensor:
-    """One call, without documents, where the C++ kernel does not run: Triton, the blocked path or
-    the reference, as the dispatch table picks."""
-    args = (q, k, v, ranks, block_sizes, causal, scale, depth_normalize)
+    """One checked call (block sizes and scale resolved), without documents, where the C++ kernel
+    does not run: Triton, the blocked path or the reference, as the dispatch table picks."""
+    args = (q, k, v, ranks, sizes, causal, scale, depth_normalize)
     if on_triton(q):
-        from .triton_general import mlr_attention_triton
+        from .triton_general import mlr_attention_checked
 
-        return mlr_attention_triton(*args)
+        return mlr_attention_checked(*args)
     if q.device.type == "cpu":
         return blocked.mlr_attention_blocked(*args)
     return mlr_attention_reference(*args)

@@ -39,6 +39,7 @@ Design
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -49,9 +50,9 @@ from ..._checks import require
 from .contract import attach_backward, check_mlr_arguments
 from .triton_common import (INTERPRETED, blocks_meet, cdiv, device_table, dot, load_segment, pow2,
                             segments_of_documents, segments_of_rows)
-from .triton_prefix import mlr_attention_prefix, square_tiles
+from .triton_prefix import PrefixTiles, mlr_attention_prefix, square_tiles
 
-__all__ = ["mlr_attention_triton"]
+__all__ = ["mlr_attention_checked", "mlr_attention_triton"]
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -543,32 +544,28 @@ def mlr_attention_triton(
     require(q.dtype in _SUPPORTED_DTYPES, "q.dtype", "float32, float16 or bfloat16", q.dtype)
     require(q.device.type == "cuda" or INTERPRETED, "q.device",
             "a CUDA device (or CPU tensors with TRITON_INTERPRET=1 set before importing triton)", q.device)
+    for name, bsz in (("block_m", block_m), ("block_n", block_n)):
+        require(bsz is None or (isinstance(bsz, int) and bsz >= 1 and bsz & (bsz - 1) == 0), name,
+                "a power of two (>= 16 on GPU)", bsz)
+    return _attention(q, k, v, ranks, sizes, causal, scale, depth_normalize, document_ids, block_m, block_n)
+
+
+def mlr_attention_checked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ranks: tuple[int, ...],
+                          sizes: tuple[int, ...], causal: bool, scale: float, depth_normalize: bool,
+                          document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`mlr_attention_triton` with the default tiles, for arguments the dispatcher has already
+    checked (with their block sizes and scale resolved): the checks are not paid twice per call."""
+    return _attention(q, k, v, ranks, sizes, causal, scale, depth_normalize, document_ids, None, None)
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ranks: tuple[int, ...], sizes: tuple[int, ...],
+               causal: bool, scale: float, depth_normalize: bool, document_ids: torch.Tensor | None,
+               block_m: int | None, block_n: int | None) -> torch.Tensor:
     # Small tiles keep the interpreter fast; a GPU wants larger ones.
     default_tile = 64 if q.device.type == "cuda" else 16
     explicit = block_m is not None or block_n is not None
     block_m, block_n = block_m or default_tile, block_n or default_tile
-    for name, bsz in (("block_m", block_m), ("block_n", block_n)):
-        require(isinstance(bsz, int) and bsz >= 1 and bsz & (bsz - 1) == 0, name, "a power of two (>= 16 on GPU)", bsz)
-
-    # The prefix-rank kernels take the call when a tile of 32 rows or more (any in the interpreter)
-    # divides every fine block, or, with the default tiles, when the blocks that are not multiples
-    # of the tile are small enough to be added on the tiles around the diagonal (sub-tile levels).
-    # Explicit tiles that no such tiling fits keep the general kernels (smaller than 32 rows, a tile
-    # underuses the matrix units). Both read packed documents from a segment table; a document's
-    # positions start at 0, so its tile pairs have the depths a whole row's would.
-    largest, smallest, warps = block_m, (block_m if explicit else min(block_m, 32)), 4
-    if not explicit and q.dtype == torch.float32 and q.device.type == "cuda":
-        # float32 products run on the FMA units, not the matrix units: with 64-row tiles the kernels
-        # spill kilobytes per thread and take up to a minute each to compile for sm_90, with 32-row
-        # tiles and eight warps next to nothing and about ten seconds (docs/benchmarks.md).
-        largest, smallest, warps = 32, 32, 8
-    tiles = (square_tiles(sizes[1:], largest, smallest, sub_tile=not explicit, num_warps=warps)
-             if block_m == block_n else None)
-    if tiles is not None and tiles.coarse_levels(sizes) < len(sizes) and q.device.type == "cuda":
-        # Sub-tile levels add their products level by level in a loop, as the general kernels do;
-        # with four warps Triton 3.6 computed wrong half-precision results for both on an H200
-        # (the backend grid, docs/benchmarks.md), with eight right ones for the general kernels.
-        tiles = dataclasses.replace(tiles, num_warps=max(tiles.num_warps, 8))
+    tiles = _prefix_tiles(tuple(sizes), q.dtype, q.device.type, block_m, block_n, explicit)
     if tiles is not None:
         return mlr_attention_prefix(q, k, v, ranks, sizes, causal, float(scale), depth_normalize, tiles, document_ids)
 
@@ -577,3 +574,31 @@ def mlr_attention_triton(
     out, _ = _forward_op(q, k, v, segments, max_len, list(ranks), list(sizes), causal, float(scale), depth_normalize,
                          block_m, block_n)
     return out
+
+
+@functools.lru_cache(maxsize=256)
+def _prefix_tiles(sizes: tuple[int, ...], dtype: torch.dtype, device_type: str, block_m: int, block_n: int,
+                  explicit: bool) -> PrefixTiles | None:
+    """The prefix-rank kernels' tiles for a call, or None for the general kernels (chosen once per
+    signature: the host pays for it before the kernels can start)."""
+    # The prefix-rank kernels take the call when a tile of 32 rows or more (any in the interpreter)
+    # divides every fine block, or, with the default tiles, when the blocks that are not multiples
+    # of the tile are small enough to be added on the tiles around the diagonal (sub-tile levels).
+    # Explicit tiles that no such tiling fits keep the general kernels (smaller than 32 rows, a tile
+    # underuses the matrix units). Both read packed documents from a segment table; a document's
+    # positions start at 0, so its tile pairs have the depths a whole row's would.
+    if block_m != block_n:
+        return None
+    largest, smallest, warps = block_m, (block_m if explicit else min(block_m, 32)), 4
+    if not explicit and dtype == torch.float32 and device_type == "cuda":
+        # float32 products run on the FMA units, not the matrix units: with 64-row tiles the kernels
+        # spill kilobytes per thread and take up to a minute each to compile for sm_90, with 32-row
+        # tiles and eight warps next to nothing and about ten seconds (docs/benchmarks.md).
+        largest, smallest, warps = 32, 32, 8
+    tiles = square_tiles(sizes[1:], largest, smallest, sub_tile=not explicit, num_warps=warps)
+    if tiles is not None and tiles.coarse_levels(sizes) < len(sizes) and device_type == "cuda":
+        # Sub-tile levels add their products level by level in a loop, as the general kernels do;
+        # with four warps Triton 3.6 computed wrong half-precision results for both on an H200
+        # (the backend grid, docs/benchmarks.md), with eight right ones for the general kernels.
+        tiles = dataclasses.replace(tiles, num_warps=max(tiles.num_warps, 8))
+    return tiles

@@ -39,6 +39,7 @@ so a document's tile pairs have the depths a whole row's would.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -819,10 +820,10 @@ def square_tiles(fine_sizes: Sequence[int], largest: int, smallest: int, sub_til
 
 
 class PrefixPlan:
-    """The chunking, tier sizes and level metadata of one call."""
+    """The chunking, tier sizes and level metadata of one call (made once per signature: :func:`plan_of`)."""
 
-    def __init__(self, q: torch.Tensor, v: torch.Tensor, ranks: tuple[int, ...], sizes: tuple[int, ...],
-                 tiles: PrefixTiles) -> None:
+    def __init__(self, dtype: torch.dtype, device: torch.device, dv: int, ranks: tuple[int, ...],
+                 sizes: tuple[int, ...], tiles: PrefixTiles) -> None:
         R = sum(ranks)
         self.R, self.R1 = R, ranks[0]
         self.CH = pow2(math.ceil(R / 4), 16)
@@ -838,19 +839,19 @@ class PrefixPlan:
         fine = list(ranks[1:coarse])
         self.LP = pow2(len(fine))
         pad = self.LP - len(fine)
-        self.fsize = device_table(tuple(sizes[1:coarse]) + (1,) * pad, torch.int32, q.device)
-        self.frank = device_table(tuple(fine) + (0,) * pad, torch.int32, q.device)
-        self.tiers = device_table(tuple(tiers) + (1,) * (4 - len(tiers)), torch.int32, q.device)
+        self.fsize = device_table(tuple(sizes[1:coarse]) + (1,) * pad, torch.int32, device)
+        self.frank = device_table(tuple(fine) + (0,) * pad, torch.int32, device)
+        self.tiers = device_table(tuple(tiers) + (1,) * (4 - len(tiers)), torch.int32, device)
         # The sub-tile levels: (first column, end column, block size) each.
         sub = [(prefix[d - 1], prefix[d], sizes[d]) for d in range(coarse, len(ranks))]
         self.NSUB = len(sub)
         self.SF = sizes[coarse] if sub else 1
-        self.sub = device_table(tuple(x for level in sub for x in level) or (0, 0, 1), torch.int32, q.device)
-        self.DV = v.shape[-1]
+        self.sub = device_table(tuple(x for level in sub for x in level) or (0, 0, 1), torch.int32, device)
+        self.DV = dv
         self.DVP = pow2(self.DV, 16)
         self.tiles = tiles
-        self.prec = "ieee" if q.dtype == torch.float32 else "tf32"
-        self.upcast = INTERPRETED and q.dtype == torch.bfloat16
+        self.prec = "ieee" if dtype == torch.float32 else "tf32"
+        self.upcast = INTERPRETED and dtype == torch.bfloat16
 
     def tables(self) -> tuple[torch.Tensor, ...]:
         return self.fsize, self.frank, self.tiers, self.sub
@@ -860,6 +861,19 @@ class PrefixPlan:
                     CH=self.CH, NCH=self.NCH, NCC=self.NCC, NSUB=self.NSUB, LP=self.LP, DVP=self.DVP,
                     PREC=self.prec, UPCAST=self.upcast, num_warps=self.tiles.num_warps,
                     num_stages=self.tiles.num_stages)
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(dtype: torch.dtype, device: torch.device, dv: int, ranks: tuple[int, ...], sizes: tuple[int, ...],
+          tiles: PrefixTiles) -> PrefixPlan:
+    return PrefixPlan(dtype, device, dv, ranks, sizes, tiles)
+
+
+def plan_of(q: torch.Tensor, v: torch.Tensor, ranks: Sequence[int], sizes: Sequence[int],
+            tiles: PrefixTiles) -> PrefixPlan:
+    """The plan of a call on ``q`` and ``v``, made once per signature: the host's arithmetic and
+    table look-ups are paid on every call otherwise, before the kernels can start."""
+    return _plan(q.dtype, q.device, v.shape[-1], tuple(ranks), tuple(sizes), tiles)
 
 
 def _forward(q, k, v, segments, max_len: int, plan: PrefixPlan, causal: bool, scale: float, depth_normalize: bool):
@@ -915,8 +929,11 @@ def _tiles_from(values: list[int]) -> PrefixTiles:
     return PrefixTiles(*values)
 
 
+_TILE_FIELDS = tuple(f.name for f in dataclasses.fields(PrefixTiles))
+
+
 def _tiles_list(tiles: PrefixTiles) -> list[int]:
-    return [int(x) for x in dataclasses.astuple(tiles)]
+    return [int(getattr(tiles, name)) for name in _TILE_FIELDS]  # not astuple: it deep-copies each field
 
 
 # ``segments``: the (S, 3) table of :func:`.triton_common.segments_of_documents`, or None for whole
@@ -925,7 +942,7 @@ def _tiles_list(tiles: PrefixTiles) -> list[int]:
 def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor | None, max_len: int,
                 ranks: list[int], sizes: list[int], causal: bool, scale: float, depth_normalize: bool,
                 tiles: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    plan = PrefixPlan(q, v, tuple(ranks), tuple(sizes), _tiles_from(tiles))
+    plan = plan_of(q, v, ranks, sizes, _tiles_from(tiles))
     return _forward(q, k, v, segments, max_len, plan, causal, scale, depth_normalize)
 
 
@@ -940,7 +957,7 @@ def _backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                  lse: torch.Tensor, segments: torch.Tensor | None, max_len: int, ranks: list[int], sizes: list[int],
                  causal: bool, scale: float, depth_normalize: bool,
                  tiles: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    plan = PrefixPlan(q, v, tuple(ranks), tuple(sizes), _tiles_from(tiles))
+    plan = plan_of(q, v, ranks, sizes, _tiles_from(tiles))
     return _backward(q, k, v, o, lse, do, segments, max_len, plan, causal, scale, depth_normalize)
 
 

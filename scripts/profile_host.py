@@ -1,0 +1,125 @@
+"""The host's share of one MLR attention call on CUDA: Python, the custom op, the Triton launches.
+
+    PYTHONPATH=src python3 scripts/profile_host.py [--seq-len 1024] [--out FILE.txt]
+
+``sattn bench mlr`` times one call between two synchronisations, so whatever the host spends before
+the kernels start counts in full; in a training step it counts wherever the host, not the GPU, is
+the slower of the two. At a short sequence (default 1024 tokens, B=1, H=8, 8 levels of rank 8,
+R=Dv=64, bfloat16) the kernels take microseconds, so calls issued back to back without a
+synchronisation take the host's time each. The script prints, per call, for SDPA's flash kernel and
+for MLR entered at each layer of its stack:
+
+- ``mlr_attention``: the public function (argument checks, dispatch, tile choice);
+- ``custom op``: the prefix-rank forward op called directly (the op's dispatch, plan, launch);
+- ``launch``: the op's function without the op (the plan, the output buffers, the Triton launch);
+
+then the same for forward+backward, and ``cProfile``'s table of ``mlr_attention``'s calls (the
+functions that take the host's time). Without a GPU (``TRITON_INTERPRET=1``, CPU tensors) the
+kernels are replaced by no-ops, so the figures are this machine's Python alone, with no Triton launch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from structured_attention.ops.mlr import mlr_attention
+from structured_attention.ops.mlr import triton_prefix as tp
+from structured_attention.ops.mlr.contract import mlr_block_sizes
+from structured_attention.ops.mlr.triton_general import mlr_attention_triton
+
+RANKS = (8,) * 8
+
+
+def per_call_us(fn: Callable[[], object], calls: int, sync: Callable[[], None]) -> float:
+    """Microseconds per call of ``fn`` called ``calls`` times back to back (after a warm-up)."""
+    for _ in range(10):
+        fn()
+    sync()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    sync()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--calls", type=int, default=300)
+    p.add_argument("--out", default=None, help="also write the report here")
+    args = p.parse_args()
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            raise SystemExit("no CUDA device: run with TRITON_INTERPRET=1 (the kernels become no-ops)")
+
+        class _NoLaunch:
+            def __getitem__(self, grid: object) -> Callable[..., None]:
+                return lambda *a, **k: None
+
+        for name in ("_prefix_fwd_kernel", "_prefix_dkdv_kernel", "_prefix_dq_kernel"):
+            setattr(tp, name, _NoLaunch())
+    device = "cuda" if on_gpu else "cpu"
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+    B, H, T, R, Dv = 1, 8, args.seq_len, sum(RANKS), 64
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(B, H, T, d, device=device, dtype=torch.bfloat16, requires_grad=True) for d in (R, R, Dv))
+    sizes = mlr_block_sizes(RANKS, T, None)
+    scale = R ** -0.5
+    entry = mlr_attention if on_gpu else mlr_attention_triton  # the dispatcher sends CPU tensors to C++
+    tiles = tp.square_tiles(sizes[1:], 64, 32, sub_tile=True)
+    assert tiles is not None, f"block sizes {sizes} take the general kernels"
+    plan = tp.plan_of(q, v, RANKS, sizes, tiles)
+    tile_list = [int(x) for x in (tiles.fwd_m, tiles.fwd_n, tiles.dkdv_n, tiles.dkdv_m, tiles.dq_m, tiles.dq_n,
+                                  tiles.num_warps, tiles.num_stages)]
+    forwards = {
+        "sdpa flash": lambda: _flash(q, k, v),
+        "mlr_attention": lambda: entry(q, k, v, RANKS),
+        "custom op": lambda: tp._forward_op(q, k, v, None, T, list(RANKS), list(sizes), True, scale, False, tile_list),
+        "launch": lambda: tp._forward(q, k, v, None, T, plan, True, scale, False),
+    }
+    lines = [f"{torch.cuda.get_device_name() if on_gpu else 'CPU (kernels are no-ops)'} | torch {torch.__version__}"
+             f" | B={B} H={H} T={T} ranks {'|'.join(map(str, RANKS))} Dv={Dv} bfloat16 | tiles {tile_list}",
+             "microseconds per call, calls back to back:"]
+    with torch.no_grad():
+        for name, fn in forwards.items():
+            lines.append(f"  forward           {name:14s} {per_call_us(fn, args.calls, sync):8.1f}")
+    grad = torch.randn(B, H, T, Dv, device=device, dtype=torch.bfloat16)
+    for name in ("sdpa flash", "mlr_attention"):
+        fn = forwards[name]
+        lines.append(f"  forward+backward  {name:14s} {per_call_us(lambda: fn().backward(grad), args.calls, sync):8.1f}")
+    prof = cProfile.Profile()
+    with torch.no_grad():
+        prof.enable()
+        for _ in range(args.calls):
+            forwards["mlr_attention"]()
+        prof.disable()
+    table = io.StringIO()
+    pstats.Stats(prof, stream=table).sort_stats("tottime").print_stats(25)
+    lines += ["", f"cProfile, {args.calls} forward calls of mlr_attention, by own time:", table.getvalue()]
+    report = "\n".join(lines)
+    print(report)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(report + "\n")
+
+
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    if not q.is_cuda:
+        return q  # no flash kernel on the CPU: nothing to compare with
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+if __name__ == "__main__":
+    main()
