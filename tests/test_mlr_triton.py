@@ -85,6 +85,20 @@ def test_sub_tile_levels_launch_with_eight_warps_on_cuda():
     assert _prefix_tiles((4096, 2048, 32, 16), torch.float32, "cuda", 64, 64, False).num_warps == 8
 
 
+@pytest.mark.parametrize("shape", [(2, 3, 37, 64), (1, 1, 5, 12), (1, 2, 300, 100)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_dots_equal_the_float64_rowsum(shape, dtype):
+    # the backward's delta = rowsum(dO * O): rows not a multiple of a program's, dims not a power of two
+    from structured_attention.ops.mlr.triton_common import row_dots
+
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(shape, generator=g).to(dtype) for _ in range(2))
+    want = (a.double() * b.double()).sum(-1)
+    got = row_dots(a.to(DEVICE), b.to(DEVICE).transpose(-2, -1).contiguous().transpose(-2, -1))  # strided b too
+    assert got.dtype == torch.float32 and got.shape == shape[:-1]
+    torch.testing.assert_close(got.double().cpu(), want, atol=1e-5, rtol=1e-5)
+
+
 def test_forward_without_grad_and_prefix_consistency():
     # Block sizes fixed by the model: a prefix is scored exactly as inside the full sequence.
     q, k, v = make_qkv(1, 2, 2, 40, 16, 8, torch.float32, device=DEVICE)

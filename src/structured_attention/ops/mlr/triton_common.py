@@ -11,7 +11,7 @@ import triton.language as tl
 from .contract import document_bounds
 
 __all__ = ["INTERPRETED", "blocks_meet", "cdiv", "device_table", "dot", "dot_acc", "load_segment", "pow2",
-           "segments_of_documents", "segments_of_rows"]
+           "row_dots", "segments_of_documents", "segments_of_rows"]
 
 
 @triton.jit
@@ -91,3 +91,26 @@ def segments_of_documents(document_ids: torch.Tensor | None, T: int,
         return None, T
     rows = [(b, start, end - start) for b, row in enumerate(document_bounds(document_ids)) for start, end in row]
     return torch.tensor(rows, dtype=torch.int32).to(device), max(length for _, _, length in rows)
+
+
+@triton.jit
+def _row_dots_kernel(A, B, OUT, n_rows, D, BLOCK: tl.constexpr, DP: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    cols = tl.arange(0, DP)
+    ok = (rows < n_rows)[:, None] & (cols < D)[None, :]
+    a = tl.load(A + rows[:, None] * D + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    b = tl.load(B + rows[:, None] * D + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    tl.store(OUT + rows, tl.sum(a * b, axis=1), mask=rows < n_rows)
+
+
+def row_dots(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``(a * b).sum(-1)`` in float32 for two tensors of one shape: the backward's
+    ``delta = rowsum(dO * O)`` in one kernel, where PyTorch takes four (two casts, a product, a sum)
+    and writes two float32 copies of the operands."""
+    a, b = a.contiguous(), b.contiguous()
+    out = torch.empty(a.shape[:-1], dtype=torch.float32, device=a.device)
+    n_rows, d = out.numel(), a.shape[-1]
+    dp = pow2(d)
+    block = max(1, 8192 // dp)  # 8192 numbers of each operand per program
+    _row_dots_kernel[(cdiv(n_rows, block),)](a, b, out, n_rows, d, BLOCK=block, DP=dp)
+    return out

@@ -28,7 +28,7 @@ Design
   (``scripts/triton_resources.py`` prints each kernel's registers and spills).
   Mixed-depth tiles (straddling block boundaries, partial trailing blocks, T not a multiple of
   anything) are exact because of the per-level masks.
-* Backward: the standard flash-attention backward: ``delta = rowsum(dO * O)`` in PyTorch, one kernel
+* Backward: the standard flash-attention backward: ``delta = rowsum(dO * O)`` (a small kernel), one kernel
   for ``dK, dV`` (one program per key tile and *kv* head, looping over the ``G`` query heads of its
   group and their query tiles, so GQA gradients are summed without atomics) and one kernel for
   ``dQ`` (looping over key tiles). Both recompute the scores with the same depth structure.
@@ -48,7 +48,7 @@ import triton.language as tl
 
 from ..._checks import require
 from .contract import attach_backward, check_mlr_arguments
-from .triton_common import (INTERPRETED, blocks_meet, cdiv, device_table, dot, load_segment, pow2,
+from .triton_common import (INTERPRETED, blocks_meet, cdiv, device_table, dot, load_segment, pow2, row_dots,
                             segments_of_documents, segments_of_rows)
 from .triton_prefix import PrefixTiles, mlr_attention_prefix, square_tiles
 
@@ -440,7 +440,7 @@ def _backward(q, k, v, o, lse, do, segments, max_len: int, plan: _Plan, causal: 
     Hk = k.shape[1]
     G = H // Hk
     do = do.contiguous()
-    delta = (do.float() * o.float()).sum(-1).contiguous()  # (B, H, T)
+    delta = row_dots(do, o)  # (B, H, T)
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)

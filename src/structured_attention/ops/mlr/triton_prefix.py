@@ -50,7 +50,7 @@ import triton.language as tl
 
 from .contract import attach_backward
 from .triton_common import (INTERPRETED, blocks_meet, cdiv, device_table, dot, dot_acc, load_segment, pow2,
-                            segments_of_documents, segments_of_rows)
+                            row_dots, segments_of_documents, segments_of_rows)
 
 __all__ = ["PrefixTiles", "square_tiles", "mlr_attention_prefix"]
 
@@ -901,7 +901,7 @@ def _backward(q, k, v, o, lse, do, segments, max_len: int, plan: PrefixPlan, cau
     Hk = k.shape[1]
     tiles = plan.tiles
     do = do.contiguous()
-    delta = (do.float() * o.float()).sum(-1).contiguous()  # (B, H, T)
+    delta = row_dots(do, o)  # (B, H, T)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     strides = (
         q.stride(0), q.stride(1), q.stride(2),
