@@ -5,8 +5,8 @@
 # (default OUT_DIR runs/gpu-check, or $OUT on the lent device machine; default all). Each step is
 # sized for a machine that stops a command after 10 minutes:
 # all: the benchmarks (bench: MLR against flash and cuDNN at head dims 64 and 128 and with one level,
-# the layers' decoding step, a GPT's training step at context 4096), then the whole test suite (suite
-# 1/1) in what is left of 9.5 minutes.
+# the layers' decoding step, a GPT's training step at context 4096, the host's share of one call),
+# then the whole test suite (suite 1/1) in what is left of 9.5 minutes (about 8 in all on an H200).
 # suite K/N runs the K-th of N shards of the whole test suite (every N-th test) on 14 workers, one
 # line per test as it finishes, so a run stopped by the time limit still names its failures. On an
 # H200 the whole suite took about 14 minutes (2026-11-27), when each of the 14 workers ran 16 CPU
@@ -24,11 +24,12 @@
 # flash attention's.
 # subtile (about 4 minutes) checks the prefix-rank kernels' sub-tile levels (the lengths below 4096
 # with 8 levels) on the GPU and times them against the general kernel, flash and cuDNN.
-# ab TREE (about 4 minutes) times the kernels of src/ against those of TREE/src, another
+# ab TREE (about 5 minutes) times the kernels of src/ against those of TREE/src, another
 # version of the package prepared beforehand where git is (the device machine's copy has no history):
 #   mkdir -p runs/ab-before && git archive REV src | tar -x -C runs/ab-before
 # then, carrying runs/ab-before: the prefix-rank kernels at 8192 and 16384 (8 levels of rank 8, default
-# tiles) and the decoding step (the kernel's default settings), the same tuning script over each tree, in one call.
+# tiles) and the decoding step (the kernel's default settings), the same tuning script over each tree, and
+# sattn bench mlr (whole calls, the host's part included) at 4096 and 8192, in one call.
 # Needs python3 with torch (CUDA), triton, numpy, pyyaml, safetensors, pytest, pytest-xdist, matplotlib;
 # the package is used from src/ without installing it.
 set -uo pipefail
@@ -66,6 +67,8 @@ if [[ $step == bench || $step == all ]]; then
     # a GPT's training step at context 4096 (tokens/s per kind)
     sattn bench lm --device cuda --dtype bfloat16 --seq-lens 4096 --kinds "mha,mlr:16|16|16|16,mlr:8|8|8|8|8|8|8|8" \
         --repeats 5 --out "$out/lm" || status=1
+    # the host's share of one call (Python, the custom op, the Triton launches) against flash's
+    timeout 60 python3 scripts/profile_host.py --out "$out/host.txt" | head -n 9 || status=1
 fi
 if [[ $step == suite || $step == all ]]; then
     shard=${3:-1/1}
@@ -101,6 +104,10 @@ if [[ $step == ab ]]; then
             | tee "$out/ab-prefill-$side.log" || status=1
         PYTHONPATH=$package timeout 100 python3 scripts/tune_mlr_triton.py --decode-only --decode-settings default \
             --out "$out/ab-decode-$side.json" 2>&1 | tee "$out/ab-decode-$side.log" || status=1
+        # whole calls, host included (the tuning script times the kernels alone)
+        PYTHONPATH=$package timeout 100 python3 -m structured_attention.cli.main bench mlr --device cuda \
+            --dtype bfloat16 --seq-lens 4096,8192 --paths sdpa_flash,mlr --repeats 10 --no-memory \
+            --out "$out/ab-bench-$side" 2>&1 | tail -n 6 || status=1
     done
 fi
 if [[ $step == tune ]]; then
@@ -143,5 +150,10 @@ if [[ $step == ncu ]]; then  # Nsight Compute's profile of the decoding and pref
             python3 scripts/ncu_kernels.py $case > "$out/ncu-$case.txt" 2>&1 || status=1
         tail -n 3 "$out/ncu-$case.txt"
     done
+fi
+# The device machine hands back 8 files at most: there, more than that go back as one archive.
+if [[ -n ${OUT:-} && $out == "$OUT" ]] && (( $(find "$out" -type f | wc -l) > 8 )); then
+    tar -czf /tmp/gpu-check.tgz -C "$out" . && find "$out" -mindepth 1 -delete && mv /tmp/gpu-check.tgz "$out/" \
+        && echo "files: $out/gpu-check.tgz"
 fi
 exit $status

@@ -35,7 +35,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from structured_attention.ops.mlr import mlr_attention
 from structured_attention.ops.mlr import triton_prefix as tp
 from structured_attention.ops.mlr.contract import mlr_block_sizes
-from structured_attention.ops.mlr.triton_general import mlr_attention_triton
+from structured_attention.ops.mlr.triton_general import _prefix_tiles, mlr_attention_triton
 
 RANKS = (8,) * 8
 
@@ -69,6 +69,7 @@ def main() -> None:
 
         for name in ("_prefix_fwd_kernel", "_prefix_dkdv_kernel", "_prefix_dq_kernel"):
             setattr(tp, name, _NoLaunch())
+        tp.row_dots = lambda a, b: torch.empty(a.shape[:-1])  # the backward's delta kernel
     device = "cuda" if on_gpu else "cpu"
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     B, H, T, R, Dv = 1, 8, args.seq_len, sum(RANKS), 64
@@ -77,7 +78,7 @@ def main() -> None:
     sizes = mlr_block_sizes(RANKS, T, None)
     scale = R ** -0.5
     entry = mlr_attention if on_gpu else mlr_attention_triton  # the dispatcher sends CPU tensors to C++
-    tiles = tp.square_tiles(sizes[1:], 64, 32, sub_tile=True)
+    tiles = _prefix_tiles(tuple(sizes), q.dtype, "cuda", 64, 64, False)  # the tiles mlr_attention takes on CUDA
     assert tiles is not None, f"block sizes {sizes} take the general kernels"
     plan = tp.plan_of(q, v, RANKS, sizes, tiles)
     tile_list = [int(x) for x in (tiles.fwd_m, tiles.fwd_n, tiles.dkdv_n, tiles.dkdv_m, tiles.dq_m, tiles.dq_n,
