@@ -85,6 +85,41 @@ def test_sub_tile_levels_launch_with_eight_warps_on_cuda():
     assert _prefix_tiles((4096, 2048, 32, 16), torch.float32, "cuda", 64, 64, False).num_warps == 8
 
 
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic-dq", "dq-kernel"])
+def test_backward_adds_dq_atomically_unless_deterministic(deterministic, monkeypatch):
+    # By default the dK/dV kernel adds each query tile's dQ as it goes (float32 atomics); under
+    # torch.use_deterministic_algorithms(True) the dQ kernel computes it in a fixed order. Both
+    # equal the float64 reference (GQA, and sub-tile levels, whose near tiles add level by level).
+    from structured_attention.ops.mlr import triton_prefix
+    from structured_attention.ops.mlr.reference import mlr_attention_reference
+
+    launches = []
+    kernel = triton_prefix._prefix_dq_kernel
+
+    class Counted:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(triton_prefix, "_prefix_dq_kernel", Counted())
+    ranks, sizes = (8, 4, 4), (64, 32, 16)
+    q, k, v, do = make_qkv(1, 4, 2, 48, 16, 8, torch.float32, requires_grad=True, dout=True, device=DEVICE)
+    tiles = PrefixTiles(32, 32, 32, 32, 32, 32)  # the 16-blocks are a sub-tile level
+    assert tiles.coarse_levels(sizes) == 2
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        out = triton_prefix.mlr_attention_prefix(q, k, v, ranks, sizes, True, 0.25, False, tiles)
+        grads = torch.autograd.grad(out, (q, k, v), do)
+    finally:
+        torch.use_deterministic_algorithms(previous)
+    assert len(launches) == int(deterministic)
+    exact = [x.detach().double().requires_grad_() for x in (q, k, v)]
+    want = torch.autograd.grad(mlr_attention_reference(*exact, ranks, sizes, True, 0.25), exact, do.double())
+    for got, w in zip(grads, want):
+        torch.testing.assert_close(got.double(), w, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("shape", [(2, 3, 37, 64), (1, 1, 5, 12), (1, 2, 300, 100)], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_row_dots_equal_the_float64_rowsum(shape, dtype):

@@ -27,9 +27,11 @@ share the level's block, so each of its pairs has its own depth. Without sub-til
 tiles are the diagonal ones.
 
 The forward stores the row log-sum-exp in base 2 for the backward; the backward is the
-flash-attention backward (one kernel for ``dK, dV`` that loops over the query heads of a GQA group,
-one for ``dQ``), recomputing the scores tier by tier. Numerics match :mod:`.triton_general`, which
-takes the calls whose sub-tile blocks reach further from the diagonal.
+flash-attention backward, recomputing the scores tier by tier: one kernel for ``dK, dV`` that loops
+over the query heads of a GQA group and adds each walked query tile's ``dQ`` (its prefix-rank
+chunks) into a float32 buffer atomically; under ``torch.use_deterministic_algorithms(True)`` a
+separate ``dQ`` kernel instead. Numerics match :mod:`.triton_general`, which takes the calls whose
+sub-tile blocks reach further from the diagonal.
 
 Packed documents are segments of one launch, as in :mod:`.triton_general`: a program reads its
 segment's row, start and length from a table, and every position inside is local to the segment,
@@ -219,6 +221,22 @@ def _store_chunks(ptr, ok, R, c0, c1, c2, c3, CH: tl.constexpr, NCH: tl.constexp
     if NCH > 3:
         tl.store(ptr + 3 * CH + cols[None, :], c3.to(ptr.dtype.element_ty),
                  mask=ok[:, None] & (3 * CH + cols < R)[None, :])
+
+
+@triton.jit
+def _add_chunks(ptr, ok, R, c0, c1, c2, c3, CH: tl.constexpr, NC: tl.constexpr):
+    """Add the first ``NC`` chunks of some rows' gradient into float32 rows at ``ptr`` (their row
+    starts) with atomics: other programs add into the same rows."""
+    cols = tl.arange(0, CH)
+    tl.atomic_add(ptr + cols[None, :], c0, mask=ok[:, None] & (cols < R)[None, :], sem="relaxed")
+    if NC > 1:
+        tl.atomic_add(ptr + CH + cols[None, :], c1, mask=ok[:, None] & (CH + cols < R)[None, :], sem="relaxed")
+    if NC > 2:
+        tl.atomic_add(ptr + 2 * CH + cols[None, :], c2, mask=ok[:, None] & (2 * CH + cols < R)[None, :],
+                      sem="relaxed")
+    if NC > 3:
+        tl.atomic_add(ptr + 3 * CH + cols[None, :], c3, mask=ok[:, None] & (3 * CH + cols < R)[None, :],
+                      sem="relaxed")
 
 
 @triton.jit
@@ -469,11 +487,12 @@ def _prefix_fwd_kernel(
 
 
 @triton.jit
-def _dkdv_tile(dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, lse_base, delta_base,
+def _dkdv_tile(dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, lse_base, delta_base, dq_base,
                n0, offs_n, m0, depth, rank, R, stride_qt, stride_dot, T, DV, sm_scale, qk_scale, SUB,
                NC: tl.constexpr, NEAR: tl.constexpr, DIAG: tl.constexpr, CAUSAL: tl.constexpr,
                DEPTH_NORM: tl.constexpr, NSUB: tl.constexpr, NCC: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, CH: tl.constexpr, DVP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+               BLOCK_N: tl.constexpr, CH: tl.constexpr, DVP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+               FUSED_DQ: tl.constexpr):
     dv = tl.arange(0, DVP)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     m_ok = offs_m < T
@@ -501,27 +520,39 @@ def _dkdv_tile(dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, 
     else:
         dk0, dk1, dk2, dk3 = _prefix_grads(dk0, dk1, dk2, dk3, tl.trans(ds.to(q0.dtype)), q0, q1, q2, q3, rank, NC,
                                            CH, PREC, UPCAST)
+    if FUSED_DQ:
+        # The walked queries' share of dQ, the same products as the dQ kernel's, added atomically:
+        # no second pass recomputing the scores and exponentials. Away from the diagonal only the
+        # first NC chunks (the pair's prefix rank) receive anything.
+        z = tl.zeros([BLOCK_M, CH], tl.float32)
+        if NEAR:
+            g0, g1, g2, g3 = _near_grads(z, z, z, z, ds, k0, k1, k2, k3, offs_m, offs_n, m0, m_last, n0, n_last,
+                                         rank, SUB, NSUB, NCC, NC, CH, True, PREC, UPCAST)
+        else:
+            g0, g1, g2, g3 = _prefix_grads(z, z, z, z, ds.to(k0.dtype), k0, k1, k2, k3, rank, NC, CH, PREC, UPCAST)
+        _add_chunks(dq_base + offs_m[:, None] * stride_qt, m_ok, R, g0, g1, g2, g3, CH, NC)
     return dk0, dk1, dk2, dk3, dv_acc
 
 
 @triton.jit
-def _dkdv_tiles(dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, lse_base, delta_base,
+def _dkdv_tiles(dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, lse_base, delta_base, dq_base,
                 n0, offs_n, lo, hi, fsize, frank, stride_qt, stride_dot, T, R, R1, DV, sm_scale, qk_scale, RC, SUB,
                 NC: tl.constexpr, NEAR: tl.constexpr, DIAG: tl.constexpr, CAUSAL: tl.constexpr,
                 DEPTH_NORM: tl.constexpr, NSUB: tl.constexpr, NCC: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, CH: tl.constexpr, DVP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+                BLOCK_N: tl.constexpr, CH: tl.constexpr, DVP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+                FUSED_DQ: tl.constexpr):
     for m0 in range(lo, hi, BLOCK_M):
         depth, rank = _depth_rank_near(m0, n0, fsize, frank, R1, RC, NEAR)
         dk0, dk1, dk2, dk3, dv_acc = _dkdv_tile(
-            dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, lse_base, delta_base,
+            dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, lse_base, delta_base, dq_base,
             n0, offs_n, m0, depth, rank, R, stride_qt, stride_dot, T, DV, sm_scale, qk_scale, SUB,
-            NC, NEAR, DIAG, CAUSAL, DEPTH_NORM, NSUB, NCC, BLOCK_M, BLOCK_N, CH, DVP, PREC, UPCAST)
+            NC, NEAR, DIAG, CAUSAL, DEPTH_NORM, NSUB, NCC, BLOCK_M, BLOCK_N, CH, DVP, PREC, UPCAST, FUSED_DQ)
     return dk0, dk1, dk2, dk3, dv_acc
 
 
 @triton.jit
 def _prefix_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV_, SEG, FSIZE, FRANK, TIERS, SUB,
+    Q, K, V, DO, LSE, DELTA, DK, DV_, DQ, SEG, FSIZE, FRANK, TIERS, SUB,
     stride_qb, stride_qh, stride_qt,
     stride_kb, stride_kh, stride_kt,
     stride_vb, stride_vh, stride_vt,
@@ -530,8 +561,10 @@ def _prefix_dkdv_kernel(
     CAUSAL: tl.constexpr, DEPTH_NORM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CH: tl.constexpr, NCH: tl.constexpr, NCC: tl.constexpr,
     NSUB: tl.constexpr, LP: tl.constexpr, DVP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    FUSED_DQ: tl.constexpr,
 ):
-    # DK has k's strides and DV_ has v's strides (all contiguous, same shapes).
+    # DK has k's strides and DV_ has v's strides (all contiguous, same shapes); with FUSED_DQ, DQ is
+    # a float32 buffer with q's strides that the programs add the queries' gradients into.
     pid_n = tl.program_id(0)
     pid_sh = tl.program_id(1)
     b, start, T = load_segment(SEG, pid_sh // HK)
@@ -563,58 +596,62 @@ def _prefix_dkdv_kernel(
     q_group = Q + b * stride_qb + hk * G * stride_qh + start * stride_qt
     do_group = DO + b * stride_dob + hk * G * stride_doh + start * stride_dot
     row_group = (b * H + hk * G) * TFULL + start
+    dq_group = DQ + b * stride_qb + hk * G * stride_qh + start * stride_qt
     for g in range(0, G):
         q_base = q_group + g * stride_qh
         do_base = do_group + g * stride_doh
         lse_base = LSE + row_group + g * TFULL
         delta_base = DELTA + row_group + g * TFULL
+        dq_base = dq_group + g * stride_qh
         if not CAUSAL:
             # Query tiles above the diagonal, fewest chunks first, then the near ones.
             lo = 0
             for t in tl.static_range(1, NCC):
                 hi = _tier_start(n0, tl.load(TIERS + t))
                 dk0, dk1, dk2, dk3, dv_acc = _dkdv_tiles(
-                    dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, lse_base, delta_base,
+                    dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, lse_base, delta_base, dq_base,
                     n0, offs_n, lo, hi, fsize, frank, stride_qt, stride_dot, T, R, R1, DV, sm_scale, qk_scale,
                     RC, SUB, t, False, False, CAUSAL, DEPTH_NORM, NSUB, NCC, BLOCK_M, BLOCK_N, CH, DVP,
-                    PREC, UPCAST)
+                    PREC, UPCAST, FUSED_DQ)
                 lo = hi
             dk0, dk1, dk2, dk3, dv_acc = _dkdv_tiles(
-                dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, lse_base, delta_base,
+                dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, lse_base, delta_base, dq_base,
                 n0, offs_n, lo, near_lo, fsize, frank, stride_qt, stride_dot, T, R, R1, DV, sm_scale, qk_scale,
-                RC, SUB, NCC, False, False, CAUSAL, DEPTH_NORM, NSUB, NCC, BLOCK_M, BLOCK_N, CH, DVP, PREC, UPCAST)
+                RC, SUB, NCC, False, False, CAUSAL, DEPTH_NORM, NSUB, NCC, BLOCK_M, BLOCK_N, CH, DVP, PREC, UPCAST,
+                FUSED_DQ)
             if NSUB > 0:
                 dk0, dk1, dk2, dk3, dv_acc = _dkdv_tiles(
-                    dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, lse_base, delta_base,
+                    dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, lse_base, delta_base, dq_base,
                     n0, offs_n, near_lo, n0, fsize, frank, stride_qt, stride_dot, T, R, R1, DV, sm_scale, qk_scale,
                     RC, SUB, NCH, True, False, CAUSAL, DEPTH_NORM, NSUB, NCC, BLOCK_M, BLOCK_N, CH, DVP, PREC,
-                    UPCAST)
+                    UPCAST, FUSED_DQ)
         # The diagonal, the near query tiles below it, then the tiers below, most chunks first.
         dk0, dk1, dk2, dk3, dv_acc = _dkdv_tiles(
-            dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, lse_base, delta_base,
+            dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, lse_base, delta_base, dq_base,
             n0, offs_n, n0, tl.minimum(n0 + BLOCK_N, T), fsize, frank, stride_qt, stride_dot, T, R, R1, DV,
             sm_scale, qk_scale, RC, SUB, NCH, NSUB > 0, True, CAUSAL, DEPTH_NORM, NSUB, NCC, BLOCK_M, BLOCK_N, CH,
-            DVP, PREC, UPCAST)
+            DVP, PREC, UPCAST, FUSED_DQ)
         lo = n0 + BLOCK_N
         if NSUB > 0:
             dk0, dk1, dk2, dk3, dv_acc = _dkdv_tiles(
-                dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, lse_base, delta_base,
+                dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, lse_base, delta_base, dq_base,
                 n0, offs_n, lo, near_hi, fsize, frank, stride_qt, stride_dot, T, R, R1, DV, sm_scale,
                 qk_scale, RC, SUB, NCH, True, False, CAUSAL, DEPTH_NORM, NSUB, NCC, BLOCK_M, BLOCK_N, CH, DVP,
-                PREC, UPCAST)
+                PREC, UPCAST, FUSED_DQ)
             lo = tl.maximum(near_hi, lo)
         for i in tl.static_range(0, NCC - 1):
             hi = _tier_end(n0, tl.load(TIERS + NCC - 1 - i), T)
             dk0, dk1, dk2, dk3, dv_acc = _dkdv_tiles(
-                dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, lse_base, delta_base,
+                dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, lse_base, delta_base, dq_base,
                 n0, offs_n, lo, hi, fsize, frank, stride_qt, stride_dot, T, R, R1, DV, sm_scale, qk_scale,
                 RC, SUB, NCC - i, False, False, CAUSAL, DEPTH_NORM, NSUB, NCC, BLOCK_M, BLOCK_N, CH, DVP,
-                PREC, UPCAST)
+                PREC, UPCAST, FUSED_DQ)
             lo = hi
         dk0, dk1, dk2, dk3, dv_acc = _dkdv_tiles(
-            dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, lse_base, delta_base,
+            dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, lse_base, delta_base, dq_base,
             n0, offs_n, lo, T, fsize, frank, stride_qt, stride_dot, T, R, R1, DV, sm_scale, qk_scale,
-            RC, SUB, 1, False, False, CAUSAL, DEPTH_NORM, NSUB, NCC, BLOCK_M, BLOCK_N, CH, DVP, PREC, UPCAST)
+            RC, SUB, 1, False, False, CAUSAL, DEPTH_NORM, NSUB, NCC, BLOCK_M, BLOCK_N, CH, DVP, PREC, UPCAST,
+            FUSED_DQ)
 
     _store_chunks(DK + k_off + offs_n[:, None] * stride_kt, n_ok, R, dk0, dk1, dk2, dk3, CH, NCH)
     tl.store(DV_ + v_off + offs_n[:, None] * stride_vt + dv[None, :], dv_acc.to(DV_.dtype.element_ty),
@@ -902,18 +939,26 @@ def _backward(q, k, v, o, lse, do, segments, max_len: int, plan: PrefixPlan, cau
     tiles = plan.tiles
     do = do.contiguous()
     delta = row_dots(do, o)  # (B, H, T)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
     strides = (
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         do.stride(0), do.stride(1), do.stride(2),
     )
+    # dQ: by default added into a float32 buffer by the dK/dV kernel as it goes (atomics, so the
+    # order of the additions, and dQ's last bits, vary from run to run, as in flash attention's
+    # backward); under torch.use_deterministic_algorithms(True) the dQ kernel computes it instead,
+    # recomputing the scores from the queries' side.
+    fused = not torch.are_deterministic_algorithms_enabled()
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if fused else torch.empty_like(q)
     _prefix_dkdv_kernel[(cdiv(max_len, tiles.dkdv_n), segments.shape[0] * Hk)](
-        q, k, v, do, lse, delta, dk, dv, segments, *plan.tables(), *strides,
+        q, k, v, do, lse, delta, dk, dv, dq, segments, *plan.tables(), *strides,
         H, Hk, H // Hk, T, plan.R, plan.R1, plan.RC, plan.SF, plan.DV, scale, scale * _LOG2E,
-        **plan.constexprs(causal, depth_normalize, tiles.dkdv_m, tiles.dkdv_n),
+        **plan.constexprs(causal, depth_normalize, tiles.dkdv_m, tiles.dkdv_n), FUSED_DQ=fused,
     )
+    if fused:
+        return dq.to(q.dtype), dk, dv
     _prefix_dq_kernel[(cdiv(max_len, tiles.dq_m), segments.shape[0] * H)](
         q, k, v, do, lse, delta, dq, segments, *plan.tables(), *strides,
         H, H // Hk, T, plan.R, plan.R1, plan.RC, plan.SF, plan.DV, scale, scale * _LOG2E,
