@@ -9,8 +9,10 @@ R=Dv=64, bfloat16) the kernels take microseconds, so calls issued back to back w
 synchronisation take the host's time each. The script prints, per call, for SDPA's flash kernel and
 for MLR entered at each layer of its stack:
 
-- ``mlr_attention``: the public function (argument checks, dispatch, tile choice);
-- ``custom op``: the prefix-rank forward op called directly (the op's dispatch, plan, launch);
+- ``mlr_attention``: the public function (argument checks, dispatch, tile choice; outside
+  ``torch.compile`` the kernels' functions in an ``autograd.Function``);
+- ``op (compiled)``: the prefix-rank forward's custom op called directly, as a compiled graph calls
+  it (the op's dispatch, plan, launch);
 - ``launch``: the op's function without the op (the plan, the output buffers, the Triton launch);
 
 then the same for forward+backward, and ``cProfile``'s table of ``mlr_attention``'s calls (the
@@ -86,7 +88,7 @@ def main() -> None:
     forwards = {
         "sdpa flash": lambda: _flash(q, k, v),
         "mlr_attention": lambda: entry(q, k, v, RANKS),
-        "custom op": lambda: tp._forward_op(q, k, v, None, T, list(RANKS), list(sizes), True, scale, False, tile_list),
+        "op (compiled)": lambda: tp._forward_op(q, k, v, None, T, list(RANKS), list(sizes), True, scale, False, tile_list),
         "launch": lambda: tp._forward(q, k, v, None, T, plan, True, scale, False),
     }
     lines = [f"{torch.cuda.get_device_name() if on_gpu else 'CPU (kernels are no-ops)'} | torch {torch.__version__}"
@@ -94,11 +96,11 @@ def main() -> None:
              "microseconds per call, calls back to back:"]
     with torch.no_grad():
         for name, fn in forwards.items():
-            lines.append(f"  forward           {name:14s} {per_call_us(fn, args.calls, sync):8.1f}")
+            lines.append(f"  forward           {name:15s} {per_call_us(fn, args.calls, sync):8.1f}")
     grad = torch.randn(B, H, T, Dv, device=device, dtype=torch.bfloat16)
     for name in ("sdpa flash", "mlr_attention"):
         fn = forwards[name]
-        lines.append(f"  forward+backward  {name:14s} {per_call_us(lambda: fn().backward(grad), args.calls, sync):8.1f}")
+        lines.append(f"  forward+backward  {name:15s} {per_call_us(lambda: fn().backward(grad), args.calls, sync):8.1f}")
     prof = cProfile.Profile()
     with torch.no_grad():
         prof.enable()

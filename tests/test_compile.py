@@ -164,6 +164,32 @@ def test_dispatcher_compiles_to_one_custom_op_forward_and_backward(kernel, monke
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("kernel", ["general", "prefix"])
+def test_triton_calls_compile_to_their_op_and_run_without_it_eagerly(kernel):
+    # Eagerly, the Triton kernels' functions run in an autograd.Function (the op's dispatch costs
+    # the host tens of microseconds a call); a compiled graph holds the op. Same results both ways.
+    _needs_triton()
+    from structured_attention.ops.mlr import triton_general
+
+    op = f"sattn::mlr_triton{'_prefix' if kernel == 'prefix' else ''}_forward"
+    dev, f32 = _triton_device(), torch.float32
+    q, k = (_rand(1, 2, 32, 16, dtype=f32).to(dev).requires_grad_() for _ in range(2))
+    v = _rand(1, 2, 32, 8, dtype=f32).to(dev).requires_grad_()
+    tiles = {"block_m": 16, "block_n": 32} if kernel == "general" else {}
+
+    def f(q, k, v):
+        return triton_general.mlr_attention_triton(q, k, v, (8, 4, 4), (32, 16, 8), **tiles)
+
+    with torch.profiler.profile() as prof:
+        ref = f(q, k, v)
+    assert op not in {e.name for e in prof.events()}
+    out, targets = _graph_ops(f, q, k, v)
+    assert op.replace("::", ".") + ".default" in targets
+    torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
+    for got, want in zip(torch.autograd.grad(out.sum(), (q, k, v)), torch.autograd.grad(ref.sum(), (q, k, v))):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_opcheck_static_decoding_ops():
     from structured_attention.functional.decode import masked_decode
     from structured_attention.ops.mlr.static import mlr_decode_static

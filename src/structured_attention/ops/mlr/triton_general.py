@@ -470,12 +470,14 @@ def _backward(q, k, v, o, lse, do, segments, max_len: int, plan: _Plan, causal: 
 # ``segments``: (S, 3) int32 rows of (batch row, start, length), each scored as a sequence of its own
 # (packed documents, varlen), or None for whole rows (the op makes that table itself, so
 # torch.compile never traces it); ``max_len`` the longest segment.
-@torch.library.custom_op("sattn::mlr_triton_forward", mutates_args=())
-def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor | None, max_len: int,
-                ranks: list[int], sizes: list[int], causal: bool, scale: float, depth_normalize: bool, block_m: int,
-                block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor | None, max_len: int,
+                 ranks: list[int], sizes: list[int], causal: bool, scale: float, depth_normalize: bool, block_m: int,
+                 block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
     plan = _Plan(q, v, tuple(ranks), tuple(sizes), block_m, block_n)
     return _forward(q, k, v, segments, max_len, plan, causal, scale, depth_normalize)
+
+
+_forward_op = torch.library.custom_op("sattn::mlr_triton_forward", _run_forward, mutates_args=())
 
 
 @_forward_op.register_fake
@@ -484,13 +486,15 @@ def _(q, k, v, segments, max_len, ranks, sizes, causal, scale, depth_normalize, 
     return q.new_empty(B, H, T, v.shape[-1]), q.new_empty(B, H, T, dtype=torch.float32)
 
 
-@torch.library.custom_op("sattn::mlr_triton_backward", mutates_args=())
-def _backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                 lse: torch.Tensor, segments: torch.Tensor | None, max_len: int, ranks: list[int], sizes: list[int],
-                 causal: bool, scale: float, depth_normalize: bool, block_m: int,
-                 block_n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _run_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                  lse: torch.Tensor, segments: torch.Tensor | None, max_len: int, ranks: list[int], sizes: list[int],
+                  causal: bool, scale: float, depth_normalize: bool, block_m: int,
+                  block_n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     plan = _Plan(q, v, tuple(ranks), tuple(sizes), block_m, block_n)
     return _backward(q, k, v, o, lse, do, segments, max_len, plan, causal, scale, depth_normalize)
+
+
+_backward_op = torch.library.custom_op("sattn::mlr_triton_backward", _run_backward, mutates_args=())
 
 
 @_backward_op.register_fake
@@ -498,7 +502,7 @@ def _(do, q, k, v, o, lse, segments, max_len, ranks, sizes, causal, scale, depth
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-attach_backward(_forward_op, _backward_op)
+_forward_call = attach_backward(_forward_op, _backward_op, eager=(_run_forward, _run_backward))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -571,8 +575,8 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ranks: tuple[i
 
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     segments, max_len = segments_of_documents(document_ids, q.shape[2], q.device)
-    out, _ = _forward_op(q, k, v, segments, max_len, list(ranks), list(sizes), causal, float(scale), depth_normalize,
-                         block_m, block_n)
+    out, _ = _forward_call(q, k, v, segments, max_len, list(ranks), list(sizes), causal, float(scale),
+                           depth_normalize, block_m, block_n)
     return out
 
 

@@ -983,12 +983,14 @@ def _tiles_list(tiles: PrefixTiles) -> list[int]:
 
 # ``segments``: the (S, 3) table of :func:`.triton_common.segments_of_documents`, or None for whole
 # rows (the op makes that table itself); ``max_len`` the longest segment.
-@torch.library.custom_op("sattn::mlr_triton_prefix_forward", mutates_args=())
-def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor | None, max_len: int,
-                ranks: list[int], sizes: list[int], causal: bool, scale: float, depth_normalize: bool,
-                tiles: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def _run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor | None, max_len: int,
+                 ranks: list[int], sizes: list[int], causal: bool, scale: float, depth_normalize: bool,
+                 tiles: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     plan = plan_of(q, v, ranks, sizes, _tiles_from(tiles))
     return _forward(q, k, v, segments, max_len, plan, causal, scale, depth_normalize)
+
+
+_forward_op = torch.library.custom_op("sattn::mlr_triton_prefix_forward", _run_forward, mutates_args=())
 
 
 @_forward_op.register_fake
@@ -997,13 +999,15 @@ def _(q, k, v, segments, max_len, ranks, sizes, causal, scale, depth_normalize, 
     return q.new_empty(B, H, T, v.shape[-1]), q.new_empty(B, H, T, dtype=torch.float32)
 
 
-@torch.library.custom_op("sattn::mlr_triton_prefix_backward", mutates_args=())
-def _backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                 lse: torch.Tensor, segments: torch.Tensor | None, max_len: int, ranks: list[int], sizes: list[int],
-                 causal: bool, scale: float, depth_normalize: bool,
-                 tiles: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _run_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                  lse: torch.Tensor, segments: torch.Tensor | None, max_len: int, ranks: list[int], sizes: list[int],
+                  causal: bool, scale: float, depth_normalize: bool,
+                  tiles: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     plan = plan_of(q, v, ranks, sizes, _tiles_from(tiles))
     return _backward(q, k, v, o, lse, do, segments, max_len, plan, causal, scale, depth_normalize)
+
+
+_backward_op = torch.library.custom_op("sattn::mlr_triton_prefix_backward", _run_backward, mutates_args=())
 
 
 @_backward_op.register_fake
@@ -1011,7 +1015,7 @@ def _(do, q, k, v, o, lse, segments, max_len, ranks, sizes, causal, scale, depth
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-attach_backward(_forward_op, _backward_op)
+_forward_call = attach_backward(_forward_op, _backward_op, eager=(_run_forward, _run_backward))
 
 
 def mlr_attention_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ranks: tuple[int, ...],
@@ -1022,6 +1026,6 @@ def mlr_attention_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank
     (its positions start at 0, so its tile pairs keep one depth each)."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     segments, max_len = segments_of_documents(document_ids, q.shape[2], q.device)
-    out, _ = _forward_op(q, k, v, segments, max_len, list(ranks), list(sizes), causal, float(scale), depth_normalize,
-                         _tiles_list(tiles))
+    out, _ = _forward_call(q, k, v, segments, max_len, list(ranks), list(sizes), causal, float(scale),
+                           depth_normalize, _tiles_list(tiles))
     return out
