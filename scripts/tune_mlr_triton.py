@@ -33,6 +33,9 @@ from structured_attention.ops.mlr.triton_prefix import PrefixTiles, mlr_attentio
 
 SETTINGS = {
     "64/w4/s2": PrefixTiles(num_warps=4, num_stages=2),
+    # what the dispatcher takes where a 64-row tile would need sub-tile levels but 32 rows divide every
+    # fine block (8 levels at T = 4096: the finest blocks are 32 tokens)
+    "32/w4/s2": PrefixTiles(*(32,) * 6, num_warps=4, num_stages=2),
     "64/w4/s3": PrefixTiles(num_warps=4, num_stages=3),
     "64/w8/s2": PrefixTiles(num_warps=8, num_stages=2),
     "64/w4/s1": PrefixTiles(num_warps=4, num_stages=1),
