@@ -190,6 +190,25 @@ def test_triton_calls_compile_to_their_op_and_run_without_it_eagerly(kernel):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_triton_decoding_step_compiles_to_its_op_and_runs_without_it_eagerly():
+    _needs_triton()
+    from structured_attention.ops.mlr import triton_decode
+
+    dev, f32 = _triton_device(), torch.float32
+    keys = [_rand(1, 2, T, 4, dtype=f32).to(dev), _rand(1, 2, T - 16, 4, dtype=f32).to(dev)]
+    q, v = _rand(1, 2, 1, R, dtype=f32).to(dev), _rand(1, 2, T, DV, dtype=f32).to(dev)
+
+    def step(q, k0, k1, v):
+        return triton_decode.decode(q, [k0, k1], [0, 16], v, [4, 4], 0.5, False, chunk=16, block_n=16)
+
+    with torch.profiler.profile() as prof:
+        ref = step(q, *keys, v)
+    assert "sattn::mlr_triton_decode" not in {e.name for e in prof.events()}
+    out, targets = _graph_ops(step, q, *keys, v)
+    assert "sattn.mlr_triton_decode.default" in targets
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
 def test_opcheck_static_decoding_ops():
     from structured_attention.functional.decode import masked_decode
     from structured_attention.ops.mlr.static import mlr_decode_static

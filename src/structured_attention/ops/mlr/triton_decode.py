@@ -359,8 +359,11 @@ def decode(
         require(x.stride(-1) == 1, name, "a contiguous last dim", f"strides {tuple(x.stride())}")
     require(chunk is None or (isinstance(chunk, int) and chunk > 0 and chunk % block_n == 0), "chunk",
             f"a positive multiple of block_n={block_n} or None", chunk)
-    return _decode_op(q.to(v.dtype).contiguous(), list(keys), list(key_starts), v, list(ranks), float(scale), depth_normalize,
-                      row_starts, chunk, block_n, num_warps, num_stages, maxnreg)
+    # the op inside torch.compile (a graph keeps it whole); outside, its function without the op's
+    # dispatch, about 25 us of the host's Python a step and layer (2-core Xeon)
+    step = _decode_op if torch.compiler.is_compiling() else _launch
+    return step(q.to(v.dtype).contiguous(), list(keys), list(key_starts), v, list(ranks), float(scale), depth_normalize,
+                row_starts, chunk, block_n, num_warps, num_stages, maxnreg)
 
 
 @torch.library.custom_op("sattn::mlr_triton_decode", mutates_args=())
