@@ -120,6 +120,32 @@ def test_backward_adds_dq_atomically_unless_deterministic(deterministic, monkeyp
         torch.testing.assert_close(got.double(), w, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kernel", ["prefix", "general"])
+def test_transposed_views_are_read_in_place_and_give_the_contiguous_results(kernel):
+    # A layer's heads are a transposed view of its projection, (B, T, H, D) -> (B, H, T, D): the
+    # kernels read it through its strides (no copy), and write the gradients with the same strides.
+    from structured_attention.ops.mlr.triton_common import dense_rows
+
+    g = torch.Generator().manual_seed(0)
+    B, T, H, Hk, R, Dv = 2, 40, 4, 2, 16, 8
+    qp, kp, vp = (torch.randn(B, T, h, d, generator=g).to(DEVICE) for h, d in ((H, R), (Hk, R), (Hk, Dv)))
+    views = [x.transpose(1, 2).requires_grad_() for x in (qp, kp, vp)]
+    assert all(dense_rows(x) is x and not x.is_contiguous() for x in views)
+    assert not dense_rows(views[0][:, :, :23]).data_ptr() == views[0].data_ptr()  # not dense: copied
+    copies = [x.detach().contiguous().requires_grad_() for x in views]
+    tiles = {"block_m": 16, "block_n": 32} if kernel == "general" else {}
+    do = torch.randn(B, H, T, Dv, generator=g).to(DEVICE)
+    results = []
+    for xs in (views, copies):
+        out = mlr_attention_triton(*xs, (8, 4, 4), (64, 16, 8), **tiles)
+        results.append((out, torch.autograd.grad(out, xs, do)))
+    (out_v, grads_v), (out_c, grads_c) = results
+    torch.testing.assert_close(out_v, out_c, atol=1e-6, rtol=1e-6)
+    for got, want, x in zip(grads_v, grads_c, views):
+        assert got.stride() == x.stride()
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("shape", [(2, 3, 37, 64), (1, 1, 5, 12), (1, 2, 300, 100)], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_row_dots_equal_the_float64_rowsum(shape, dtype):

@@ -10,8 +10,8 @@ import triton.language as tl
 
 from .contract import document_bounds
 
-__all__ = ["INTERPRETED", "blocks_meet", "cdiv", "device_table", "dot", "dot_acc", "load_segment", "pow2",
-           "row_dots", "segments_of_documents", "segments_of_rows"]
+__all__ = ["INTERPRETED", "blocks_meet", "cdiv", "dense_rows", "device_table", "dot", "dot_acc", "load_segment",
+           "pow2", "row_dots", "segments_of_documents", "segments_of_rows"]
 
 
 @triton.jit
@@ -64,6 +64,16 @@ def cdiv(a: int, b: int) -> int:
 def pow2(n: int, floor: int = 1) -> int:
     """The smallest power of two >= ``n`` and >= ``floor`` (``tl.dot`` wants dims of 16 or more)."""
     return max(floor, 1 << (max(int(n), 1) - 1).bit_length())
+
+
+def dense_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself where its last dim is contiguous and its elements fill the memory they span (a
+    transposed view of a projection's output, ``(B, T, H, D) -> (B, H, T, D)``), else a contiguous
+    copy. The kernels take any strides of the other dims, and buffers made with ``empty_like``
+    have the same strides as such an ``x``, which the kernels use for its gradient too."""
+    if x.stride(-1) == 1 and 1 + sum((n - 1) * s for n, s in zip(x.shape, x.stride())) == x.numel():
+        return x
+    return x.contiguous()
 
 
 @functools.lru_cache(maxsize=512)

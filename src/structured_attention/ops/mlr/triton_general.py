@@ -48,8 +48,8 @@ import triton.language as tl
 
 from ..._checks import require
 from .contract import attach_backward, check_mlr_arguments
-from .triton_common import (INTERPRETED, blocks_meet, cdiv, device_table, dot, load_segment, pow2, row_dots,
-                            segments_of_documents, segments_of_rows)
+from .triton_common import (INTERPRETED, blocks_meet, cdiv, dense_rows, device_table, dot, load_segment, pow2,
+                            row_dots, segments_of_documents, segments_of_rows)
 from .triton_prefix import PrefixTiles, mlr_attention_prefix, square_tiles
 
 __all__ = ["mlr_attention_checked", "mlr_attention_triton"]
@@ -573,7 +573,7 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ranks: tuple[i
     if tiles is not None:
         return mlr_attention_prefix(q, k, v, ranks, sizes, causal, float(scale), depth_normalize, tiles, document_ids)
 
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    q, k, v = dense_rows(q), dense_rows(k), dense_rows(v)  # layers' transposed views: no copy
     segments, max_len = segments_of_documents(document_ids, q.shape[2], q.device)
     out, _ = _forward_call(q, k, v, segments, max_len, list(ranks), list(sizes), causal, float(scale),
                            depth_normalize, block_m, block_n)

@@ -51,8 +51,8 @@ import triton
 import triton.language as tl
 
 from .contract import attach_backward
-from .triton_common import (INTERPRETED, blocks_meet, cdiv, device_table, dot, dot_acc, load_segment, pow2,
-                            row_dots, segments_of_documents, segments_of_rows)
+from .triton_common import (INTERPRETED, blocks_meet, cdiv, dense_rows, device_table, dot, dot_acc, load_segment,
+                            pow2, row_dots, segments_of_documents, segments_of_rows)
 
 __all__ = ["PrefixTiles", "square_tiles", "mlr_attention_prefix"]
 
@@ -951,7 +951,7 @@ def _backward(q, k, v, o, lse, do, segments, max_len: int, plan: PrefixPlan, cau
     # backward); under torch.use_deterministic_algorithms(True) the dQ kernel computes it instead,
     # recomputing the scores from the queries' side.
     fused = not torch.are_deterministic_algorithms_enabled()
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device) if fused else torch.empty_like(q)
+    dq = torch.zeros_like(q, dtype=torch.float32) if fused else torch.empty_like(q)  # q's strides, as dk, dv
     _prefix_dkdv_kernel[(cdiv(max_len, tiles.dkdv_n), segments.shape[0] * Hk)](
         q, k, v, do, lse, delta, dk, dv, dq, segments, *plan.tables(), *strides,
         H, Hk, H // Hk, T, plan.R, plan.R1, plan.RC, plan.SF, plan.DV, scale, scale * _LOG2E,
@@ -1024,7 +1024,7 @@ def mlr_attention_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank
     """MLR attention on prefix-rank tiles; arguments already checked, ``tiles.fits(sizes[1:])``.
     Packed ``document_ids``: each document a segment of the launch, scored as a sequence of its own
     (its positions start at 0, so its tile pairs keep one depth each)."""
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    q, k, v = dense_rows(q), dense_rows(k), dense_rows(v)  # layers' transposed views: no copy
     segments, max_len = segments_of_documents(document_ids, q.shape[2], q.device)
     out, _ = _forward_call(q, k, v, segments, max_len, list(ranks), list(sizes), causal, float(scale),
                            depth_normalize, _tiles_list(tiles))
