@@ -7,9 +7,10 @@ files for the tests that check something else (memory, validation, threading, di
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,17 @@ def make_qkv(B, H, Hk, T, R, Dv, dtype=torch.float64, seed=0, *, requires_grad=F
         for x in xs[:3]:
             x.requires_grad_()
     return xs
+
+
+@contextlib.contextmanager
+def intra_op_threads(n: int) -> Iterator[None]:
+    """torch's intra-op thread count set to ``n`` inside, the caller's after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @dataclass

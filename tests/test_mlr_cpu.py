@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mlr_cases import cache_step, make_qkv
+from mlr_cases import cache_step, intra_op_threads, make_qkv
 from structured_attention.functional import mlr_attention_reference
 from structured_attention.ops.mlr import cpu as mlr_cpu
 from structured_attention.ops.mlr.cpu import mlr_attention_cpu
@@ -58,17 +58,13 @@ def test_the_thread_count_changes_no_bit():
     # one row of 2 key heads: fewer tasks than 3 threads, so on 3 the step takes a task per query head
     step = cache_step(1, 4, 2, 700, (8, 4, 4), (1024, 256, 64), 16, torch.float32)
     results = []
-    before = torch.get_num_threads()
-    try:
-        for n in (1, 2, 3):
-            torch.set_num_threads(n)
+    for n in (1, 2, 3):
+        with intra_op_threads(n):
             q, k, v = make_qkv(2, 4, 2, 300, 16, 16, torch.float32, seed=7, requires_grad=True)
             out = mlr_attention_cpu(q, k, v, (8, 4, 4), (512, 64, 16))
             grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
             decoded = mlr_decode_cpu(step.q_new, step.keys, step.starts, step.v, (8, 4, 4), 0.3)
             results.append((out, *grads, decoded))
-    finally:
-        torch.set_num_threads(before)
     for name, one, two, three in zip(("out", "dq", "dk", "dv", "decoded"), *results):
         assert torch.equal(one, two) and torch.equal(one, three), name
 

@@ -52,7 +52,8 @@ from unittest import mock
 import pytest
 import torch
 
-from mlr_cases import DTYPE_IDS, assert_matches, cache_step, make_qkv, naive_mlr, pairwise, value_pairs
+from mlr_cases import (DTYPE_IDS, assert_matches, cache_step, intra_op_threads, make_qkv, naive_mlr, pairwise,
+                       value_pairs)
 from structured_attention.ops.mlr import (
     mlr_attention,
     mlr_attention_reference,
@@ -284,16 +285,6 @@ class Backend:
         """One intra-op thread (tens of times faster than two on these small problems on a small,
         busy machine), except where the backend's long cases should run threaded."""
         return intra_op_threads(THREADED_THREADS if self.threaded and case.T >= THREADED_T else 1)
-
-
-@contextlib.contextmanager
-def intra_op_threads(n: int):
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _blocked(q, k, v, c, causal, dn):

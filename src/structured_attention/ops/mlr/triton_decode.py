@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from ..._checks import require
-from .contract import check_mlr_cache_arguments
+from .contract import check_mlr_cache_arguments, compiled_or_eager
 from .triton_common import INTERPRETED, cdiv, device_table, dot, dot_acc, pow2
 
 __all__ = ["decode", "decode_static", "mlr_decode_triton", "prepare_static"]
@@ -359,11 +359,8 @@ def decode(
         require(x.stride(-1) == 1, name, "a contiguous last dim", f"strides {tuple(x.stride())}")
     require(chunk is None or (isinstance(chunk, int) and chunk > 0 and chunk % block_n == 0), "chunk",
             f"a positive multiple of block_n={block_n} or None", chunk)
-    # the op inside torch.compile (a graph keeps it whole); outside, its function without the op's
-    # dispatch, about 25 us of the host's Python a step and layer (2-core Xeon)
-    step = _decode_op if torch.compiler.is_compiling() else _launch
-    return step(q.to(v.dtype).contiguous(), list(keys), list(key_starts), v, list(ranks), float(scale), depth_normalize,
-                row_starts, chunk, block_n, num_warps, num_stages, maxnreg)
+    return _decode_step(q.to(v.dtype).contiguous(), list(keys), list(key_starts), v, list(ranks), float(scale),
+                        depth_normalize, row_starts, chunk, block_n, num_warps, num_stages, maxnreg)
 
 
 @torch.library.custom_op("sattn::mlr_triton_decode", mutates_args=())
@@ -431,3 +428,7 @@ def _launch(q: torch.Tensor, keys: list[torch.Tensor], key_starts: list[int], v:
 def _(q, keys, key_starts, v, ranks, scale, depth_normalize, row_starts, chunk, block_n, num_warps, num_stages,
       maxnreg):
     return v.new_empty(q.shape[0], q.shape[1], 1, v.shape[-1])
+
+
+# outside torch.compile, the op's dispatch would cost about 25 us of Python a step and layer (2-core Xeon)
+_decode_step = compiled_or_eager(_decode_op, _launch)
