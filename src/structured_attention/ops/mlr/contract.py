@@ -388,9 +388,8 @@ def attach_backward(forward_op: torch.library.CustomOpDef, backward_op: torch.li
     ``backward_op(gout, q, k, v, out, *aux, *config)`` returns ``(dq, dk, dv)``.
 
     ``eager``, the ops' two functions: outside ``torch.compile`` the returned function runs them in
-    an ``autograd.Function``, without the ops' dispatch, which costs the host about 40 us of Python
-    per forward and 65 per forward+backward (2-core Xeon), on every layer of every eager step; a
-    GPU waits for it where its kernels are shorter. Under ``torch.compile`` it calls the op, which
+    an ``autograd.Function``, without the ops' dispatch, Python paid on every layer of every eager
+    step (``scripts/profile_host.py`` measures it), which a GPU waits for where its kernels are shorter. Under ``torch.compile`` it calls the op, which
     a graph keeps whole. Without ``eager`` it returns ``forward_op``.
     """
 
