@@ -126,6 +126,7 @@ documents = st.one_of(
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(doc=documents, raw=st.one_of(st.none(), st.text(max_size=40)))
 @example(doc={"model": {"\n": None}}, raw=None)  # a key holding a line break
+@example(doc={"model": {"d_model": 2**31}}, raw=None)  # weights whose byte count overflows int64
 def test_any_config_document_loads_or_fails_in_one_line(tmp_path, doc, raw):
     path = tmp_path / "c.yaml"
     path.write_text(raw if raw is not None else yaml.safe_dump(doc, allow_unicode=True))

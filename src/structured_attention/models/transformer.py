@@ -112,8 +112,12 @@ class TransformerConfig:
             for attention in self.attention_configs(distinct=True):
                 if attention not in seen:
                     seen.append(attention)
-                    with torch.device("meta"):
-                        size = sum(p.numel() for p in build_attention(attention).parameters())
+                    try:
+                        with torch.device("meta"):
+                            size = sum(p.numel() for p in build_attention(attention).parameters())
+                    except RuntimeError as e:  # sizes whose byte counts overflow even on the meta device
+                        raise ValueError(f"a layer of d_model={self.d_model}, n_heads={self.n_heads}, max_seq_len="
+                                         f"{self.max_seq_len} is too large to build ({str(e).splitlines()[0]})") from None
                     # Small layers are built again on the CPU, drawing their random weights: the
                     # experiments rebuild their config after seeding (the vocabulary or channels
                     # come from the data), so these draws are part of every seeded run's stream,
