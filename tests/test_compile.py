@@ -167,7 +167,8 @@ def test_dispatcher_compiles_to_one_custom_op_forward_and_backward(kernel, monke
 @pytest.mark.parametrize("kernel", ["general", "prefix"])
 def test_triton_calls_compile_to_their_op_and_run_without_it_eagerly(kernel):
     # Eagerly, the Triton kernels' functions run in an autograd.Function (the op's dispatch costs
-    # the host tens of microseconds a call); a compiled graph holds the op. Same results both ways.
+    # the host tens of microseconds a call), or alone without grad; a compiled graph holds the op.
+    # Same results every way.
     _needs_triton()
     from structured_attention.ops.mlr import triton_general
 
@@ -183,6 +184,10 @@ def test_triton_calls_compile_to_their_op_and_run_without_it_eagerly(kernel):
     with torch.profiler.profile() as prof:
         ref = f(q, k, v)
     assert op not in {e.name for e in prof.events()}
+    with torch.no_grad():  # nothing to record: the function alone, no autograd node
+        plain = f(q, k, v)
+    assert ref.grad_fn is not None and plain.grad_fn is None
+    torch.testing.assert_close(plain, ref, rtol=0, atol=0)
     out, targets = _graph_ops(f, q, k, v)
     assert op.replace("::", ".") + ".default" in targets
     torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)

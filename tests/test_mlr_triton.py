@@ -10,6 +10,7 @@ Without a CUDA device the kernels run on CPU tensors under Triton's interpreter
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
@@ -49,29 +50,23 @@ def test_prefix_tiles_rule():
     assert not PrefixTiles(fwd_m=16, fwd_n=32).fits((64,))  # the step must divide the own tile
 
 
-@pytest.mark.parametrize("sizes,tiles", [((64, 16), {}), ((64, 8), {"block_m": 16, "block_n": 32})],
+@pytest.mark.parametrize("sizes,tiles,kernels", [((64, 16), {}, "triton_prefix"),
+                                                   ((64, 8), {"block_m": 16, "block_n": 32}, "triton_general")],
                          ids=["prefix-rank", "general"])
-def test_metadata_tables_are_made_once(sizes, tiles):
-    # A repeated call reuses its device tables instead of copying them from the host again.
+def test_a_repeated_call_reuses_its_plan_and_tables(sizes, tiles, kernels):
+    # The host's work before the kernels start (tile choice, chunking, the level tables copied to
+    # the device) is done once per signature: a training step pays it on every layer otherwise.
+    from structured_attention.ops.mlr import triton_general
+
+    plan_of = getattr(importlib.import_module(f"structured_attention.ops.mlr.{kernels}"), "_plan")
     q, k, v = make_qkv(1, 2, 2, 64, 16, 8, torch.float32, device=DEVICE)
     mlr_attention_triton(q, k, v, (8, 8), sizes, **tiles)
-    before = device_table.cache_info()
+    tables, plans = device_table.cache_info(), plan_of.cache_info()
+    tile_choices = triton_general._prefix_tiles.cache_info()
     mlr_attention_triton(q, k, v, (8, 8), sizes, **tiles)
-    after = device_table.cache_info()
-    assert after.misses == before.misses and after.hits > before.hits
-
-
-def test_a_repeated_call_reuses_its_plan_and_tiles():
-    # The host's arithmetic before the kernels start (tile choice, chunking, level tables) is done
-    # once per signature: a training step pays it on every layer otherwise.
-    from structured_attention.ops.mlr import triton_general, triton_prefix
-
-    q, k, v = make_qkv(1, 2, 2, 64, 16, 8, torch.float32, device=DEVICE)
-    mlr_attention_triton(q, k, v, (8, 8), (64, 16))
-    plans, tiles = triton_prefix._plan.cache_info(), triton_general._prefix_tiles.cache_info()
-    mlr_attention_triton(q, k, v, (8, 8), (64, 16))
-    assert triton_prefix._plan.cache_info().misses == plans.misses
-    assert triton_general._prefix_tiles.cache_info().misses == tiles.misses
+    assert device_table.cache_info().misses == tables.misses
+    assert plan_of.cache_info().misses == plans.misses and plan_of.cache_info().hits > plans.hits
+    assert triton_general._prefix_tiles.cache_info().misses == tile_choices.misses
 
 
 def test_sub_tile_levels_launch_with_eight_warps_on_cuda():

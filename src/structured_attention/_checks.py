@@ -10,7 +10,7 @@ import math
 import types
 import typing
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -19,7 +19,14 @@ def require(condition: bool, name: str, expected: str, got: object) -> None:
     """Raise ``ValueError("<name>: expected <expected>, got <got>")`` unless ``condition``; a long
     ``got`` is cut to 200 characters, so the message stays one readable line."""
     if not condition:
-        raise ValueError(f"{name}: expected {expected}, got {quote(got)}")
+        fail(name, expected, got)
+
+
+def fail(name: str, expected: str, got: object) -> NoReturn:
+    """The error of :func:`require`, raised unconditionally: ``if not ok: fail(...)`` builds the
+    message only when it is needed, for checks on a call's hot path (an attention call is checked
+    on every layer of every step, before its kernels can start)."""
+    raise ValueError(f"{name}: expected {expected}, got {quote(got)}")
 
 
 def quote(value: object, limit: int = 200) -> str:
@@ -36,8 +43,7 @@ def check_positive_int(value: object, name: str) -> int:
 def check_int_list(values: object, name: str, min_len: int = 1) -> tuple[int, ...]:
     """A non-empty sequence of positive integers, returned as a tuple."""
     ok = (
-        isinstance(values, Sequence)
-        and not isinstance(values, str)
+        (isinstance(values, (tuple, list)) or (isinstance(values, Sequence) and not isinstance(values, str)))
         and len(values) >= min_len
         and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values)
     )
@@ -50,19 +56,22 @@ def check_divides(divisor: int, total: int, divisor_name: str, total_name: str) 
 
 
 def check_tensor(x: object, name: str, ndim: int | None = None) -> torch.Tensor:
-    require(isinstance(x, torch.Tensor), name, "a torch.Tensor", type(x).__name__)
-    assert isinstance(x, torch.Tensor)
-    if ndim is not None:
-        require(x.dim() == ndim, name, f"a {ndim}-dimensional tensor", tuple(x.shape))
+    if not isinstance(x, torch.Tensor):
+        fail(name, "a torch.Tensor", type(x).__name__)
+    if ndim is not None and x.dim() != ndim:
+        fail(name, f"a {ndim}-dimensional tensor", tuple(x.shape))
     return x
 
 
 def check_same_dtype_device(tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
     """All tensors share the first one's dtype and device."""
     first_name, first = tensors[0]
+    dtype, device = first.dtype, first.device
     for name, t in tensors[1:]:
-        require(t.dtype == first.dtype, f"{name}.dtype", f"{first.dtype} (the dtype of {first_name})", t.dtype)
-        require(t.device == first.device, f"{name}.device", f"{first.device} (the device of {first_name})", t.device)
+        if t.dtype != dtype:
+            fail(f"{name}.dtype", f"{dtype} (the dtype of {first_name})", t.dtype)
+        if t.device != device:
+            fail(f"{name}.device", f"{device} (the device of {first_name})", t.device)
 
 
 def parse_typed(raw: Any, tp: Any, key: str) -> Any:

@@ -38,6 +38,7 @@ from ..._checks import (
     check_positive_int,
     check_same_dtype_device,
     check_tensor,
+    fail,
     require,
 )
 
@@ -104,18 +105,18 @@ def mlr_block_sizes(ranks: Sequence[int], context: int, block_sizes: Sequence[in
     """
     ranks = check_int_list(ranks, "ranks")
     context = check_positive_int(context, "context")
-    n_levels = len(ranks)
     if block_sizes is None:
-        factor = 2 ** (n_levels - 1)
-        require(
-            context % factor == 0,
-            "block_sizes",
-            f"explicit block sizes: the default context / 2^(l-1) needs context divisible by "
-            f"2^(L-1)={factor} (context={context}, L={n_levels})",
-            block_sizes,
-        )
-        return tuple(context // 2**l for l in range(n_levels))
-    return _check_block_sizes(block_sizes, context, n_levels)
+        return _default_block_sizes(len(ranks), context)
+    return _check_block_sizes(block_sizes, context, len(ranks))
+
+
+def _default_block_sizes(n_levels: int, context: int) -> tuple[int, ...]:
+    """``context / 2^(l-1)`` for ``l = 1 .. n_levels``, where ``2^(n_levels-1)`` divides ``context``."""
+    factor = 2 ** (n_levels - 1)
+    if context % factor:
+        fail("block_sizes", f"explicit block sizes: the default context / 2^(l-1) needs context divisible by "
+                            f"2^(L-1)={factor} (context={context}, L={n_levels})", None)
+    return tuple(context // 2**l for l in range(n_levels))
 
 
 def mlr_depth(T: int, block_sizes: Sequence[int], device: torch.device | str | None = None) -> torch.Tensor:
@@ -216,28 +217,33 @@ def check_mlr_arguments(
     """Validate the arguments of the MLR attention contract (shared by every path); return the
     ranks, the block sizes and the scale (default ``1/sqrt(R)``). ``document_ids`` (optional) is
     checked by :func:`check_document_ids`."""
+    # Every message is built only on failure (``if not ...: fail``): this runs on every call, on
+    # the host, before the kernels can start.
     q = check_tensor(q, "q", 4)
     k = check_tensor(k, "k", 4)
     v = check_tensor(v, "v", 4)
     check_same_dtype_device([("q", q), ("k", k), ("v", v)])
-    require(q.is_floating_point(), "q.dtype", "a floating-point dtype", q.dtype)
+    if not q.is_floating_point():
+        fail("q.dtype", "a floating-point dtype", q.dtype)
 
     B, H, T, R = q.shape
     Bk, Hk, Tk, Rk = k.shape
-    require(T > 0, "q", "a non-empty sequence (T >= 1) in shape (B, H, T, R)", tuple(q.shape))
-    require(R > 0, "q", "a non-empty head dim (R >= 1) in shape (B, H, T, R)", tuple(q.shape))
-    require(Bk == B and Tk == T and Rk == R, "k",
-            f"shape (B={B}, Hk, T={T}, R={R}) matching q", tuple(k.shape))
-    require(Hk > 0 and H % Hk == 0, "k",
-            f"a head count Hk (dim 1) dividing q's H={H}", tuple(k.shape))
-    require(v.shape[0] == B and v.shape[1] == Hk and v.shape[2] == T, "v",
-            f"shape (B={B}, Hk={Hk}, T={T}, Dv) matching k", tuple(v.shape))
+    if T <= 0:
+        fail("q", "a non-empty sequence (T >= 1) in shape (B, H, T, R)", tuple(q.shape))
+    if R <= 0:
+        fail("q", "a non-empty head dim (R >= 1) in shape (B, H, T, R)", tuple(q.shape))
+    if not (Bk == B and Tk == T and Rk == R):
+        fail("k", f"shape (B={B}, Hk, T={T}, R={R}) matching q", tuple(k.shape))
+    if not (Hk > 0 and H % Hk == 0):
+        fail("k", f"a head count Hk (dim 1) dividing q's H={H}", tuple(k.shape))
+    if not (v.shape[0] == B and v.shape[1] == Hk and v.shape[2] == T):
+        fail("v", f"shape (B={B}, Hk={Hk}, T={T}, Dv) matching k", tuple(v.shape))
 
     ranks = check_int_list(ranks, "ranks")
     if sum(ranks) != R:
         raise ValueError(f"ranks: expected values summing to R={R} (the last dim of q and k), "
                          f"got {ranks!r} (sum {sum(ranks)})")
-    sizes = mlr_block_sizes(ranks, T, block_sizes) if block_sizes is None else _check_block_sizes(
+    sizes = _default_block_sizes(len(ranks), T) if block_sizes is None else _check_block_sizes(
         block_sizes, T, len(ranks))
     _check_bool(causal, "causal")
     _check_bool(depth_normalize, "depth_normalize")
@@ -421,7 +427,13 @@ def attach_backward(forward_op: torch.library.CustomOpDef, backward_op: torch.li
         def backward(ctx, gout, *_aux):  # noqa: ANN001, ANN205
             return gradients(backward_fn, ctx, gout)
 
-    return compiled_or_eager(forward_op, Eager.apply)
+    def eager_call(*inputs: Any) -> Any:
+        # Without a gradient to record (inference, prefill) the function alone: no autograd node.
+        if torch.is_grad_enabled() and any(x.requires_grad for x in inputs[:3]):
+            return Eager.apply(*inputs)
+        return forward_fn(*inputs)
+
+    return compiled_or_eager(forward_op, eager_call)
 
 
 def compiled_or_eager(op: Callable[..., Any], function: Callable[..., Any]) -> Callable[..., Any]:

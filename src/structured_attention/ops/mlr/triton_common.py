@@ -71,7 +71,8 @@ def dense_rows(x: torch.Tensor) -> torch.Tensor:
     transposed view of a projection's output, ``(B, T, H, D) -> (B, H, T, D)``), else a contiguous
     copy. The kernels take any strides of the other dims, and buffers made with ``empty_like``
     have the same strides as such an ``x``, which the kernels use for its gradient too."""
-    if x.stride(-1) == 1 and 1 + sum((n - 1) * s for n, s in zip(x.shape, x.stride())) == x.numel():
+    if x.is_contiguous() or (x.stride(-1) == 1 and 1 + sum((n - 1) * s for n, s in zip(x.shape, x.stride()))
+                             == x.numel()):
         return x
     return x.contiguous()
 
@@ -86,6 +87,7 @@ def device_table(values: tuple[int, ...], dtype: torch.dtype, device: torch.devi
     return torch.tensor(values, dtype=dtype, device=device)
 
 
+@functools.lru_cache(maxsize=64)
 def segments_of_rows(B: int, T: int, device: torch.device) -> torch.Tensor:
     """The kernels' ``(B, 3)`` int32 segment table ``(batch row, start, length)`` of whole rows, made
     once per shape. The kernels' ops make it themselves, so ``torch.compile`` never traces it."""

@@ -378,8 +378,8 @@ def _mlr_bwd_dq_kernel(
 class _Plan:
     """Compile-time shape parameters and the fine-level metadata of one call."""
 
-    def __init__(self, q: torch.Tensor, v: torch.Tensor, ranks: tuple[int, ...], sizes: tuple[int, ...],
-                 block_m: int, block_n: int) -> None:
+    def __init__(self, dtype: torch.dtype, device: torch.device, dv: int, ranks: tuple[int, ...],
+                 sizes: tuple[int, ...], block_m: int, block_n: int) -> None:
         L = len(ranks)
         fine = ranks[1:]
         self.n_fine = L - 1
@@ -387,20 +387,20 @@ class _Plan:
         self.R1P = pow2(ranks[0], 16)
         self.RLP = pow2(max(fine), 16) if fine else 16
         self.LP = pow2(len(fine))
-        self.DV = v.shape[-1]
+        self.DV = dv
         self.DVP = pow2(self.DV, 16)
         offs, acc = [], ranks[0]
         for r in fine:
             offs.append(acc)
             acc += r
         pad = self.LP - len(fine)
-        self.foff = device_table(tuple(offs) + (0,) * pad, torch.int32, q.device)
-        self.frank = device_table(tuple(fine) + (0,) * pad, torch.int32, q.device)
-        self.fsize = device_table(tuple(sizes[1:]) + (1,) * pad, torch.int32, q.device)
+        self.foff = device_table(tuple(offs) + (0,) * pad, torch.int32, device)
+        self.frank = device_table(tuple(fine) + (0,) * pad, torch.int32, device)
+        self.fsize = device_table(tuple(sizes[1:]) + (1,) * pad, torch.int32, device)
         self.block_m = block_m
         self.block_n = block_n
-        self.prec = "ieee" if q.dtype == torch.float32 else "tf32"
-        self.upcast = INTERPRETED and q.dtype == torch.bfloat16
+        self.prec = "ieee" if dtype == torch.float32 else "tf32"
+        self.upcast = INTERPRETED and dtype == torch.bfloat16
 
     def constexprs(self, causal: bool, depth_normalize: bool) -> dict:
         return dict(
@@ -412,6 +412,13 @@ class _Plan:
             # Hopper (wrong gradients, out-of-bounds addresses; H200); with eight they are exact.
             num_warps=8,
         )
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(dtype: torch.dtype, device: torch.device, dv: int, ranks: tuple[int, ...], sizes: tuple[int, ...],
+          block_m: int, block_n: int) -> _Plan:
+    """The plan of a call, made once per signature (as the prefix-rank kernels' :func:`.plan_of`)."""
+    return _Plan(dtype, device, dv, ranks, sizes, block_m, block_n)
 
 
 def _forward(q, k, v, segments, max_len: int, plan: _Plan, causal: bool, scale: float, depth_normalize: bool):
@@ -473,7 +480,7 @@ def _backward(q, k, v, o, lse, do, segments, max_len: int, plan: _Plan, causal: 
 def _run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor | None, max_len: int,
                  ranks: list[int], sizes: list[int], causal: bool, scale: float, depth_normalize: bool, block_m: int,
                  block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    plan = _Plan(q, v, tuple(ranks), tuple(sizes), block_m, block_n)
+    plan = _plan(q.dtype, q.device, v.shape[-1], tuple(ranks), tuple(sizes), block_m, block_n)
     return _forward(q, k, v, segments, max_len, plan, causal, scale, depth_normalize)
 
 
@@ -490,7 +497,7 @@ def _run_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
                   lse: torch.Tensor, segments: torch.Tensor | None, max_len: int, ranks: list[int], sizes: list[int],
                   causal: bool, scale: float, depth_normalize: bool, block_m: int,
                   block_n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    plan = _Plan(q, v, tuple(ranks), tuple(sizes), block_m, block_n)
+    plan = _plan(q.dtype, q.device, v.shape[-1], tuple(ranks), tuple(sizes), block_m, block_n)
     return _backward(q, k, v, o, lse, do, segments, max_len, plan, causal, scale, depth_normalize)
 
 
