@@ -30,8 +30,8 @@
 # then, carrying runs/ab-before: the prefix-rank kernels at 4096, 8192 and 16384 (8 levels of rank 8;
 # 64-row tiles with four and eight warps, which at 4096 take a sub-tile level, the 32-row tiles the
 # dispatcher picks there, and the backward stepping 32 rows at a time) and the decoding step (the kernel's default settings), the same tuning
-# script over each tree, and sattn bench mlr (whole calls, the host's part included) at 4096 and 8192,
-# in one call.
+# script over each tree, sattn bench mlr (whole calls, the host's part included) at 4096 and 8192,
+# and last graph-captured generation at batch 16 (the static caches' one-write step), in one call.
 # Needs python3 with torch (CUDA), triton, numpy, pyyaml, safetensors, pytest, pytest-xdist, matplotlib;
 # the package is used from src/ without installing it.
 set -uo pipefail
@@ -111,6 +111,13 @@ if [[ $step == ab ]]; then
         PYTHONPATH=$package timeout 100 python3 -m structured_attention.cli.main bench mlr --device cuda \
             --dtype bfloat16 --seq-lens 4096,8192 --paths sdpa_flash,mlr --repeats 10 --no-memory \
             --out "$out/ab-bench-$side" 2>&1 | tail -n 6 || status=1
+    done
+    for side in now before; do  # last: graph-captured generation, MHA and MLR, batch 16, 16k cache
+        package=src
+        [[ $side == before ]] && package=$tree/src
+        PYTHONPATH=$package timeout 120 python3 -m structured_attention.cli.main bench generate --device cuda \
+            --dtype bfloat16 --batches 16 --cache-lens 16368 --modes compiled --compile-mode reduce-overhead \
+            --repeats 3 --out "$out/ab-generate-$side" 2>&1 | tail -n 4 || status=1
     done
 fi
 if [[ $step == tune ]]; then

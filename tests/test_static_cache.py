@@ -5,6 +5,8 @@ replays one compiled step for every token with the tokens of eager generation.""
 from __future__ import annotations
 
 import copy
+import math
+import re
 
 import pytest
 import torch
@@ -47,6 +49,24 @@ def test_static_decoding_matches_each_row_alone(name):
     assert {name: (t.shape, t.data_ptr()) for name, t in cache.buffers.items()} == buffers  # never reallocated
     torch.testing.assert_close(out[:1], alone[0], rtol=0, atol=1e-5)
     torch.testing.assert_close(out[1:, pad:], alone[1], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_static_buffers_share_one_allocation_and_refuse_a_token_past_the_context(name):
+    """A step writes its token into every buffer with one indexed copy into the allocation they
+    all view; a token past the context raises instead of wrapping round a full buffer."""
+    layer = make(SPECS[name])
+    x = torch.randn(1, CTX + 1, D, generator=torch.Generator().manual_seed(2))
+    cache = layer.new_cache(batch_size=1, static=True)
+    with torch.no_grad():
+        layer(x[:, :PROMPT], cache)
+        for i in range(PROMPT, CTX):
+            layer(x[:, i:i + 1], cache)
+        storage = cache.packed.untyped_storage().data_ptr()
+        assert all(t.untyped_storage().data_ptr() == storage for t in cache.buffers.values())
+        assert sum(t.numel() for t in cache.buffers.values()) == cache.packed.numel()
+        with pytest.raises((IndexError, RuntimeError), match="out of bounds|out of range"):
+            layer(x[:, CTX:], cache)
 
 
 @pytest.mark.parametrize("name", ["mha", "mlr", "swa"])
@@ -203,6 +223,29 @@ def test_inductor_compiles_the_step_once_for_every_token_and_every_call():
         first = model.generate(idx, 30, temperature=0, attention_mask=mask, cache="static", compile=True)
         again = model.generate(idx, 30, temperature=0, attention_mask=mask, cache="static", compile=True)
     assert torch.equal(first, want) and torch.equal(again, want)
+
+
+@pytest.mark.parametrize("attention", ["mha", "global_swa:window=6", "mlr:8|4|2|2"])
+def test_the_compiled_step_writes_the_cache_in_place(attention):
+    """The compiled step's code allocates nothing as large as a cache buffer: the token's write
+    goes into the static allocation in place, with no copy of the cache (torch.compile makes one
+    per step where the buffers enter the graph as inputs of their own beside the allocation)."""
+    from torch._inductor.utils import run_and_get_code
+
+    model = _gpt(attention)
+    idx, mask = _ragged_prompts()
+    want = model.generate(idx, 6, temperature=0, attention_mask=mask)
+    got, codes = run_and_get_code(
+        lambda: model.generate(idx, 6, temperature=0, attention_mask=mask, cache="static", compile=True))
+    assert torch.equal(got, want)
+    caches = model.new_caches(3, static=True)
+    with torch.no_grad():
+        model(idx, caches=caches, attention_mask=mask)
+        model(idx[:, :1], caches=caches)
+    smallest = min(t.numel() for t in caches[0].buffers.values() if t.shape[2] == 64)  # a full buffer
+    sizes = [math.prod(int(n) for n in dims.split(",") if n.strip())
+             for code in codes for dims in re.findall(r"empty_strided_\w+\(\(([\d, ]+)\)", code)]
+    assert sizes and max(sizes) < smallest
 
 
 @pytest.mark.parametrize("compile, backend, mode", [(True, "inductor", None), ("aot_eager", "aot_eager", None),
