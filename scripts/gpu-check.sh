@@ -29,7 +29,7 @@
 #   mkdir -p runs/ab-before && git archive REV src | tar -x -C runs/ab-before
 # then, carrying runs/ab-before: the prefix-rank kernels at 4096, 8192 and 16384 (8 levels of rank 8;
 # 64-row tiles with four and eight warps, which at 4096 take a sub-tile level, the 32-row tiles the
-# dispatcher picks there, and the backward stepping 32 rows at a time) and the decoding step (the kernel's default settings), the same tuning
+# dispatcher picks there, and the backward stepping 32 rows at a time with four and eight warps) and the decoding step (the kernel's default settings), the same tuning
 # script over each tree, sattn bench mlr (whole calls, the host's part included) at 4096 and 8192,
 # and last graph-captured generation at batch 16 (the static caches' one-write step), in one call.
 # Needs python3 with torch (CUDA), triton, numpy, pyyaml, safetensors, pytest, pytest-xdist, matplotlib;
@@ -102,7 +102,7 @@ if [[ $step == ab ]]; then
         package=src
         [[ $side == before ]] && package=$tree/src
         PYTHONPATH=$package timeout 240 python3 scripts/tune_mlr_triton.py --seq-lens 4096,8192,16384 \
-            --ranks "8|8|8|8|8|8|8|8" --settings 32/w4/s2,64/w4/s2,64/w8/s2,bwd32/w4/s2 --no-decode \
+            --ranks "8|8|8|8|8|8|8|8" --settings 32/w4/s2,64/w4/s2,64/w8/s2,bwd32/w4/s2,bwd32/w8/s2 --no-decode \
             --out "$out/ab-prefill-$side.json" 2>&1 \
             | tee "$out/ab-prefill-$side.log" || status=1
         PYTHONPATH=$package timeout 100 python3 scripts/tune_mlr_triton.py --decode-only --decode-settings default \

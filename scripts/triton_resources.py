@@ -2,7 +2,7 @@
 registers, spill stack and compile time, the numbers that decide occupancy and local-memory traffic.
 
     python3 scripts/triton_resources.py [--case general|prefix|sub-tile|decode] [--dtype bfloat16] [--arch 90]
-                                        [--num-warps N] [--tile N]
+                                        [--num-warps N] [--tile N] [--step N]
 
 Step 1 runs one call of the case (forward and backward for ``general`` and ``prefix``, one decoding
 step for ``decode``) on CPU tensors in a child process under ``TRITON_INTERPRET=1`` and records
@@ -17,7 +17,8 @@ compiler split the kernel into warp-specialised partitions. Nothing runs on a GP
 still has to be measured on one (``scripts/gpu-check.sh``).
 The compile time is a first compile's: a kernel in Triton's cache (``TRITON_CACHE_DIR``) reads 0.
 
-Cases (8 levels of rank 8, ``Dv = 64``, GPU tiles of 64, or ``--tile`` for the prefix-rank ones):
+Cases (8 levels of rank 8, ``Dv = 64``, GPU tiles of 64, or ``--tile`` and ``--step`` (the backward's
+step over the walked axis) for the prefix-rank ones):
 - ``general``: T = 640 with the default block sizes (finest block 5, not a multiple of a tile),
   bidirectional with ``depth_normalize``: the general kernels;
 - ``prefix``: causal with the block sizes of T = 8192 (finest block 64, a tile; run on 1024 tokens):
@@ -46,7 +47,7 @@ _TYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "
 _OPTIONS = ("num_warps", "num_stages", "maxnreg")
 
 
-def record(case: str, dtype: str, tile: int) -> list[dict]:
+def record(case: str, dtype: str, tile: int, step: int) -> list[dict]:
     """Step 1 (TRITON_INTERPRET=1): run the case and return every distinct kernel launch."""
     import torch
     from triton.runtime.interpreter import InterpretedFunction
@@ -104,7 +105,8 @@ def record(case: str, dtype: str, tile: int) -> list[dict]:
                                        depth_normalize=True, block_m=64, block_n=64)
         else:  # the sizes of T = 8192 / 2048 on a shorter sequence: the same kernels, the GPU's tiles
             sizes = tuple((8192 if case == "prefix" else 2048) >> i for i in range(8))
-            out = mlr_attention_prefix(q, k, v, ranks, sizes, True, 0.125, False, PrefixTiles(*(tile,) * 6))
+            tiles = PrefixTiles(tile, tile, tile, step, tile, step)
+            out = mlr_attention_prefix(q, k, v, ranks, sizes, True, 0.125, False, tiles)
         out.sum().backward()
     return list(launches.values())
 
@@ -152,13 +154,16 @@ def main() -> None:
     p.add_argument("--arch", type=int, default=90, help="compute capability x 10 (default 90: H100/H200)")
     p.add_argument("--num-warps", type=int, default=None, help="compile with this many warps instead of the launch's")
     p.add_argument("--tile", type=int, default=64, help="the prefix-rank kernels' square tiles (default 64)")
+    p.add_argument("--step", type=int, default=None,
+                   help="the backward's step over the walked axis (the dK/dV kernel's query rows, the dQ kernel's "
+                        "keys; default the tile)")
     p.add_argument("--record", action="store_true", help=argparse.SUPPRESS)  # step 1, in the child
     args = p.parse_args()
     if args.record:
-        json.dump(record(args.case, args.dtype, args.tile), sys.stdout)
+        json.dump(record(args.case, args.dtype, args.tile, args.step or args.tile), sys.stdout)
         return
     child = subprocess.run([sys.executable, __file__, "--record", "--case", args.case, "--dtype", args.dtype,
-                            "--tile", str(args.tile)],
+                            "--tile", str(args.tile), "--step", str(args.step or args.tile)],
                            env=os.environ | {"TRITON_INTERPRET": "1"}, capture_output=True, text=True)
     if child.returncode != 0:
         sys.exit(f"triton_resources.py: the recording run failed:\n{child.stderr}")
