@@ -119,6 +119,8 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--decode-only", action="store_true", help="time only the decoding step")
     parser.add_argument("--no-decode", action="store_true", help="leave out the decoding step")
+    parser.add_argument("--no-general", action="store_true",
+                        help="leave out the general kernel (tens of ms a call at 8192 and longer, and its compile)")
     parser.add_argument("--decode-settings", choices=("sweep", "default"), default="sweep",
                         help="the decoding kernel's settings: the sweep (a first compile each, about 15 s on an "
                              "H200) or its default arguments alone (an A/B of two versions)")
@@ -147,8 +149,9 @@ def main() -> None:
                 with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
                     return sdpa(q, k, v)
 
-            cases = {"sdpa": sdpa, "sdpa_flash": sdpa_flash,
-                     "triton_general": lambda q, k, v: mlr_attention_triton(q, k, v, ranks, block_m=64, block_n=32)}
+            cases = {"sdpa": sdpa, "sdpa_flash": sdpa_flash}
+            if not args.no_general:
+                cases["triton_general"] = lambda q, k, v: mlr_attention_triton(q, k, v, ranks, block_m=64, block_n=32)
             for name in args.settings.split(","):
                 tiles = SETTINGS[name]
                 if tiles.fits(sizes[1:]):
