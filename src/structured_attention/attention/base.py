@@ -359,7 +359,8 @@ class FullScoreAttention(Attention):
         return packed_slots({name: (cache[name], self.config.max_seq_len) for name in ("k", "v")})
 
     def _forward_static(self, x: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
-        keys, values = cache.buffers["k"], cache.buffers["v"]
+        buffers = cache.buffers  # views made on each access: once
+        keys, values = buffers["k"], buffers["v"]
         q, k = self.qk(x, (cache.slot - cache.offsets)[:, None])
         cache.write({"k": k, "v": self.values(x)})
         slots = torch.arange(keys.shape[2], device=keys.device)

@@ -103,7 +103,8 @@ class SlidingWindowAttention(_QKAttention):
         return packed_slots({name: (cache[name], self.window + 1) for name in ("k", "v")})
 
     def _forward_static(self, x: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
-        keys, values = cache.buffers["k"], cache.buffers["v"]
+        buffers = cache.buffers  # views made on each access: once
+        keys, values = buffers["k"], buffers["v"]
         size = keys.shape[2]  # the window and the new token: every slot of the ring is in the window
         q, k = self.qk(x, (cache.slot - cache.offsets)[:, None])
         cache.write({"k": k, "v": self.values(x)})
@@ -198,7 +199,8 @@ class GlobalSlidingWindowAttention(_QKAttention):
 
     def _forward_static(self, x: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
         g = self.global_dims
-        k_global, k_window, values = cache.buffers["k_global"], cache.buffers["k_window"], cache.buffers["v"]
+        buffers = cache.buffers  # views made on each access: once
+        k_global, k_window, values = buffers["k_global"], buffers["k_window"], buffers["v"]
         (q, k), v = self.qk(x, (cache.slot - cache.offsets)[:, None]), self.values(x)
         size = k_window.shape[2]
         cache.write({"k_global": k[..., :g], "k_window": k[..., g:], "v": v})
