@@ -88,12 +88,11 @@ def append_all(buffers: Sequence[TokenBuffer], xs: Sequence[torch.Tensor]) -> li
     return list(held)
 
 
-def ring_slots(buffer: TokenBuffer, size: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The last ``size`` slots of ``buffer`` in a ring ``(batch, heads, size, dim)``, slot ``p`` at
-    ``p % size`` (with ``size`` at least the context, every token at its own position); written
-    into ``out`` (zeros of that shape) when given."""
-    b, h, _, d = buffer.data.shape
-    out = buffer.data.new_zeros(b, h, size, d) if out is None else out
+def ring_slots(buffer: TokenBuffer, out: torch.Tensor) -> torch.Tensor:
+    """The last ``size`` tokens of ``buffer`` written into ``out``, zeros of shape ``(batch, heads,
+    size, dim)``, as a ring: position ``p`` at slot ``p % size`` (with ``size`` at least the
+    context, every token at its own position). Returns ``out``."""
+    size = out.shape[2]
     first = max(buffer.start, buffer.end - size)
     slots = torch.arange(first, buffer.end, device=out.device)
     out.index_copy_(2, slots % size, buffer.data[:, :, first - buffer.start:len(buffer)])
@@ -112,7 +111,7 @@ def packed_slots(sources: dict[str, tuple[TokenBuffer, int]]) -> tuple[torch.Ten
     views, at = {}, 0
     for name, (buffer, slots) in sources.items():
         n = b * h * slots * buffer.data.shape[3]
-        views[name] = ring_slots(buffer, slots, out=packed[at:at + n].view(b, h, slots, buffer.data.shape[3]))
+        views[name] = ring_slots(buffer, packed[at:at + n].view(b, h, slots, buffer.data.shape[3]))
         at += n
     return packed, views
 
