@@ -181,6 +181,7 @@ class StaticKVCache:
     def __init__(self, growing: KVCache) -> None:
         self.growing: KVCache | None = growing
         self.packed: torch.Tensor | None = None  # the one allocation the buffers are views of
+        self.context = 0  # no token is written at or past this slot (set by load)
         self._layout: dict[str, tuple[int, tuple[int, ...]]] = {}  # each buffer's offset in it and shape
         self.slot = torch.zeros((), dtype=torch.long)
         self.offsets = torch.zeros(growing.batch_size, dtype=torch.long)
@@ -231,7 +232,8 @@ class StaticKVCache:
 
     def write(self, vectors: dict[str, torch.Tensor]) -> None:
         """Write each buffer's vector of the token at ``slot`` (``name -> (batch, heads, 1, dim)``,
-        every buffer's) into the packed buffers, in their dtype, with one indexed copy."""
+        every buffer's) into the packed buffers with one indexed copy, in the buffers' dtype (inside
+        autocast the new vectors are bfloat16, the buffers the model's dtype)."""
         index = self._base + torch.remainder(self.slot, self._size) * self._step
         # past the context: an index past the allocation, so the copy raises (a device assert on CUDA)
         index = torch.where(self.slot < self.context, index, self.packed.numel())

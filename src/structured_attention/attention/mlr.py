@@ -172,7 +172,7 @@ class MLRAttention(Attention):
     def _static_buffers(self, cache: KVCache) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         # level 1 and the values for every slot; a finer level's keys in a ring of its block size,
         # which holds every row's current block whatever its padding. One allocation for all: a
-        # step writes its token's nine-odd vectors with one indexed copy, and the decoding kernel
+        # step writes its token's vector of every buffer with one indexed copy, and the decoding kernel
         # addresses the rings from the first by offsets that depend on their shapes alone (a
         # copied cache reads the same tables).
         context = self.config.max_seq_len
