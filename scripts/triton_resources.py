@@ -2,7 +2,7 @@
 registers, spill stack and compile time, the numbers that decide occupancy and local-memory traffic.
 
     python3 scripts/triton_resources.py [--case general|prefix|sub-tile|decode] [--dtype bfloat16] [--arch 90]
-                                        [--num-warps N] [--tile N] [--step N]
+                                        [--num-warps N] [--tile N] [--step N] [--recorder PYTHON]
 
 Step 1 runs one call of the case (forward and backward for ``general`` and ``prefix``, one decoding
 step for ``decode``) on CPU tensors in a child process under ``TRITON_INTERPRET=1`` and records
@@ -157,17 +157,22 @@ def main() -> None:
     p.add_argument("--step", type=int, default=None,
                    help="the backward's step over the walked axis (the dK/dV kernel's query rows, the dQ kernel's "
                         "keys; default the tile)")
+    p.add_argument("--recorder", default=sys.executable,
+                   help="the Python that runs step 1 (default this one): another environment's, where this "
+                        "one's Triton interpreter cannot run the case (Triton 3.6's, with NumPy 2)")
     p.add_argument("--record", action="store_true", help=argparse.SUPPRESS)  # step 1, in the child
     args = p.parse_args()
     if args.record:
         json.dump(record(args.case, args.dtype, args.tile, args.step or args.tile), sys.stdout)
         return
-    child = subprocess.run([sys.executable, __file__, "--record", "--case", args.case, "--dtype", args.dtype,
+    child = subprocess.run([args.recorder, __file__, "--record", "--case", args.case, "--dtype", args.dtype,
                             "--tile", str(args.tile), "--step", str(args.step or args.tile)],
                            env=os.environ | {"TRITON_INTERPRET": "1"}, capture_output=True, text=True)
     if child.returncode != 0:
         sys.exit(f"triton_resources.py: the recording run failed:\n{child.stderr}")
-    print(f"case {args.case}, {args.dtype}, sm_{args.arch} (Triton's compiler, no GPU)")
+    import triton
+
+    print(f"case {args.case}, {args.dtype}, sm_{args.arch} (Triton {triton.__version__}'s compiler, no GPU)")
     print(f"{'kernel':32s} {'shared B':>9s} {'regs':>5s} {'spill B':>8s} {'compile s':>9s} {'mma':>4s} "
           f"{'waited at once':>14s} {'async loads':>11s} {'warp-specialised':>16s}")
     for launch in json.loads(child.stdout):
