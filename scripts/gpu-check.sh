@@ -28,12 +28,12 @@
 # version of the package prepared beforehand where git is (the device machine's copy has no history):
 #   mkdir -p runs/ab-before && git archive REV src | tar -x -C runs/ab-before
 # then, carrying runs/ab-before: the prefix-rank kernels at 4096, 8192 and 16384 (8 levels of rank 8;
-# the other tree at its default tiles; this one with 64-row tiles with four and eight warps, which at
-# 4096 take a sub-tile level, the 32-row tiles the dispatcher picks there, and the backward stepping
-# 32 rows at a time with four and eight warps) and the decoding step (the kernel's default
-# settings), the same tuning script over each tree, sattn bench mlr (whole calls, the host's part
-# included) at 4096 and 8192, and last graph-captured generation at batch 16 (the static caches'
-# one-write step), in one call.
+# the other tree at its default tiles; this one with 64-row tiles with four and eight warps (at
+# 4096 a sub-tile level, launched with eight either way), the 32-row tiles the dispatcher picks
+# there, and the backward stepping 32 rows at a time with four and eight warps) and the decoding
+# step (the kernel's default settings), the same tuning script over each tree, sattn bench mlr
+# (whole calls, the host's part included) at 4096 and 8192, and last graph-captured generation at
+# batch 16 (the static caches' one-write step), in one call.
 # Needs python3 with torch (CUDA), triton, numpy, pyyaml, safetensors, pytest, pytest-xdist, matplotlib;
 # the package is used from src/ without installing it.
 set -uo pipefail

@@ -92,7 +92,8 @@ def main() -> None:
         "launch": lambda: tp._forward(q, k, v, None, T, plan, True, scale, False),
     }
     lines = [f"{torch.cuda.get_device_name() if on_gpu else 'CPU (kernels are no-ops)'} | torch {torch.__version__}"
-             f" | B={B} H={H} T={T} ranks {'|'.join(map(str, RANKS))} Dv={Dv} bfloat16 | tiles {tile_list}",
+             f" | B={B} H={H} T={T} ranks {'|'.join(map(str, RANKS))} Dv={Dv} bfloat16 | tiles {tile_list}"
+             f" | launched with {plan.num_warps} warps",
              "microseconds per call, calls back to back:"]
     with torch.no_grad():
         for name, fn in forwards.items():

@@ -71,13 +71,19 @@ def test_a_repeated_call_reuses_its_plan_and_tables(sizes, tiles, kernels):
 
 def test_sub_tile_levels_launch_with_eight_warps_on_cuda():
     # With four warps Triton 3.6 computed wrong half-precision results for kernels that add levels
-    # one by one in a loop (the sub-tile levels here) on an H200; coarse-only tilings keep four.
+    # one by one in a loop (the sub-tile levels here) on an H200; coarse-only tilings keep their
+    # warps. The rule holds wherever the plan is made: explicit tiles of four warps get eight too.
     from structured_attention.ops.mlr.triton_general import _prefix_tiles
+    from structured_attention.ops.mlr.triton_prefix import launch_warps
 
-    sub_tile = _prefix_tiles((4096, 2048, 32, 16), torch.bfloat16, "cuda", 64, 64, False)
-    assert sub_tile is not None and sub_tile.coarse_levels((4096, 2048, 32, 16)) == 2 and sub_tile.num_warps == 8
-    assert _prefix_tiles((8192, 4096, 64), torch.bfloat16, "cuda", 64, 64, False).num_warps == 4
-    assert _prefix_tiles((4096, 2048, 32, 16), torch.float32, "cuda", 64, 64, False).num_warps == 8
+    sizes = (4096, 2048, 32, 16)
+    sub_tile = _prefix_tiles(sizes, torch.bfloat16, "cuda", 64, 64, False)
+    assert sub_tile is not None and sub_tile.coarse_levels(sizes) == 2
+    assert launch_warps(sub_tile, sizes, "cuda") == 8 and launch_warps(PrefixTiles(num_warps=4), sizes, "cuda") == 8
+    assert launch_warps(PrefixTiles(num_warps=4), sizes, "cpu") == 4  # the interpreter: as given
+    coarse = _prefix_tiles((8192, 4096, 64), torch.bfloat16, "cuda", 64, 64, False)
+    assert launch_warps(coarse, (8192, 4096, 64), "cuda") == 4
+    assert _prefix_tiles(sizes, torch.float32, "cuda", 64, 64, False).num_warps == 8  # float32: eight anyway
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic-dq", "dq-kernel"])

@@ -38,7 +38,6 @@ Design
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Sequence
 
@@ -606,10 +605,5 @@ def _prefix_tiles(sizes: tuple[int, ...], dtype: torch.dtype, device_type: str, 
         # spill kilobytes per thread and take up to a minute each to compile for sm_90, with 32-row
         # tiles and eight warps next to nothing and about ten seconds (docs/benchmarks.md).
         largest, smallest, warps = 32, 32, 8
-    tiles = square_tiles(sizes[1:], largest, smallest, sub_tile=not explicit, num_warps=warps)
-    if tiles is not None and tiles.coarse_levels(sizes) < len(sizes) and device_type == "cuda":
-        # Sub-tile levels add their products level by level in a loop, as the general kernels do;
-        # with four warps Triton 3.6 computed wrong half-precision results for both on an H200
-        # (the backend grid, docs/benchmarks.md), with eight right ones for the general kernels.
-        tiles = dataclasses.replace(tiles, num_warps=max(tiles.num_warps, 8))
-    return tiles
+    # (Sub-tile levels launch with eight warps on CUDA whatever the tiles say: launch_warps.)
+    return square_tiles(sizes[1:], largest, smallest, sub_tile=not explicit, num_warps=warps)

@@ -856,6 +856,17 @@ def square_tiles(fine_sizes: Sequence[int], largest: int, smallest: int, sub_til
     return tiles if sub_tile and tiles.fits(fine_sizes) else None
 
 
+def launch_warps(tiles: PrefixTiles, sizes: Sequence[int], device_type: str) -> int:
+    """The warps the kernels launch with: the tiles' own, but at least eight on CUDA where the tiling
+    has sub-tile levels. Those add their products level by level in a loop, as the general kernels
+    do, and with four warps Triton 3.6 computed wrong half-precision results for both on an H200
+    (the backend grid, docs/benchmarks.md), with eight right ones. Applied where the plan is made,
+    so every caller gets it, the dispatcher and direct calls (the tuning script's) alike."""
+    if device_type == "cuda" and tiles.coarse_levels(sizes) < len(sizes):
+        return max(tiles.num_warps, 8)
+    return tiles.num_warps
+
+
 class PrefixPlan:
     """The chunking, tier sizes and level metadata of one call (made once per signature: :func:`plan_of`)."""
 
@@ -887,6 +898,7 @@ class PrefixPlan:
         self.DV = dv
         self.DVP = pow2(self.DV, 16)
         self.tiles = tiles
+        self.num_warps = launch_warps(tiles, sizes, device.type)
         self.prec = "ieee" if dtype == torch.float32 else "tf32"
         self.upcast = INTERPRETED and dtype == torch.bfloat16
 
@@ -896,7 +908,7 @@ class PrefixPlan:
     def constexprs(self, causal: bool, depth_normalize: bool, block_m: int, block_n: int) -> dict:
         return dict(CAUSAL=causal, DEPTH_NORM=depth_normalize, BLOCK_M=block_m, BLOCK_N=block_n,
                     CH=self.CH, NCH=self.NCH, NCC=self.NCC, NSUB=self.NSUB, LP=self.LP, DVP=self.DVP,
-                    PREC=self.prec, UPCAST=self.upcast, num_warps=self.tiles.num_warps,
+                    PREC=self.prec, UPCAST=self.upcast, num_warps=self.num_warps,
                     num_stages=self.tiles.num_stages)
 
 
