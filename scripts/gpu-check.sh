@@ -28,9 +28,10 @@
 # version of the package prepared beforehand where git is (the device machine's copy has no history):
 #   mkdir -p runs/ab-before && git archive REV src | tar -x -C runs/ab-before
 # then, carrying runs/ab-before: the prefix-rank kernels at 4096, 8192 and 16384 (8 levels of rank 8;
-# the other tree at its default tiles; this one with 64-row tiles with four and eight warps (at
-# 4096 a sub-tile level, launched with eight either way), the 32-row tiles the dispatcher picks
-# there, and the backward stepping 32 rows at a time with four and eight warps) and the decoding
+# the other tree with 32- and 64-row tiles, its dispatcher's choices; this one with 64-row tiles
+# with four and eight warps (at 4096 a sub-tile level, launched with eight either way), the 32-row
+# tiles the dispatcher picks there, and the backward stepping 32 rows at a time with four and eight
+# warps) and the decoding
 # step (the kernel's default settings), the same tuning script over each tree, sattn bench mlr
 # (whole calls, the host's part included) at 4096 and 8192, and last graph-captured generation at
 # batch 16 (the static caches' one-write step), in one call.
@@ -103,8 +104,9 @@ if [[ $step == ab ]]; then
     [[ -d $tree/src/structured_attention ]] || { echo "ab: expected $tree/src/structured_attention" >&2; exit 2; }
     for side in now before; do
         package=src settings=32/w4/s2,64/w4/s2,64/w8/s2,bwd32/w4/s2,bwd32/w8/s2
-        # the other tree: its default tiles alone, the reference point on the same machine
-        [[ $side == before ]] && package=$tree/src settings=64/w4/s2
+        # the other tree: the tiles its dispatcher picks (32 rows at 4096, 64 above), the reference
+        # point on the same machine
+        [[ $side == before ]] && package=$tree/src settings=32/w4/s2,64/w4/s2
         PYTHONPATH=$package timeout 240 python3 scripts/tune_mlr_triton.py --seq-lens 4096,8192,16384 \
             --ranks "8|8|8|8|8|8|8|8" --settings "$settings" --no-decode --no-general \
             --out "$out/ab-prefill-$side.json" 2>&1 \
