@@ -207,9 +207,9 @@ class StaticKVCache:
         # Element (b, h, slot, j) of each buffer, in the order of ``buffers``, is element
         # base[b, h, c] + (slot % size[c]) * step[c] of ``packed``, c counting the buffers' dims.
         bases, sizes, steps = [], [], []
-        for t in buffers.values():
+        for name, t in buffers.items():
             b, h, n, d = t.shape
-            origin = t.storage_offset() - packed.storage_offset()
+            origin = self._layout[name][0]
             rows = torch.arange(b, device=device)[:, None, None] * t.stride(0)
             heads = torch.arange(h, device=device)[None, :, None] * t.stride(1)
             bases.append(origin + rows + heads + torch.arange(d, device=device) * t.stride(3))

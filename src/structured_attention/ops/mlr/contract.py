@@ -394,9 +394,10 @@ def attach_backward(forward_op: torch.library.CustomOpDef, backward_op: torch.li
     ``backward_op(gout, q, k, v, out, *aux, *config)`` returns ``(dq, dk, dv)``.
 
     ``eager``, the ops' two functions: outside ``torch.compile`` the returned function runs them in
-    an ``autograd.Function``, without the ops' dispatch, Python paid on every layer of every eager
-    step (``scripts/profile_host.py`` measures it), which a GPU waits for where its kernels are shorter. Under ``torch.compile`` it calls the op, which
-    a graph keeps whole. Without ``eager`` it returns ``forward_op``.
+    an ``autograd.Function`` (the forward function alone where no input needs a gradient), without
+    the ops' dispatch, Python paid on every layer of every eager step (``scripts/profile_host.py``
+    measures it), which a GPU waits for where its kernels are shorter. Under ``torch.compile`` it
+    calls the op, which a graph keeps whole. Without ``eager`` it returns ``forward_op``.
     """
 
     def save(ctx, inputs, output):  # noqa: ANN001, ANN202
