@@ -34,7 +34,7 @@
 # warps) and the decoding
 # step (the kernel's default settings), the same tuning script over each tree, sattn bench mlr
 # (whole calls, the host's part included) at 4096 and 8192, and last graph-captured generation at
-# batch 16 (the static caches' one-write step), in one call.
+# batch 16 (the static step), in one call.
 # Needs python3 with torch (CUDA), triton, numpy, pyyaml, safetensors, pytest, pytest-xdist, matplotlib;
 # the package is used from src/ without installing it.
 set -uo pipefail

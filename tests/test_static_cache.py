@@ -51,10 +51,10 @@ def test_static_decoding_matches_each_row_alone(name):
     torch.testing.assert_close(out[1:, pad:], alone[1], rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", sorted(SPECS))
-def test_static_buffers_share_one_allocation_and_refuse_a_token_past_the_context(name):
-    """A step writes its token into every buffer with one indexed copy into the allocation they
-    all view; a token past the context raises instead of wrapping round a full buffer."""
+# a sliding window's static buffer is a ring of the window alone: no context for a token to run past
+@pytest.mark.parametrize("name", sorted(n for n in SPECS if not n.startswith("swa")))
+def test_a_static_cache_refuses_a_token_past_the_context(name):
+    """A token past the context raises instead of wrapping round a full buffer."""
     layer = make(SPECS[name])
     x = torch.randn(1, CTX + 1, D, generator=torch.Generator().manual_seed(2))
     cache = layer.new_cache(batch_size=1, static=True)
@@ -62,9 +62,6 @@ def test_static_buffers_share_one_allocation_and_refuse_a_token_past_the_context
         layer(x[:, :PROMPT], cache)
         for i in range(PROMPT, CTX):
             layer(x[:, i:i + 1], cache)
-        storage = cache.packed.untyped_storage().data_ptr()
-        assert all(t.untyped_storage().data_ptr() == storage for t in cache.buffers.values())
-        assert sum(t.numel() for t in cache.buffers.values()) == cache.packed.numel()
         with pytest.raises((IndexError, RuntimeError), match="out of bounds|out of range"):
             layer(x[:, CTX:], cache)
 

@@ -14,7 +14,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from .._checks import require
 from ..functional import scaled_dot_product_attention, sliding_window_attention
 from ..functional.decode import masked_decode
-from .cache import KVCache, StaticKVCache, TokenBuffer, append_all, packed_slots
+from .cache import KVCache, StaticKVCache, TokenBuffer, append_all, full_slots, store
 from .config import AttentionConfig
 from .rotary import Rotary
 from .segments import CachePadding, Segments, build_segments, left_padding, position_mask
@@ -265,7 +265,7 @@ class Attention(nn.Module):
 
     def fill_static(self, cache: StaticKVCache) -> StaticKVCache:
         """Move what ``cache``'s growing cache holds (a prompt) into its static buffers; returns it."""
-        cache.load(*self._static_buffers(cache.growing), context=self.config.max_seq_len)
+        cache.load(self._static_buffers(cache.growing))
         return cache
 
     def static_cache(self, cache: KVCache) -> StaticKVCache:
@@ -298,9 +298,8 @@ class Attention(nn.Module):
     def _cache_buffers(self, batch: int, dtype: torch.dtype, device: Any) -> dict[str, TokenBuffer]:
         raise NotImplementedError
 
-    def _static_buffers(self, cache: KVCache) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The growing cache's content in the static buffers :meth:`_forward_static` reads: the one
-        allocation and its views (:func:`.cache.packed_slots`)."""
+    def _static_buffers(self, cache: KVCache) -> dict[str, torch.Tensor]:
+        """The growing cache's content in the static buffers :meth:`_forward_static` reads."""
         raise NotImplementedError
 
     def _forward_static(self, x: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
@@ -355,14 +354,14 @@ class FullScoreAttention(Attention):
             "v": self._full_buffer(batch, self.head_dim, self.n_kv_heads, dtype, device),
         }
 
-    def _static_buffers(self, cache: KVCache) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        return packed_slots({name: (cache[name], self.config.max_seq_len) for name in ("k", "v")})
+    def _static_buffers(self, cache: KVCache) -> dict[str, torch.Tensor]:
+        return {name: full_slots(cache[name], self.config.max_seq_len) for name in ("k", "v")}
 
     def _forward_static(self, x: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
-        buffers = cache.buffers  # views made on each access: once
-        keys, values = buffers["k"], buffers["v"]
+        keys, values = cache.buffers["k"], cache.buffers["v"]
         q, k = self.qk(x, (cache.slot - cache.offsets)[:, None])
-        cache.write({"k": k, "v": self.values(x)})
+        store(keys, cache.slot.view(1), k)
+        store(values, cache.slot.view(1), self.values(x))
         slots = torch.arange(keys.shape[2], device=keys.device)
         return self.merge_heads(masked_decode(q, keys, values, cache.real(slots), self.scale))
 

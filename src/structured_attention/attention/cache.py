@@ -9,15 +9,13 @@ returned by :meth:`TokenBuffer.append` is a view that trimming overwrites.
 A :class:`StaticKVCache` is the same content in buffers that never change shape, for decoding
 steps that are compiled or captured once and replayed: a full buffer per kept quantity,
 preallocated to the context, or a ring of ``size`` slots where only the last ``size`` tokens are
-kept (slot ``p`` at ``p % size``), all views of one allocation that a step writes its token into
-with one indexed copy, and the slot of the next token as a device tensor. A prompt fills the
-growing cache first (any length, padding and all); the first one-token step moves it into the
-static buffers.
+kept (slot ``p`` at ``p % size``), and the slot of the next token as a device tensor. A prompt
+fills the growing cache first (any length, padding and all); the first one-token step moves it
+into the static buffers.
 """
 
 from __future__ import annotations
 
-import math
 import weakref
 from collections.abc import Sequence
 
@@ -88,32 +86,28 @@ def append_all(buffers: Sequence[TokenBuffer], xs: Sequence[torch.Tensor]) -> li
     return list(held)
 
 
-def ring_slots(buffer: TokenBuffer, out: torch.Tensor) -> torch.Tensor:
-    """The last ``size`` tokens of ``buffer`` written into ``out``, zeros of shape ``(batch, heads,
-    size, dim)``, as a ring: position ``p`` at slot ``p % size`` (with ``size`` at least the
-    context, every token at its own position). Returns ``out``."""
-    size = out.shape[2]
+def store(buffer: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
+    """Write ``x (batch, heads, len(slots), dim)`` at ``slots`` of a static ``buffer``, in the buffer's
+    dtype (inside autocast the new keys and values are bfloat16, the buffers the model's dtype)."""
+    buffer.index_copy_(2, slots, x.to(buffer.dtype))
+
+
+def full_slots(buffer: TokenBuffer, capacity: int) -> torch.Tensor:
+    """``buffer``'s vectors at their slots of a ``(batch, heads, capacity, dim)`` buffer (zeros elsewhere)."""
+    b, h, _, d = buffer.data.shape
+    out = buffer.data.new_zeros(b, h, capacity, d)
+    out[:, :, buffer.start:buffer.end] = buffer.data[:, :, :len(buffer)]
+    return out
+
+
+def ring_slots(buffer: TokenBuffer, size: int) -> torch.Tensor:
+    """The last ``size`` slots of ``buffer`` in a ring ``(batch, heads, size, dim)``, slot ``p`` at ``p % size``."""
+    b, h, _, d = buffer.data.shape
+    out = buffer.data.new_zeros(b, h, size, d)
     first = max(buffer.start, buffer.end - size)
     slots = torch.arange(first, buffer.end, device=out.device)
     out.index_copy_(2, slots % size, buffer.data[:, :, first - buffer.start:len(buffer)])
     return out
-
-
-def packed_slots(sources: dict[str, tuple[TokenBuffer, int]]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The growing buffers' content in static buffers that are views of one allocation: ``name ->
-    (buffer, slots)``, each a ring of ``slots`` (:func:`ring_slots`; slots at least the context
-    make a full buffer). Returns the allocation, flat, and the views, for
-    :meth:`StaticKVCache.load`: a step then writes its token into all of them with one indexed
-    copy (:meth:`StaticKVCache.write`), one kernel where a buffer each would take one each."""
-    first = next(iter(sources.values()))[0].data
-    b, h = first.shape[:2]
-    packed = first.new_zeros(sum(b * h * slots * buffer.data.shape[3] for buffer, slots in sources.values()))
-    views, at = {}, 0
-    for name, (buffer, slots) in sources.items():
-        n = b * h * slots * buffer.data.shape[3]
-        views[name] = ring_slots(buffer, packed[at:at + n].view(b, h, slots, buffer.data.shape[3]))
-        at += n
-    return packed, views
 
 
 class KVCache:
@@ -180,9 +174,7 @@ class StaticKVCache:
 
     def __init__(self, growing: KVCache) -> None:
         self.growing: KVCache | None = growing
-        self.packed: torch.Tensor | None = None  # the one allocation the buffers are views of
-        self.context = 0  # no token is written at or past this slot (set by load)
-        self._layout: dict[str, tuple[int, tuple[int, ...]]] = {}  # each buffer's offset in it and shape
+        self.buffers: dict[str, torch.Tensor] = {}
         self.slot = torch.zeros((), dtype=torch.long)
         self.offsets = torch.zeros(growing.batch_size, dtype=torch.long)
         self._owner, self._batch = growing._owner, growing.batch_size
@@ -192,62 +184,30 @@ class StaticKVCache:
         """Whether the static buffers hold the prompt (the growing cache is gone)."""
         return self.growing is None
 
-    def load(self, packed: torch.Tensor, buffers: dict[str, torch.Tensor], context: int) -> None:
-        """Take ``buffers`` (the growing cache's content at static slots), views of the one flat
-        allocation ``packed`` (:func:`packed_slots`), the growing cache's slot and padding, and the
-        ``context`` no token may be written past."""
+    def load(self, buffers: dict[str, torch.Tensor]) -> None:
+        """Take ``buffers`` (the growing cache's content at static slots) and its slot and padding."""
         growing = self.growing
-        device = packed.device
-        self.packed, self.context = packed, context
-        self._layout = {name: (t.storage_offset() - packed.storage_offset(), tuple(t.shape)) for name, t in buffers.items()}
+        device = next(iter(buffers.values())).device
+        self.buffers = buffers
         self.slot = torch.tensor(growing.length, dtype=torch.long, device=device)
         offsets = growing.padding.offsets if growing.padding is not None else [0] * self._batch
         self.offsets = torch.tensor(offsets, dtype=torch.long, device=device)
         self.growing = None
-        # Element (b, h, slot, j) of each buffer, in the order of ``buffers``, is element
-        # base[b, h, c] + (slot % size[c]) * step[c] of ``packed``, c counting the buffers' dims.
-        bases, sizes, steps = [], [], []
-        for name, t in buffers.items():
-            b, h, n, d = t.shape
-            origin = self._layout[name][0]
-            rows = torch.arange(b, device=device)[:, None, None] * t.stride(0)
-            heads = torch.arange(h, device=device)[None, :, None] * t.stride(1)
-            bases.append(origin + rows + heads + torch.arange(d, device=device) * t.stride(3))
-            sizes.append(torch.full((d,), n, device=device))
-            steps.append(torch.full((d,), t.stride(2), device=device))
-        self._base, self._size, self._step = torch.cat(bases, -1), torch.cat(sizes), torch.cat(steps)
         # Fixed addresses: a captured graph (CUDA graphs, torch.compile's "reduce-overhead") then
         # reads and writes these tensors in place instead of copying them in at every replay.
-        for tensor in (packed, self._base, self._size, self._step, self.slot, self.offsets):
+        for tensor in (*buffers.values(), self.slot, self.offsets):
             torch._dynamo.mark_static_address(tensor)
-
-    @property
-    def buffers(self) -> dict[str, torch.Tensor]:
-        """The static buffers, ``name -> (batch, heads, slots, dim)``, as views of :attr:`packed`
-        made on each access: a compiled step then has the allocation alone as its input, and its
-        write (:meth:`write`) is done in place. With the views as inputs of their own, aliasing the
-        allocation it writes, torch.compile copies the whole cache at every step."""
-        packed = self.packed
-        return {name: packed[at:at + math.prod(shape)].view(shape) for name, (at, shape) in self._layout.items()}
-
-    def write(self, vectors: dict[str, torch.Tensor]) -> None:
-        """Write each buffer's vector of the token at ``slot`` (``name -> (batch, heads, 1, dim)``,
-        every buffer's) into the packed buffers with one indexed copy, in the buffers' dtype (inside
-        autocast the new vectors are bfloat16, the buffers the model's dtype)."""
-        index = self._base + torch.remainder(self.slot, self._size) * self._step
-        # past the context: an index past the allocation, so the copy raises (a device assert on CUDA)
-        index = torch.where(self.slot < self.context, index, self.packed.numel())
-        new = torch.cat([vectors[name] for name in self._layout], dim=-1)
-        self.packed.index_copy_(0, index.flatten(), new.flatten().to(self.packed.dtype))
 
     def copy_(self, other: StaticKVCache) -> StaticKVCache:
         """Take ``other``'s content (a prefilled static cache of the same layer and batch) in place:
         a step compiled or graph-captured on this cache replays on the new content, where a new
         cache's tensors would have new addresses (a graph recorded again). Returns this cache."""
-        require(self.prefilled and other.prefilled and self._layout == other._layout,
+        shapes = {name: t.shape for name, t in self.buffers.items()}
+        require(self.prefilled and other.prefilled and shapes == {n: t.shape for n, t in other.buffers.items()},
                 "other", "a prefilled static cache of the same layer and batch as this prefilled one",
                 "another cache")
-        self.packed.copy_(other.packed)  # every buffer in one copy
+        for name, tensor in self.buffers.items():
+            tensor.copy_(other.buffers[name])
         self.slot.copy_(other.slot)
         self.offsets.copy_(other.offsets)
         return self
@@ -272,4 +232,4 @@ class StaticKVCache:
     @property
     def nbytes(self) -> int:
         """Bytes of the static buffers (all preallocated slots); 0 before the first step."""
-        return 0 if self.packed is None else self.packed.numel() * self.packed.element_size()
+        return sum(x.numel() * x.element_size() for x in self.buffers.values())

@@ -18,7 +18,7 @@ from .._checks import require
 from ..ops.mlr import mlr_attention, mlr_block_sizes, mlr_prefill, mlr_prefill_reference, mlr_score_flops
 from ..ops.mlr.static import mlr_decode_static, prepare_static
 from .base import Attention, cached_segments
-from .cache import KVCache, StaticKVCache, TokenBuffer, append_all, packed_slots
+from .cache import KVCache, StaticKVCache, TokenBuffer, append_all, full_slots, ring_slots, store
 from .config import AttentionConfig, default_scale, positional
 from .segments import Segments
 
@@ -169,29 +169,32 @@ class MLRAttention(Attention):
         buffers["v"] = self._full_buffer(batch, self.head_dim, kv, dtype, device)
         return buffers
 
-    def _static_buffers(self, cache: KVCache) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _static_buffers(self, cache: KVCache) -> dict[str, torch.Tensor]:
         # level 1 and the values for every slot; a finer level's keys in a ring of its block size,
-        # which holds every row's current block whatever its padding. One allocation for all: a
-        # step writes its token's vector of every buffer with one indexed copy, and the decoding kernel
-        # addresses the rings from the first by offsets that depend on their shapes alone (a
-        # copied cache reads the same tables).
-        context = self.config.max_seq_len
-        sources = {"k0": (cache["k0"], context)}
-        sources.update({f"k{level}": (cache[f"k{level}"], s) for level, s in enumerate(self.block_sizes[1:], start=1)})
-        sources["v"] = (cache["v"], context)
-        packed, buffers = packed_slots(sources)
+        # which holds every row's current block whatever its padding
+        buffers = {"k0": full_slots(cache["k0"], self.config.max_seq_len), "v": full_slots(cache["v"], self.config.max_seq_len)}
+        rings = [ring_slots(cache[f"k{level}"], s) for level, s in enumerate(self.block_sizes[1:], start=1)]
+        # The rings share one allocation: the decoding kernel addresses them from the first by
+        # offsets that then depend on their shapes alone (a copied cache reads the same tables).
+        flat, at = torch.cat([r.flatten() for r in rings]) if rings else None, 0
+        for level, ring in enumerate(rings, start=1):
+            buffers[f"k{level}"] = flat[at:at + ring.numel()].view_as(ring)
+            at += ring.numel()
         prepare_static([buffers[f"k{level}"] for level in range(len(self.ranks))], buffers["v"], list(self.ranks),
                        list(self.block_sizes))
-        return packed, buffers
+        return buffers
 
     def _forward_static(self, x: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
         """The compressed-cache read with fixed shapes (:func:`~..ops.mlr.static.mlr_decode_static`)."""
         slot, offsets = cache.slot, cache.offsets
         q, k, v = self.project(x, (slot - offsets)[:, None])
-        cache.write({**{f"k{level}": part for level, part in enumerate(k.split(self.ranks, dim=-1))}, "v": v})
-        buffers = cache.buffers
-        keys = [buffers[f"k{level}"] for level in range(len(self.ranks))]
-        out = mlr_decode_static(q, keys, buffers["v"], slot, offsets, list(self.ranks), list(self.block_sizes),
+        k_levels = k.split(self.ranks, dim=-1)
+        keys = [cache.buffers[f"k{level}"] for level in range(len(self.ranks))]
+        store(keys[0], slot.view(1), k_levels[0])
+        for level, s in enumerate(self.block_sizes[1:], start=1):
+            store(keys[level], torch.remainder(slot, s).view(1), k_levels[level])
+        store(cache.buffers["v"], slot.view(1), v)
+        out = mlr_decode_static(q, keys, cache.buffers["v"], slot, offsets, list(self.ranks), list(self.block_sizes),
                                 self.scale, self.options.depth_normalize)
         return self.merge_heads(out)
 

@@ -19,7 +19,7 @@ from .base import (
     causal_pairs,
     window_pairs,
 )
-from .cache import KVCache, StaticKVCache, TokenBuffer, append_all, packed_slots
+from .cache import KVCache, StaticKVCache, TokenBuffer, append_all, full_slots, ring_slots, store
 from .config import AttentionConfig, default_scale, positional
 from .segments import Segments
 
@@ -99,15 +99,16 @@ class SlidingWindowAttention(_QKAttention):
             name: TokenBuffer(batch, self.n_kv_heads, self.head_dim, size, dtype, device) for name in ("k", "v")
         }
 
-    def _static_buffers(self, cache: KVCache) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        return packed_slots({name: (cache[name], self.window + 1) for name in ("k", "v")})
+    def _static_buffers(self, cache: KVCache) -> dict[str, torch.Tensor]:
+        return {name: ring_slots(cache[name], self.window + 1) for name in ("k", "v")}
 
     def _forward_static(self, x: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
-        buffers = cache.buffers  # views made on each access: once
-        keys, values = buffers["k"], buffers["v"]
+        keys, values = cache.buffers["k"], cache.buffers["v"]
         size = keys.shape[2]  # the window and the new token: every slot of the ring is in the window
         q, k = self.qk(x, (cache.slot - cache.offsets)[:, None])
-        cache.write({"k": k, "v": self.values(x)})
+        at = torch.remainder(cache.slot, size).view(1)
+        store(keys, at, k)
+        store(values, at, self.values(x))
         return self.merge_heads(masked_decode(q, keys, values, cache.real(cache.ring_positions(size)), self.scale))
 
     def score_flops(self, seq_len: int) -> int:
@@ -192,18 +193,19 @@ class GlobalSlidingWindowAttention(_QKAttention):
             "v": self._full_buffer(batch, self.head_dim, kv, dtype, device),
         }
 
-    def _static_buffers(self, cache: KVCache) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _static_buffers(self, cache: KVCache) -> dict[str, torch.Tensor]:
         context = self.config.max_seq_len
-        return packed_slots({"k_global": (cache["k_global"], context), "k_window": (cache["k_window"], self.window + 1),
-                             "v": (cache["v"], context)})
+        return {"k_global": full_slots(cache["k_global"], context), "k_window": ring_slots(cache["k_window"], self.window + 1),
+                "v": full_slots(cache["v"], context)}
 
     def _forward_static(self, x: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
         g = self.global_dims
-        buffers = cache.buffers  # views made on each access: once
-        k_global, k_window, values = buffers["k_global"], buffers["k_window"], buffers["v"]
+        k_global, k_window, values = cache.buffers["k_global"], cache.buffers["k_window"], cache.buffers["v"]
         (q, k), v = self.qk(x, (cache.slot - cache.offsets)[:, None]), self.values(x)
         size = k_window.shape[2]
-        cache.write({"k_global": k[..., :g], "k_window": k[..., g:], "v": v})
+        store(k_global, cache.slot.view(1), k[..., :g])
+        store(k_window, torch.remainder(cache.slot, size).view(1), k[..., g:])
+        store(values, cache.slot.view(1), v)
         slots = torch.arange(values.shape[2], device=values.device)
         full = masked_decode(q[..., :g], k_global, values, cache.real(slots), self.global_scale)
         window = cache.ring_positions(size)  # the values of the window's keys: at their slots
