@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check of the kernels, for a machine with one CUDA GPU: the test suite on the GPU, the
 # tile-setting and decoding timings, and the benchmarks in bfloat16.
-#   scripts/gpu-check.sh [OUT_DIR] [all|suite|tests|tune|decode|subtile|varlen|generate|ncu|bench|ab] [K/N|TREE]
+#   scripts/gpu-check.sh [OUT_DIR] [all|suite|tests|tune|decode|subtile|varlen|generate|ncu|bench|host|ab] [K/N|TREE]
 # (default OUT_DIR runs/gpu-check, or $OUT on the lent device machine; default all). Each step is
 # sized for a machine that stops a command after 10 minutes:
 # all: the benchmarks (bench: MLR against flash and cuDNN at head dims 64 and 128 and with one level,
@@ -22,8 +22,11 @@
 # growing and static caches, eager and CUDA-graph-captured.
 # ncu (about 2 minutes) writes Nsight Compute's profile of the decoding and prefill kernels beside
 # flash attention's.
-# subtile (about 4 minutes) checks the prefix-rank kernels' sub-tile levels (the lengths below 4096
-# with 8 levels) on the GPU and times them against the general kernel, flash and cuDNN.
+# subtile (about 5 minutes) checks the prefix-rank kernels' sub-tile levels on the GPU: the tilings
+# of check_prefix_tilings.py one by one (which of them Triton compiles wrong, output and gradients
+# apart), the tests, and the lengths below 4096 with 8 levels timed against flash and cuDNN.
+# host (about 2 minutes): where a whole call's time beyond its kernels goes, MLR against flash at
+# T = 8192 (sattn bench mlr with each case's profiler timeline), and profile_host.py's split of the host's part.
 # ab TREE (about 5 minutes) times the kernels of src/ against those of TREE/src, another
 # version of the package prepared beforehand where git is (the device machine's copy has no history):
 #   mkdir -p runs/ab-before && git archive REV src | tar -x -C runs/ab-before
@@ -93,11 +96,17 @@ if [[ $step == suite || $step == all ]]; then
     grep -E "^(FAILED|ERROR) |[0-9]+ (passed|failed)" "$out/suite-${shard/\//of}.log" | tail -n 40
 fi
 if [[ $step == subtile ]]; then
+    timeout 200 python3 scripts/check_prefix_tilings.py --out "$out/tilings.txt" || status=1
     timeout 300 python3 -m pytest -o addopts= -q -p no:cacheprovider -n 14 tests/test_mlr_grid.py \
         tests/test_mlr_triton.py tests/test_mlr_documents.py -k "triton or cuda or documents" 2>&1 \
         | tee "$out/subtile-tests.log" | tail -n 5 || status=1
     timeout 240 python3 scripts/tune_mlr_triton.py --seq-lens 1024,2048,3072 --ranks "8|8|8|8|8|8|8|8" \
         --settings 64/w4/s2 --no-decode --out "$out/subtile.json" 2>&1 | tee "$out/subtile.log" || status=1
+fi
+if [[ $step == host ]]; then
+    sattn bench mlr --device cuda --dtype bfloat16 --seq-lens 8192 --paths sdpa_flash,mlr --repeats 10 \
+        --no-memory --profile --out "$out/host-mlr" | tail -n 4 || status=1
+    timeout 60 python3 scripts/profile_host.py --out "$out/host.txt" | head -n 12 || status=1
 fi
 if [[ $step == ab ]]; then
     tree=${3:?"ab: expected the other tree's folder (holding src/) as the third argument"}

@@ -21,6 +21,7 @@ import contextlib
 import copy
 import json
 import multiprocessing
+import re
 import statistics
 import threading
 import time
@@ -326,7 +327,10 @@ def _check_args(args: argparse.Namespace) -> None:
 
 
 def profile(args: argparse.Namespace, path: Path) -> None:
-    """Where the time of one forward+backward goes, per case, at the longest sequence length."""
+    """Where the time of one forward+backward goes, per case, at the longest sequence length. For
+    ``bench mlr`` on CUDA each case's timeline is written beside it too (``trace-CASE.json``, Chrome's
+    trace format): the table sums each operator's time, the timeline shows where the GPU waits for
+    the host."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -347,6 +351,8 @@ def profile(args: argparse.Namespace, path: Path) -> None:
                 forward_backward()
         finally:
             mlr_blocked._THREADED = threaded
+        if args.what == "mlr" and torch.device(args.device).type == "cuda":
+            prof.export_chrome_trace(str(path.with_name(f"trace-{re.sub(r'[^A-Za-z0-9_.-]', '_', name)}.json")))
         table = prof.key_averages().table(sort_by=sort_by, row_limit=15)
         sections.append(f"== {name}, T={seq_len}, forward+backward ==\n{table}")
     path.write_text("\n\n".join(sections) + "\n")
