@@ -12,7 +12,8 @@
 # H200 the whole suite took about 14 minutes (2026-11-27), when each of the 14 workers ran 16 CPU
 # threads; tests/conftest.py now gives each its share, which cut the suite on 2 CPU cores from 7
 # minutes to 2.5. Where 1/1 is cut, 1/2 and 2/2 in two calls.
-# tests: the Triton and compile tests alone (about 5 minutes on an H100, most of it compiling).
+# tests: the Triton and compile tests alone, on 14 workers (one worker had done 39 % of them after
+# 6 minutes on an H200, most of it compiling).
 # tune (about 4 minutes): the prefix-rank kernels' tile settings and the decoding kernel's.
 # decode (about 5 minutes): the decoding kernel's timings and tests, the per-kernel profile of a
 # whole decoding step, and the layers' decoding benchmark.
@@ -57,8 +58,8 @@ PY
 if [[ $step == tests ]]; then
     # the backend grid (its Triton subset), the kernels' own tests, and opcheck and the compiled
     # graphs of the custom ops on CUDA
-    python3 -m pytest -q -p no:cacheprovider tests/test_mlr_grid.py tests/test_mlr_triton.py tests/test_mlr_decode.py \
-        tests/test_compile.py -k "not inductor and not training_step" 2>&1 \
+    python3 -m pytest -q -p no:cacheprovider -n 14 tests/test_mlr_grid.py tests/test_mlr_triton.py \
+        tests/test_mlr_decode.py tests/test_compile.py -k "not inductor and not training_step" 2>&1 \
         | tee "$out/tests.log" | tail -n 5 || status=1
 fi
 if [[ $step == bench || $step == all ]]; then
