@@ -80,7 +80,7 @@ def main() -> None:
     sizes = mlr_block_sizes(RANKS, T, None)
     scale = R ** -0.5
     entry = mlr_attention if on_gpu else mlr_attention_triton  # the dispatcher sends CPU tensors to C++
-    tiles = _prefix_tiles(RANKS, tuple(sizes), q.dtype, "cuda", 64, 64, False)  # the tiles mlr_attention takes on CUDA
+    tiles = _prefix_tiles(tuple(sizes), q.dtype, "cuda", 64, 64, False)  # the tiles mlr_attention takes on CUDA
     assert tiles is not None, f"block sizes {sizes} take the general kernels"
     plan = tp.plan_of(q, v, RANKS, sizes, tiles)
     tile_list = [int(x) for x in (tiles.fwd_m, tiles.fwd_n, tiles.dkdv_n, tiles.dkdv_m, tiles.dq_m, tiles.dq_n,

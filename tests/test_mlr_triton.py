@@ -51,7 +51,7 @@ def test_prefix_tiles_rule():
     assert not PrefixTiles(fwd_m=16, fwd_n=32).fits((64,))  # the step must divide the own tile
 
 
-@pytest.mark.parametrize("sizes,tiles,kernels", [((64, 16), {}, "triton_prefix"),
+@pytest.mark.parametrize("sizes,tiles,kernels", [((64, 32), {}, "triton_prefix"),
                                                    ((64, 8), {"block_m": 16, "block_n": 32}, "triton_general")],
                          ids=["prefix-rank", "general"])
 def test_a_repeated_call_reuses_its_plan_and_tables(sizes, tiles, kernels):
@@ -77,38 +77,36 @@ def test_sub_tile_levels_launch_with_eight_warps_on_cuda():
     from structured_attention.ops.mlr.triton_general import _prefix_tiles
     from structured_attention.ops.mlr.triton_prefix import launch_warps
 
-    ranks, sizes = (16, 16, 16, 16), (4096, 2048, 32, 16)
-    sub_tile = _prefix_tiles(ranks, sizes, torch.bfloat16, "cuda", 64, 64, False)
+    sizes = (4096, 2048, 32, 16)
+    sub_tile = _prefix_tiles(sizes, torch.bfloat16, "cuda", 64, 64, False)
     assert sub_tile is not None and sub_tile.coarse_levels(sizes) == 2
     assert launch_warps(sub_tile, sizes, "cuda") == 8 and launch_warps(PrefixTiles(num_warps=4), sizes, "cuda") == 8
     assert launch_warps(PrefixTiles(num_warps=4), sizes, "cpu") == 4  # the interpreter: as given
-    coarse = _prefix_tiles(ranks[:3], (8192, 4096, 64), torch.bfloat16, "cuda", 64, 64, False)
+    coarse = _prefix_tiles((8192, 4096, 64), torch.bfloat16, "cuda", 64, 64, False)
     assert launch_warps(coarse, (8192, 4096, 64), "cuda") == 4
     # float32: eight anyway
-    assert _prefix_tiles(ranks, (4096, 2048, 16, 8), torch.float32, "cuda", 64, 64, False).num_warps == 8
+    assert _prefix_tiles((4096, 2048, 16, 8), torch.float32, "cuda", 64, 64, False).num_warps == 8
 
 
 def test_cuda_calls_avoid_the_sub_tile_tilings_triton_compiled_wrong():
-    # On an H200 (Triton 3.6) 64-row tiles with one sub-tile level whose coarse prefix reaches the
-    # last head-dim chunk gave wrong values, with four warps or eight; on CUDA the dispatcher gives
-    # such calls, and those with either condition, to the general kernels. The interpreter keeps them.
+    # On an H200 (Triton 3.6) 64-row tiles with a single sub-tile level gave wrong values, with
+    # four warps or eight; on CUDA the dispatcher gives such calls to the general kernels. The
+    # interpreter keeps them.
     from structured_attention.ops.mlr.triton_general import _prefix_tiles
     from structured_attention.ops.mlr.triton_prefix import miscompiled_on_cuda
 
     eight = (8,) * 8
     # 8 levels at 4096, the failing case's blocks: 32-row tiles divide every one, no sub-tile level
-    assert _prefix_tiles(eight, mlr_block_sizes(eight, 4096), torch.bfloat16, "cuda", 64, 64, False).fwd_m == 32
+    assert _prefix_tiles(mlr_block_sizes(eight, 4096), torch.bfloat16, "cuda", 64, 64, False).fwd_m == 32
     one_level = (4096, 2048, 1024, 512, 256, 128, 64, 16)  # 64-row tiles, one sub-tile level (16)
-    assert miscompiled_on_cuda(PrefixTiles(), eight, one_level)
-    assert _prefix_tiles(eight, one_level, torch.bfloat16, "cuda", 64, 64, False) is None
-    assert _prefix_tiles(eight, one_level, torch.bfloat16, "cpu", 64, 64, False) == PrefixTiles()
-    # the coarse prefix reaching the last chunk with two sub-tile levels (columns 56-60, 60-64)
-    assert miscompiled_on_cuda(PrefixTiles(), (8,) * 7 + (4, 4), mlr_block_sizes((8,) * 7 + (4, 4), 4096))
-    # two sub-tile levels short of the last chunk, right on the H200: kept
-    assert _prefix_tiles(eight, mlr_block_sizes(eight, 2048), torch.bfloat16, "cuda", 64, 64, False) == PrefixTiles()
-    # float32 takes 32-row tiles: at 2048 one sub-tile level (16) reaching the last chunk
-    assert _prefix_tiles(eight, mlr_block_sizes(eight, 2048), torch.float32, "cuda", 64, 64, False) is None
-    assert not miscompiled_on_cuda(PrefixTiles(), eight, mlr_block_sizes(eight, 8192))  # no sub-tile level
+    assert miscompiled_on_cuda(PrefixTiles(), one_level)
+    assert _prefix_tiles(one_level, torch.bfloat16, "cuda", 64, 64, False) is None
+    assert _prefix_tiles(one_level, torch.bfloat16, "cpu", 64, 64, False) == PrefixTiles()
+    # two sub-tile levels (32 and 16), right on the H200: kept
+    assert _prefix_tiles(mlr_block_sizes(eight, 2048), torch.bfloat16, "cuda", 64, 64, False) == PrefixTiles()
+    # float32 takes 32-row tiles: 8 levels at 2048 have one sub-tile level (16)
+    assert _prefix_tiles(mlr_block_sizes(eight, 2048), torch.float32, "cuda", 64, 64, False) is None
+    assert not miscompiled_on_cuda(PrefixTiles(), mlr_block_sizes(eight, 8192))  # no sub-tile level
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic-dq", "dq-kernel"])

@@ -6,8 +6,8 @@ call                          CUDA tensors (Triton installed)        CPU tensors
 :func:`mlr_attention`         Triton: prefix-rank kernels when every  C++ kernel (built on first use);
                               fine block is a multiple of the tile   the blocked PyTorch path where it
                               or smaller than two tiles, else the    cannot be built
-                              general kernel (also for the sub-tile
-                              tilings of miscompiled_on_cuda)
+                              general kernel (also where the tiling
+                              has a single sub-tile level)
 ... with ``document_ids``     the same Triton kernels, documents as  C++ kernel, documents as segments
                               segments (varlen)                      (varlen); else one call each
 :func:`mlr_decode`            Triton split-key decoding kernel       C++ decoding kernel, else the

@@ -575,7 +575,7 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ranks: tuple[i
     default_tile = 64 if q.device.type == "cuda" else 16
     explicit = block_m is not None or block_n is not None
     block_m, block_n = block_m or default_tile, block_n or default_tile
-    tiles = _prefix_tiles(tuple(ranks), tuple(sizes), q.dtype, q.device.type, block_m, block_n, explicit)
+    tiles = _prefix_tiles(tuple(sizes), q.dtype, q.device.type, block_m, block_n, explicit)
     if tiles is not None:
         return mlr_attention_prefix(q, k, v, ranks, sizes, causal, float(scale), depth_normalize, tiles, document_ids)
 
@@ -587,8 +587,8 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ranks: tuple[i
 
 
 @functools.lru_cache(maxsize=256)
-def _prefix_tiles(ranks: tuple[int, ...], sizes: tuple[int, ...], dtype: torch.dtype, device_type: str, block_m: int,
-                  block_n: int, explicit: bool) -> PrefixTiles | None:
+def _prefix_tiles(sizes: tuple[int, ...], dtype: torch.dtype, device_type: str, block_m: int, block_n: int,
+                  explicit: bool) -> PrefixTiles | None:
     """The prefix-rank kernels' tiles for a call, or None for the general kernels (chosen once per
     signature: the host pays for it before the kernels can start)."""
     # The prefix-rank kernels take the call when a tile of 32 rows or more (any in the interpreter)
@@ -607,6 +607,6 @@ def _prefix_tiles(ranks: tuple[int, ...], sizes: tuple[int, ...], dtype: torch.d
         largest, smallest, warps = 32, 32, 8
     # (Sub-tile levels launch with eight warps on CUDA whatever the tiles say: launch_warps.)
     tiles = square_tiles(sizes[1:], largest, smallest, sub_tile=not explicit, num_warps=warps)
-    if tiles is not None and device_type == "cuda" and miscompiled_on_cuda(tiles, ranks, sizes):
+    if tiles is not None and device_type == "cuda" and miscompiled_on_cuda(tiles, sizes):
         return None
     return tiles

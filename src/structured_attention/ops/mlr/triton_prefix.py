@@ -867,24 +867,14 @@ def launch_warps(tiles: PrefixTiles, sizes: Sequence[int], device_type: str) -> 
     return tiles.num_warps
 
 
-def head_chunks(R: int) -> tuple[int, int]:
-    """The kernels' cut of ``R`` head dims into chunks: (columns per chunk, number of chunks <= 4)."""
-    CH = pow2(math.ceil(R / 4), 16)
-    return CH, math.ceil(R / CH)
-
-
-def miscompiled_on_cuda(tiles: PrefixTiles, ranks: Sequence[int], sizes: Sequence[int]) -> bool:
-    """Whether the tiling is of the family Triton 3.6 compiled wrong for an H200: sub-tile levels,
-    one alone or with the coarse levels' prefix reaching the last head-dim chunk. 64-row tiles with
-    8 levels of rank 8 at T = 4096 (one sub-tile level, both) were off by a relative 0.66 with four
-    or eight warps, and right under the interpreter; two sub-tile levels short of the last chunk were
-    right (docs/benchmarks.md). The dispatcher gives these calls to the general kernels on CUDA;
-    ``scripts/check_prefix_tilings.py`` tells the two conditions apart on a GPU."""
-    coarse = tiles.coarse_levels(sizes)
-    if coarse == len(sizes):
-        return False
-    CH, NCH = head_chunks(sum(ranks))
-    return len(sizes) - coarse == 1 or math.ceil(sum(ranks[:coarse]) / CH) == NCH
+def miscompiled_on_cuda(tiles: PrefixTiles, sizes: Sequence[int]) -> bool:
+    """Whether the tiling has a single sub-tile level, which Triton 3.6 compiled wrong for an H200:
+    64-row tiles with 8 levels of rank 8 at T = 4096 (one sub-tile level of 32-row blocks) were off
+    by a relative 0.66 with four or eight warps, and right under the interpreter; two or three
+    sub-tile levels (T = 2048, 1024) were right (docs/benchmarks.md). The dispatcher gives these
+    calls to the general kernels on CUDA; ``scripts/check_prefix_tilings.py`` checks the family's
+    members on a GPU (one level short of the last head-dim chunk or not, other lengths, float32)."""
+    return len(sizes) - tiles.coarse_levels(sizes) == 1
 
 
 class PrefixPlan:
@@ -894,7 +884,8 @@ class PrefixPlan:
                  sizes: tuple[int, ...], tiles: PrefixTiles) -> None:
         R = sum(ranks)
         self.R, self.R1 = R, ranks[0]
-        self.CH, self.NCH = head_chunks(R)
+        self.CH = pow2(math.ceil(R / 4), 16)
+        self.NCH = math.ceil(R / self.CH)
         prefix = [sum(ranks[: d + 1]) for d in range(len(ranks))]
         coarse = tiles.coarse_levels(sizes)
         # The coarse levels: their prefix, its chunks, and tiers[t - 1], the block size inside which
