@@ -108,7 +108,7 @@ def check(tiles: PrefixTiles, ranks: tuple[int, ...], T: int) -> float:
     ref = mlr_attention_reference(qr, kr, vr, ranks)
     ref_grads = torch.autograd.grad(ref, (qr, kr, vr), do.bfloat16().float())
     pairs = zip((out, *grads), (ref, *ref_grads))
-    return max(float((a.detach().float() - b).abs().max() / b.abs().max()) for a, b in pairs)
+    return max(float((a.detach().float() - b.detach()).abs().max() / b.detach().abs().max()) for a, b in pairs)
 
 
 def main() -> None:
