@@ -27,7 +27,8 @@
 # of check_prefix_tilings.py one by one (which of them Triton compiles wrong, output and gradients
 # apart), the tests, and the lengths below 4096 with 8 levels timed against flash and cuDNN.
 # host (about 2 minutes): where a whole call's time beyond its kernels goes, MLR against flash at
-# T = 8192 (sattn bench mlr with each case's profiler timeline), and profile_host.py's split of the host's part.
+# T = 8192 (sattn bench mlr with each case's profiler timeline, its GPU's idle gaps by trace_gaps.py),
+# and profile_host.py's split of the host's part.
 # ab TREE (about 5 minutes) times the kernels of src/ against those of TREE/src, another
 # version of the package prepared beforehand where git is (the device machine's copy has no history):
 #   mkdir -p runs/ab-before && git archive REV src | tar -x -C runs/ab-before
@@ -65,6 +66,7 @@ fi
 if [[ $step == bench || $step == all ]]; then
     sattn bench mlr --device cuda --dtype bfloat16 --seq-lens 4096,8192,16384 --paths sdpa_flash,sdpa,mlr \
         --repeats 10 --profile --out "$out/mlr" || status=1
+    python3 scripts/trace_gaps.py "$out"/mlr/trace-*.json | tee "$out/mlr-gaps.txt" || status=1
     sattn bench attention --device cuda --dtype bfloat16 --seq-lens 16384 --decode-cache 16368 --batch 16 \
         --kinds "mha,mlr:8|8|8|8|8|8|8|8,mlr:16|16|16|16" --repeats 5 --no-memory --out "$out/decode-b16" || status=1
     # head dim 128: 4 levels of rank 32, Dv = 128, batch 4, 16 heads
@@ -107,6 +109,7 @@ fi
 if [[ $step == host ]]; then
     sattn bench mlr --device cuda --dtype bfloat16 --seq-lens 8192 --paths sdpa_flash,mlr --repeats 10 \
         --no-memory --profile --out "$out/host-mlr" | tail -n 4 || status=1
+    python3 scripts/trace_gaps.py "$out"/host-mlr/trace-*.json | tee "$out/host-gaps.txt" || status=1
     timeout 60 python3 scripts/profile_host.py --out "$out/host.txt" | head -n 12 || status=1
 fi
 if [[ $step == ab ]]; then

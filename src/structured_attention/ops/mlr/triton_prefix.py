@@ -24,7 +24,12 @@ of them that meet the own tile: a few *near* tiles around the diagonal. The tier
 coarse levels alone up to the near tiles; a near tile pair adds each sub-tile level's columns
 (a product of the chunks its columns fall in, with the other columns zeroed) where row and column
 share the level's block, so each of its pairs has its own depth. Without sub-tile levels the near
-tiles are the diagonal ones.
+tiles are the diagonal ones. The near tiles' loops are not software-pipelined (``num_stages=1``):
+with one sub-tile level Triton 3.6 pipelined them (the walked tiles loaded ahead into shared memory
+that the level's product reads inside a branch) and an H200 computed wrong values; with two or
+more, the level loop inside kept them unpipelined, and the values right. Unpipelined, one level
+compiles to the structure of two (sm_90 TTGIR); ``scripts/check_prefix_tilings.py`` checks it on a
+GPU. They are a tile or two per program, so loading ahead buys little there.
 
 The forward stores the row log-sum-exp in base 2 for the backward; the backward is the
 flash-attention backward, recomputing the scores tier by tier: one kernel for ``dK, dV`` that loops
@@ -383,7 +388,7 @@ def _fwd_tiles(acc, m_i, l_i, q0, q1, q2, q3, k_base, v_base, m0, offs_m, lo, hi
                NC: tl.constexpr, NEAR: tl.constexpr, DIAG: tl.constexpr, CAUSAL: tl.constexpr,
                DEPTH_NORM: tl.constexpr, NSUB: tl.constexpr, NCC: tl.constexpr, BLOCK_M: tl.constexpr,
                BLOCK_N: tl.constexpr, CH: tl.constexpr, DVP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
-    for n0 in range(lo, hi, BLOCK_N):
+    for n0 in tl.range(lo, hi, BLOCK_N, num_stages=1 if NEAR else None):  # near tiles: not pipelined (docstring)
         depth, rank = _depth_rank_near(m0, n0, fsize, frank, R1, RC, NEAR)
         acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q0, q1, q2, q3, k_base, v_base, m0, offs_m, n0, depth, rank, R,
                                   stride_kt, stride_vt, T, DV, qk_scale, SUB, NC, NEAR, DIAG, CAUSAL, DEPTH_NORM,
@@ -541,7 +546,7 @@ def _dkdv_tiles(dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base,
                 DEPTH_NORM: tl.constexpr, NSUB: tl.constexpr, NCC: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, CH: tl.constexpr, DVP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
                 FUSED_DQ: tl.constexpr):
-    for m0 in range(lo, hi, BLOCK_M):
+    for m0 in tl.range(lo, hi, BLOCK_M, num_stages=1 if NEAR else None):  # near tiles: not pipelined (docstring)
         depth, rank = _depth_rank_near(m0, n0, fsize, frank, R1, RC, NEAR)
         dk0, dk1, dk2, dk3, dv_acc = _dkdv_tile(
             dk0, dk1, dk2, dk3, dv_acc, k0, k1, k2, k3, vt, q_base, do_base, lse_base, delta_base, dq_base,
@@ -698,7 +703,7 @@ def _dq_tiles(dq0, dq1, dq2, dq3, q0, q1, q2, q3, do, lse, delta, k_base, v_base
               NC: tl.constexpr, NEAR: tl.constexpr, DIAG: tl.constexpr, CAUSAL: tl.constexpr,
               DEPTH_NORM: tl.constexpr, NSUB: tl.constexpr, NCC: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, CH: tl.constexpr, DVP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
-    for n0 in range(lo, hi, BLOCK_N):
+    for n0 in tl.range(lo, hi, BLOCK_N, num_stages=1 if NEAR else None):  # near tiles: not pipelined (docstring)
         depth, rank = _depth_rank_near(m0, n0, fsize, frank, R1, RC, NEAR)
         dq0, dq1, dq2, dq3 = _dq_tile(dq0, dq1, dq2, dq3, q0, q1, q2, q3, do, lse, delta, k_base, v_base,
                                       m0, offs_m, n0, depth, rank, R, stride_kt, stride_vt, T, DV, sm_scale,
@@ -871,9 +876,10 @@ def miscompiled_on_cuda(tiles: PrefixTiles, sizes: Sequence[int]) -> bool:
     """Whether the tiling has a single sub-tile level, which Triton 3.6 compiled wrong for an H200:
     64-row tiles with 8 levels of rank 8 at T = 4096 (one sub-tile level of 32-row blocks) were off
     by a relative 0.66 with four or eight warps, and right under the interpreter; two or three
-    sub-tile levels (T = 2048, 1024) were right (docs/benchmarks.md). The dispatcher gives these
-    calls to the general kernels on CUDA; ``scripts/check_prefix_tilings.py`` checks the family's
-    members on a GPU (one level short of the last head-dim chunk or not, other lengths, float32)."""
+    sub-tile levels (T = 2048, 1024) were right (docs/benchmarks.md). The near tiles' loops are now
+    unpipelined, as they were with two levels (module docstring), but until a GPU confirms that this
+    mends it the dispatcher gives these calls to the general kernels on CUDA;
+    ``scripts/check_prefix_tilings.py`` checks the family's members on a GPU."""
     return len(sizes) - tiles.coarse_levels(sizes) == 1
 
 
