@@ -6,7 +6,8 @@ Reads the Chrome-format timelines ``sattn bench mlr --profile`` writes on CUDA (
 one forward+backward) and prints, per file: the span from the host's first operator to the GPU's
 last kernel, the GPU's busy time (kernels, copies and fills, overlaps counted once), the wait
 before its first kernel, and the longest gaps between its kernels with the host's operators and
-CUDA runtime calls that overlap each (a synchronisation or a slow launch shows there).
+CUDA runtime and driver calls (Triton launches through the driver) that overlap each (a
+synchronisation or a slow launch shows there).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def summary(path: Path, top: int) -> str:
     data = json.loads(path.read_text())
     events = data["traceEvents"] if isinstance(data, dict) else data
     gpu = _spans(events, GPU_CATEGORIES)
-    host = _spans(events, {"cpu_op", "cuda_runtime", "python_function"})
+    host = _spans(events, {"cpu_op", "cuda_runtime", "cuda_driver", "python_function"})
     if not gpu or not host:
         return f"{path.name}: no GPU or no host events"
     first, last = host[0][0], max(stop for _, stop, _ in gpu)
