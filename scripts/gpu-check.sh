@@ -28,7 +28,7 @@
 # apart), the tests, and the lengths below 4096 with 8 levels timed against flash and cuDNN.
 # host (about 2 minutes): where a whole call's time beyond its kernels goes, MLR against flash at
 # T = 8192 (sattn bench mlr with each case's profiler timeline, its GPU's idle gaps by trace_gaps.py),
-# and profile_host.py's split of the host's part.
+# and profile_host.py's split of the host's part at 1024 and 8192 (when each side of one call is done).
 # ab TREE (about 5 minutes) times the kernels of src/ against those of TREE/src, another
 # version of the package prepared beforehand where git is (the device machine's copy has no history):
 #   mkdir -p runs/ab-before && git archive REV src | tar -x -C runs/ab-before
@@ -110,7 +110,10 @@ if [[ $step == host ]]; then
     sattn bench mlr --device cuda --dtype bfloat16 --seq-lens 8192 --paths sdpa_flash,mlr --repeats 10 \
         --no-memory --profile --out "$out/host-mlr" | tail -n 4 || status=1
     python3 scripts/trace_gaps.py "$out"/host-mlr/trace-*.json | tee "$out/host-gaps.txt" || status=1
-    timeout 60 python3 scripts/profile_host.py --out "$out/host.txt" | head -n 12 || status=1
+    for t in 1024 8192; do
+        timeout 60 python3 scripts/profile_host.py --seq-len $t --calls 50 --out "$out/host-$t.txt" \
+            | head -n 14 || status=1
+    done
 fi
 if [[ $step == ab ]]; then
     tree=${3:?"ab: expected the other tree's folder (holding src/) as the third argument"}

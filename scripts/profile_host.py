@@ -15,7 +15,9 @@ for MLR entered at each layer of its stack:
   it (the op's dispatch, plan, launch);
 - ``launch``: the op's function without the op (the plan, the output buffers, the Triton launch);
 
-then the same for forward+backward, and ``cProfile``'s table of ``mlr_attention``'s calls (the
+then the same for forward+backward; on a GPU, one forward+backward between two synchronisations
+as ``sattn bench`` times it, with when the host's calls return and when the GPU has done each part
+(which side the other waits for); and ``cProfile``'s table of ``mlr_attention``'s calls (the
 functions that take the host's time). Without a GPU (``TRITON_INTERPRET=1``, CPU tensors) the
 kernels are replaced by no-ops, so the figures are this machine's Python alone, with no Triton launch.
 """
@@ -27,6 +29,7 @@ import cProfile
 import io
 import os
 import pstats
+import statistics
 import time
 from collections.abc import Callable
 
@@ -102,6 +105,13 @@ def main() -> None:
     for name in ("sdpa flash", "mlr_attention"):
         fn = forwards[name]
         lines.append(f"  forward+backward  {name:15s} {per_call_us(lambda: fn().backward(grad), args.calls, sync):8.1f}")
+    if on_gpu:
+        lines += ["", "one forward+backward between two synchronisations, as sattn bench times it (ms from the",
+                  "first; medians of 10): when the host's calls return, and when the GPU has done each part"]
+        for name in ("sdpa flash", "mlr_attention"):
+            marks = [one_call(forwards[name], grad, (q, k, v)) for _ in range(13)][3:]
+            lines.append(f"  {name:15s} " + "  ".join(f"{key} {statistics.median(m[key] for m in marks):6.3f}"
+                                                      for key in marks[0]))
     prof = cProfile.Profile()
     with torch.no_grad():
         prof.enable()
@@ -116,6 +126,30 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             f.write(report + "\n")
+
+
+def one_call(forward: Callable[[], torch.Tensor], grad: torch.Tensor, leaves: tuple[torch.Tensor, ...]) -> dict:
+    """One forward+backward on CUDA: the host's time when the forward and the backward return and
+    when the synchronisation does, and the GPU's (events) when it has done the forward and the
+    backward, in ms from a synchronised start. A GPU done long after the host returned is GPU-bound;
+    a host that returns late, with the GPU done soon after, is what the GPU waited for."""
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+    for x in leaves:
+        x.grad = None
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    marks[0].record()
+    out = forward()
+    forward_returned = time.perf_counter()
+    marks[1].record()
+    out.backward(grad)
+    backward_returned = time.perf_counter()
+    marks[2].record()
+    torch.cuda.synchronize()
+    done = time.perf_counter()
+    return {"host fwd": (forward_returned - start) * 1e3, "host bwd": (backward_returned - start) * 1e3,
+            "synced": (done - start) * 1e3, "GPU fwd": marks[0].elapsed_time(marks[1]),
+            "GPU bwd": marks[0].elapsed_time(marks[2])}
 
 
 def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
