@@ -1,7 +1,7 @@
 """The package's Triton kernels compiled for an NVIDIA GPU without one: each kernel's shared memory,
 registers, spill stack and compile time, the numbers that decide occupancy and local-memory traffic.
 
-    python3 scripts/triton_resources.py [--case general|prefix|sub-tile|decode] [--dtype bfloat16] [--arch 90]
+    python3 scripts/triton_resources.py [--case general|prefix|sub-tile|one-sub-tile|decode] [--dtype bfloat16] [--arch 90]
                                         [--num-warps N] [--tile N] [--step N] [--recorder PYTHON]
 
 Step 1 runs one call of the case (forward and backward for ``general`` and ``prefix``, one decoding
@@ -25,6 +25,8 @@ step over the walked axis) for the prefix-rank ones):
   the prefix-rank kernels of ``sattn bench mlr``;
 - ``sub-tile``: causal with the block sizes of T = 2048 (blocks of 32 and 16 finer than a tile; run
   on 1024 tokens): the prefix-rank kernels with sub-tile levels;
+- ``one-sub-tile``: the same with the block sizes of T = 4096 (one level, of 32-token blocks, finer
+  than a tile);
 - ``decode``: one query against a 4096-token compressed cache (batch 2, 8 heads, 2 kv heads).
 """
 
@@ -41,7 +43,7 @@ import sys
 import tempfile
 import time
 
-CASES = ("general", "prefix", "sub-tile", "decode")
+CASES = ("general", "prefix", "sub-tile", "one-sub-tile", "decode")
 _TYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64", "int32": "i32",
           "int64": "i64", "bool": "i1", "int8": "i8", "uint8": "u8"}
 _OPTIONS = ("num_warps", "num_stages", "maxnreg")
@@ -103,8 +105,8 @@ def record(case: str, dtype: str, tile: int, step: int) -> list[dict]:
         if case == "general":
             out = mlr_attention_triton(q[:, :, :640], k[:, :, :640], v[:, :, :640], ranks, causal=False,
                                        depth_normalize=True, block_m=64, block_n=64)
-        else:  # the sizes of T = 8192 / 2048 on a shorter sequence: the same kernels, the GPU's tiles
-            sizes = tuple((8192 if case == "prefix" else 2048) >> i for i in range(8))
+        else:  # the sizes of a longer T on a shorter sequence: the same kernels, the GPU's tiles
+            sizes = tuple({"prefix": 8192, "sub-tile": 2048, "one-sub-tile": 4096}[case] >> i for i in range(8))
             tiles = PrefixTiles(tile, tile, tile, step, tile, step)
             out = mlr_attention_prefix(q, k, v, ranks, sizes, True, 0.125, False, tiles)
         out.sum().backward()
