@@ -225,8 +225,8 @@ def test_inductor_compiles_the_step_once_for_every_token_and_every_call():
 @pytest.mark.parametrize("attention", ["mha", "global_swa:window=6", "mlr:8|4|2|2"])
 def test_the_compiled_step_writes_the_cache_in_place(attention):
     """The compiled step's code allocates nothing as large as a cache buffer: the token's write
-    goes into the static allocation in place, with no copy of the cache (torch.compile makes one
-    per step where the buffers enter the graph as inputs of their own beside the allocation)."""
+    goes into the static buffers in place, with no copy of the cache (a functionalised write that
+    torch.compile did not turn back into an in-place one would copy a buffer every step)."""
     from torch._inductor.utils import run_and_get_code
 
     model = _gpt(attention)
