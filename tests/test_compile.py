@@ -215,7 +215,7 @@ def test_triton_decoding_step_compiles_to_its_op_and_runs_without_it_eagerly():
 
 
 def test_opcheck_static_decoding_ops():
-    from structured_attention.functional.decode import masked_decode
+    from structured_attention.functional.decode import masked_decode, prefix_decode
     from structured_attention.ops.mlr.static import mlr_decode_static
 
     slot, offsets = torch.tensor(21), torch.tensor([0, 3])
@@ -224,6 +224,8 @@ def test_opcheck_static_decoding_ops():
     real[:, 22:] = False  # a static cache before its end, one row padded: the CPU reads 22 slots, masked
     real[1, :3] = False
     opcheck(masked_decode, (_rand(2, 4, 1, R), _rand(2, 2, T, R), _rand(2, 2, T, DV), real, 0.5))
+    for rows in (offsets, torch.zeros(2, dtype=torch.long)):  # one row padded (masked), none (no mask)
+        opcheck(prefix_decode, (_rand(2, 4, 1, R), _rand(2, 2, T, R), _rand(2, 2, T, DV), rows, slot, 0.5))
     keys = [_rand(2, 2, T, 4), _rand(2, 2, 8, 4)]
     opcheck(mlr_decode_static, (_rand(2, 4, 1, R), keys, _rand(2, 2, T, DV), slot, offsets, [4, 4], [32, 8], 0.5, True))
 

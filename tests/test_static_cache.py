@@ -125,6 +125,27 @@ def test_a_cpu_static_step_reads_no_slot_past_the_last_real_one(name):
         torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("offsets", [[0, 0, 0], [0, 5, 20]])
+def test_full_slot_reads_equal_a_softmax_over_each_rows_real_slots(offsets):
+    """Both forms of a full buffer's read, the CPU's bounds (``prefix_decode``) and the mask built
+    in the caller's graph elsewhere (``masked_decode`` over ``real_slots``), against a softmax over
+    each row's slots ``offsets[b]..slot`` written out; the slots past ``slot`` hold NaN."""
+    from structured_attention.functional.decode import masked_decode, prefix_decode, real_slots
+
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(3, h, n, 8, generator=g) for h, n in ((4, 1), (2, 32), (2, 32)))
+    slot, first = torch.tensor(20), torch.tensor(offsets)
+    k[:, :, 21:], v[:, :, 21:] = float("nan"), float("nan")
+    want = torch.empty(3, 4, 1, 8)
+    for b in range(3):
+        for h in range(4):
+            keys, values = k[b, h // 2, offsets[b]:21], v[b, h // 2, offsets[b]:21]
+            want[b, h] = torch.softmax(q[b, h] @ keys.T * 0.3, dim=-1) @ values
+    real = real_slots(torch.arange(32), first, slot)
+    torch.testing.assert_close(prefix_decode(q, k, v, first, slot, 0.3), want, rtol=0, atol=1e-6)
+    torch.testing.assert_close(masked_decode(q, k, v, real, 0.3), want, rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("spec", ["mlr:8|8|8|8", "mlr:16|8|8", "mlr:8|8|8|8:depth_normalize=true"])
 def test_static_and_growing_caches_decode_to_the_same_bits_in_the_cpu_kernel(spec):
     """The C++ kernel gets a static cache's finer levels in ring runs that start elsewhere than a

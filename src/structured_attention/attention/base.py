@@ -13,7 +13,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .._checks import require
 from ..functional import scaled_dot_product_attention, sliding_window_attention
-from ..functional.decode import masked_decode
+from ..functional.decode import decode_full_slots
 from .cache import KVCache, StaticKVCache, TokenBuffer, append_all, full_slots, store
 from .config import AttentionConfig
 from .rotary import Rotary
@@ -362,8 +362,7 @@ class FullScoreAttention(Attention):
         q, k = self.qk(x, (cache.slot - cache.offsets)[:, None])
         store(keys, cache.slot.view(1), k)
         store(values, cache.slot.view(1), self.values(x))
-        slots = torch.arange(keys.shape[2], device=keys.device)
-        return self.merge_heads(masked_decode(q, keys, values, cache.real(slots), self.scale))
+        return self.merge_heads(decode_full_slots(q, keys, values, cache.offsets, cache.slot, self.scale))
 
     def score_flops(self, seq_len: int) -> int:
         return self.n_heads * self.score_dims * causal_pairs(seq_len, self.config.causal)

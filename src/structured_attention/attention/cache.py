@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from .._checks import require
+from ..functional.decode import real_slots
 from .segments import CachePadding
 
 
@@ -227,7 +228,7 @@ class StaticKVCache:
     def real(self, positions: torch.Tensor) -> torch.Tensor:
         """``(batch, n)``: which of the slots ``positions`` ``(n,)`` hold a real token of each row up
         to the current one."""
-        return (positions[None] >= self.offsets[:, None]) & (positions[None] <= self.slot)
+        return real_slots(positions, self.offsets, self.slot)
 
     @property
     def nbytes(self) -> int:

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from .._checks import require
-from ..functional.decode import masked_decode
+from ..functional.decode import decode_full_slots, masked_decode
 from .base import (
     Attention,
     FullScoreAttention,
@@ -206,8 +206,7 @@ class GlobalSlidingWindowAttention(_QKAttention):
         store(k_global, cache.slot.view(1), k[..., :g])
         store(k_window, torch.remainder(cache.slot, size).view(1), k[..., g:])
         store(values, cache.slot.view(1), v)
-        slots = torch.arange(values.shape[2], device=values.device)
-        full = masked_decode(q[..., :g], k_global, values, cache.real(slots), self.global_scale)
+        full = decode_full_slots(q[..., :g], k_global, values, cache.offsets, cache.slot, self.global_scale)
         window = cache.ring_positions(size)  # the values of the window's keys: at their slots
         local = masked_decode(q[..., g:], k_window, values.index_select(2, window.clamp_min(0)), cache.real(window),
                               self.window_scale)
