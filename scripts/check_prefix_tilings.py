@@ -1,6 +1,6 @@
 """Check the prefix-rank kernels' tilings with sub-tile levels, output and each gradient apart.
 
-    PYTHONPATH=src python3 scripts/check_prefix_tilings.py [--out FILE.txt]
+    PYTHONPATH=src python3 scripts/check_prefix_tilings.py [--cases 0,1] [--tile-warps] [--out FILE.txt]
 
 On the H200 (Triton 3.6) 64-row tiles with one sub-tile level (8 levels of rank 8 at T = 4096)
 gave wrong values with four or eight warps, while the same tiles were right at 2048 (two sub-tile
@@ -11,8 +11,10 @@ kernel instead of the dK/dV kernel's atomics), so the failing ones name the trig
 kernel (the output: forward; dK, dV: the dK/dV kernel; dQ: fused or the dQ kernel). The kernels are
 called with explicit tiles, past the dispatcher's choice. Since that run the near tiles' loops are
 no longer software-pipelined (triton_prefix.py's docstring): with every case ``ok`` the dispatcher's
-guard for a single sub-tile level (``miscompiled_on_cuda``) can go. On CUDA by default; without a
-GPU (``TRITON_INTERPRET=1``, slow: minutes a case) on the CPU.
+guard for a single sub-tile level (``miscompiled_on_cuda``) can go. On CUDA the kernels launch
+tilings with sub-tile levels with eight warps (``launch_warps``, for the same fault with four);
+``--tile-warps`` launches them with the tiles' own four, to tell whether that guard can go too. On
+CUDA by default; without a GPU (``TRITON_INTERPRET=1``, slow: minutes a case) on the CPU.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import time
 import torch
 
 from structured_attention.functional import mlr_attention_reference
+from structured_attention.ops.mlr import triton_prefix
 from structured_attention.ops.mlr.contract import check_mlr_arguments
 from structured_attention.ops.mlr.triton_prefix import PrefixTiles, mlr_attention_prefix, plan_of
 
@@ -40,6 +43,13 @@ CASES = [
      "float32", False),
     ("no sub-tile level (control)", (8,) * 8, 4096, None, 32, "bfloat16", False),
 ]
+
+
+def use_tile_warps() -> None:
+    """From now on in this process, launch every tiling with its own warps, past ``launch_warps``'
+    eight on CUDA for tilings with sub-tile levels."""
+    triton_prefix.launch_warps = lambda tiles, sizes, device_type: tiles.num_warps
+    triton_prefix._plan.cache_clear()
 
 
 def errors(tiles: PrefixTiles, ranks: tuple[int, ...], T: int, sizes: tuple[int, ...] | None = None,
@@ -77,7 +87,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="also write the report here")
     parser.add_argument("--cases", default=None, help="comma-separated case numbers (default: all)")
+    parser.add_argument("--tile-warps", action="store_true",
+                        help="launch with the tiles' own warps (four), not eight where there are sub-tile levels")
     args = parser.parse_args()
+    if args.tile_warps:
+        use_tile_warps()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     picked = range(len(CASES)) if args.cases is None else [int(i) for i in args.cases.split(",")]
     lines = [f"{torch.cuda.get_device_name() if device == 'cuda' else 'CPU (interpreter)'} | torch {torch.__version__}"

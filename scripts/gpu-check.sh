@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check of the kernels, for a machine with one CUDA GPU: the test suite on the GPU, the
 # tile-setting and decoding timings, and the benchmarks in bfloat16.
-#   scripts/gpu-check.sh [OUT_DIR] [all|suite|tests|tune|decode|subtile|varlen|generate|ncu|bench|host|ab] [K/N|TREE]
+#   scripts/gpu-check.sh [OUT_DIR] [all|suite|tests|tune|decode|tilings|subtile|varlen|generate|ncu|bench|host|ab] [K/N|TREE]
 # (default OUT_DIR runs/gpu-check, or $OUT on the lent device machine; default all). Each step is
 # sized for a machine that stops a command after 10 minutes:
 # all: the benchmarks (bench: MLR against flash and cuDNN at head dims 64 and 128 and with one level,
@@ -24,9 +24,12 @@
 # growing and static caches, eager and CUDA-graph-captured.
 # ncu (about 2 minutes) writes Nsight Compute's profile of the decoding and prefill kernels beside
 # flash attention's.
-# subtile (about 5 minutes) checks the prefix-rank kernels' sub-tile levels on the GPU: the tilings
-# of check_prefix_tilings.py one by one (which of them Triton compiles wrong, output and gradients
-# apart), the tests, and the lengths below 4096 with 8 levels timed against flash and cuDNN.
+# tilings (about 3 minutes): the tilings of check_prefix_tilings.py one by one (which of them Triton
+# compiles wrong, output and gradients apart), the one- and two-level ones again with four warps
+# (--tile-warps), and T = 4096's candidate tiles timed with their own warps (32 rows, 64 rows with
+# one sub-tile level with four and eight warps).
+# subtile (about 8 minutes): tilings, then the Triton tests and the lengths below 4096 with 8 levels
+# timed against flash and cuDNN.
 # host (about 2 minutes): where a whole call's time beyond its kernels goes, MLR against flash at
 # T = 8192 (sattn bench mlr with each case's profiler timeline, its GPU's idle gaps by trace_gaps.py),
 # and profile_host.py's split of the host's part at 1024 and 8192 (when each side of one call is done).
@@ -46,6 +49,11 @@
 set -uo pipefail
 out=${1:-${OUT:-runs/gpu-check}}
 step=${2:-all}
+case $step in
+    all|suite|tests|tune|decode|tilings|subtile|varlen|generate|ncu|bench|host|ab) ;;
+    *) echo "gpu-check.sh: step: expected one of all, suite, tests, tune, decode, tilings, subtile, varlen," \
+            "generate, ncu, bench, host, ab; got '$step'" >&2; exit 2 ;;
+esac
 mkdir -p "$out"
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 sattn() { python3 -m structured_attention.cli.main "$@"; }
@@ -100,8 +108,15 @@ if [[ $step == suite || $step == all ]]; then
         --durations=40 "${ids[@]}" > "$out/suite-${shard/\//of}.log" 2>&1 || status=1
     grep -E "^(FAILED|ERROR) |[0-9]+ (passed|failed)" "$out/suite-${shard/\//of}.log" | tail -n 40
 fi
-if [[ $step == subtile ]]; then
+if [[ $step == tilings || $step == subtile ]]; then
     timeout 200 python3 scripts/check_prefix_tilings.py --out "$out/tilings.txt" || status=1
+    timeout 100 python3 scripts/check_prefix_tilings.py --cases 0,5,6 --tile-warps --out "$out/tilings-4-warps.txt" \
+        || status=1
+    timeout 100 python3 scripts/tune_mlr_triton.py --seq-lens 4096 --ranks "8|8|8|8|8|8|8|8" --tile-warps \
+        --settings 32/w4/s2,64/w4/s2,64/w8/s2 --no-decode --no-general --out "$out/tune-4096.json" 2>&1 \
+        | grep -v Warn | tee "$out/tune-4096.log" || status=1
+fi
+if [[ $step == subtile ]]; then
     timeout 300 python3 -m pytest -o addopts= -q -p no:cacheprovider -n 14 tests/test_mlr_grid.py \
         tests/test_mlr_triton.py tests/test_mlr_documents.py -k "triton or cuda or documents" 2>&1 \
         | tee "$out/subtile-tests.log" | tail -n 5 || status=1

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from check_prefix_tilings import errors  # scripts/ is on the path of a script run from it
+from check_prefix_tilings import errors, use_tile_warps  # scripts/ is on the path of a script run from it
 from structured_attention.functional import mlr_decode_reference
 from structured_attention.ops.mlr.contract import check_mlr_arguments, mlr_block_sizes
 from structured_attention.ops.mlr.triton_decode import mlr_decode_triton
@@ -108,12 +108,16 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--decode-only", action="store_true", help="time only the decoding step")
     parser.add_argument("--no-decode", action="store_true", help="leave out the decoding step")
+    parser.add_argument("--tile-warps", action="store_true",
+                        help="launch each setting with its own warps, also where sub-tile levels take eight on CUDA")
     parser.add_argument("--no-general", action="store_true",
                         help="leave out the general kernel (tens of ms a call at 8192 and longer, and its compile)")
     parser.add_argument("--decode-settings", choices=("sweep", "default"), default="sweep",
                         help="the decoding kernel's settings: the sweep (a first compile each, about 15 s on an "
                              "H200) or its default arguments alone (an A/B of two versions)")
     args = parser.parse_args()
+    if args.tile_warps:
+        use_tile_warps()
     seq_lens = sorted(int(t) for t in args.seq_lens.split(","))
     rows = []
     print(f"{torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__}", flush=True)
