@@ -144,6 +144,27 @@ def test_backward_adds_dq_atomically_unless_deterministic(deterministic, monkeyp
         torch.testing.assert_close(got.double(), w, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="a host synchronisation is a CUDA device's")
+@pytest.mark.parametrize("ranks,T", [((16, 16, 16, 16), 2048), ((8,) * 8, 1024), ((8,) * 8, 640)],
+                         ids=["prefix", "prefix-sub-tile", "general"])
+def test_a_training_call_never_waits_for_the_gpu(ranks, T):
+    """Forward and backward through the dispatcher, once the signature's plan and tables exist,
+    make no synchronising CUDA call (torch.cuda.set_sync_debug_mode raises on one): the host
+    queues the backward's kernels while the forward's run, so a whole call costs its kernels and
+    not the host's time on top."""
+    from structured_attention.functional import mlr_attention
+
+    q, k, v, do = make_qkv(1, 8, 8, T, sum(ranks), 64, torch.bfloat16, requires_grad=True, dout=True, device=DEVICE)
+    torch.autograd.grad(mlr_attention(q, k, v, ranks).float(), (q, k, v), do.float())  # plans, tables, compiles
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        grads = torch.autograd.grad(mlr_attention(q, k, v, ranks).float(), (q, k, v), do.float())
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(g.shape == x.shape for g, x in zip(grads, (q, k, v)))
+
+
 @pytest.mark.parametrize("kernel", ["prefix", "general"])
 def test_transposed_views_are_read_in_place_and_give_the_contiguous_results(kernel):
     # A layer's heads are a transposed view of its projection, (B, T, H, D) -> (B, H, T, D): the
