@@ -30,9 +30,10 @@
 # one sub-tile level with four and eight warps).
 # subtile (about 8 minutes): tilings, then the Triton tests and the lengths below 4096 with 8 levels
 # timed against flash and cuDNN.
-# host (about 2 minutes): where a whole call's time beyond its kernels goes, MLR against flash at
-# T = 8192 (sattn bench mlr with each case's profiler timeline, its GPU's idle gaps by trace_gaps.py),
-# and profile_host.py's split of the host's part at 1024 and 8192 (when each side of one call is done).
+# host (about 2 minutes): where a whole call's time beyond its kernels goes: the test that a training
+# call makes no synchronising CUDA call, MLR against flash at T = 8192 (sattn bench mlr with each
+# case's profiler timeline, its GPU's idle gaps by trace_gaps.py), and profile_host.py's split of
+# the host's part at 1024 and 8192 (when each side of one call is done).
 # ab TREE (about 5 minutes) times the kernels of src/ against those of TREE/src, another
 # version of the package prepared beforehand where git is (the device machine's copy has no history):
 #   mkdir -p runs/ab-before && git archive REV src | tar -x -C runs/ab-before
@@ -124,6 +125,9 @@ if [[ $step == subtile ]]; then
         --settings 64/w4/s2 --no-decode --out "$out/subtile.json" 2>&1 | tee "$out/subtile.log" || status=1
 fi
 if [[ $step == host ]]; then
+    # a synchronising call in a training call's forward+backward fails this test with its stack
+    timeout 120 python3 -m pytest -o addopts= -q -p no:cacheprovider tests/test_mlr_triton.py -k never_waits 2>&1 \
+        | tee "$out/host-sync-test.log" | tail -n 3 || status=1
     sattn bench mlr --device cuda --dtype bfloat16 --seq-lens 8192 --paths sdpa_flash,mlr --repeats 10 \
         --no-memory --profile --out "$out/host-mlr" | tail -n 4 || status=1
     python3 scripts/trace_gaps.py "$out"/host-mlr/trace-*.json | tee "$out/host-gaps.txt" || status=1
