@@ -53,8 +53,8 @@ def prefix_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: to
     """:func:`masked_decode` over a full buffer's slots ``0..slot`` (slot ``j`` holds position
     ``j``), row ``b``'s real ones from ``offsets[b]`` on, on the CPU: it reads ``slot`` and
     ``offsets`` on the host and builds a mask only where a row is left-padded, of the slots up to
-    ``slot``. (Built in a compiled step instead, the ``(B, N)`` mask over the whole context cost
-    more than a layer's projections: ``decode_full_slots``.)"""
+    ``slot``. (Built in a compiled step instead, inductor's loop for the ``(B, N)`` mask over the
+    whole context cost more than the step's other element-wise work: :func:`decode_full_slots`.)"""
     n = int(slot) + 1
     mask = None
     if int(offsets.max()) > 0:
