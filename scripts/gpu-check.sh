@@ -126,8 +126,8 @@ if [[ $step == subtile ]]; then
 fi
 if [[ $step == host ]]; then
     # a synchronising call in a training call's forward+backward fails this test with its stack
-    timeout 120 python3 -m pytest -o addopts= -q -p no:cacheprovider tests/test_mlr_triton.py -k never_waits 2>&1 \
-        | tee "$out/host-sync-test.log" | tail -n 3 || status=1
+    timeout 180 python3 -m pytest -o addopts= -q -p no:cacheprovider tests/test_mlr_triton.py -k never_waits -rA 2>&1 \
+        | tee "$out/host-sync-test.log" | tail -n 5 || status=1
     sattn bench mlr --device cuda --dtype bfloat16 --seq-lens 8192 --paths sdpa_flash,mlr --repeats 10 \
         --no-memory --profile --out "$out/host-mlr" | tail -n 4 || status=1
     python3 scripts/trace_gaps.py "$out"/host-mlr/trace-*.json | tee "$out/host-gaps.txt" || status=1
