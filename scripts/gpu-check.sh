@@ -7,7 +7,7 @@
 # all: the benchmarks (bench: MLR against flash and cuDNN at head dims 64 and 128 and with one level,
 # the layers' decoding step, a GPT's training step at context 4096, the host's share of one call),
 # then the whole test suite (suite 1/1) in what is left of 9.5 minutes (about 8 in all on an H200;
-# GPU_CHECK_SECONDS=N for a shorter call).
+# GPU_CHECK_SECONDS=N for a shorter call, for suite too).
 # suite K/N runs the K-th of N shards of the whole test suite (every N-th test) on 14 workers, one
 # line per test as it finishes, so a run stopped by the time limit still names its failures. On an
 # H200 the whole suite took about 14 minutes (2026-11-27), when each of the 14 workers ran 16 CPU
@@ -94,10 +94,12 @@ if [[ $step == bench || $step == all ]]; then
 fi
 if [[ $step == suite || $step == all ]]; then
     shard=${3:-1/1}
-    limit=510
-    # all: the suite in what is left of 9.5 minutes after the benchmarks
-    budget=${GPU_CHECK_SECONDS:-570}  # all's whole run: a call's limit, less a little for the archive
-    [[ $step == all ]] && shard=1/1 && limit=$(( budget - SECONDS > 60 ? budget - SECONDS : 60 ))
+    [[ $step == all ]] && shard=1/1
+    # the suite in what is left of the run's budget (all: after the benchmarks), less about a minute
+    # for collecting the tests and the kill's grace; the budget is a call's limit, less a little for
+    # the archive
+    budget=${GPU_CHECK_SECONDS:-570}
+    limit=$(( budget - SECONDS - 60 > 60 ? budget - SECONDS - 60 : 60 ))
     # every N-th test of the collected suite (by test, not by file: the backend grid alone is most of it)
     python3 -m pytest -o addopts= -p no:cacheprovider --collect-only -q tests 2>/dev/null | grep "::" \
         | awk -v k="${shard%/*}" -v n="${shard#*/}" '(NR - k) % n == 0' > "$out/suite-tests.txt"
