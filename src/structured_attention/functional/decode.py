@@ -58,7 +58,7 @@ def prefix_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: to
     n = int(slot) + 1
     mask = None
     if int(offsets.max()) > 0:
-        mask = (torch.arange(n, device=offsets.device)[None] >= offsets[:, None])[:, None, None, :]
+        mask = real_slots(torch.arange(n, device=offsets.device), offsets, slot)[:, None, None, :]
     return _attend(q, k[:, :, :n], v[:, :, :n], mask, scale)
 
 

@@ -838,6 +838,10 @@ class PrefixTiles:
             whole += 1
         return whole
 
+    def sub_tile_levels(self, sizes: Sequence[int]) -> int:
+        """How many levels, after the coarse ones, are added pair by pair on the near tiles."""
+        return len(sizes) - self.coarse_levels(sizes)
+
     def fits(self, fine_sizes: Sequence[int]) -> bool:
         pairs = ((self.fwd_m, self.fwd_n), (self.dkdv_n, self.dkdv_m), (self.dq_m, self.dq_n))
         sizes = [x for pair in pairs for x in pair]
@@ -867,7 +871,7 @@ def launch_warps(tiles: PrefixTiles, sizes: Sequence[int], device_type: str) -> 
     do, and with four warps Triton 3.6 computed wrong half-precision results for both on an H200
     (the backend grid, docs/benchmarks.md), with eight right ones. Applied where the plan is made,
     so every caller gets it, the dispatcher and direct calls (the tuning script's) alike."""
-    if device_type == "cuda" and tiles.coarse_levels(sizes) < len(sizes):
+    if device_type == "cuda" and tiles.sub_tile_levels(sizes) > 0:
         return max(tiles.num_warps, 8)
     return tiles.num_warps
 
@@ -880,7 +884,7 @@ def miscompiled_on_cuda(tiles: PrefixTiles, sizes: Sequence[int]) -> bool:
     unpipelined, as they were with two levels (module docstring), but until a GPU confirms that this
     mends it the dispatcher gives these calls to the general kernels on CUDA;
     ``scripts/check_prefix_tilings.py`` checks the family's members on a GPU."""
-    return len(sizes) - tiles.coarse_levels(sizes) == 1
+    return tiles.sub_tile_levels(sizes) == 1
 
 
 class PrefixPlan:
