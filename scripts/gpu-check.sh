@@ -31,8 +31,9 @@
 # subtile (about 8 minutes): tilings, then the Triton tests and the lengths below 4096 with 8 levels
 # timed against flash and cuDNN.
 # host (about 2 minutes): where a whole call's time beyond its kernels goes: the test that a training
-# call makes no synchronising CUDA call, MLR against flash at T = 8192 (sattn bench mlr with each
-# case's profiler timeline, its GPU's idle gaps by trace_gaps.py), and profile_host.py's split of
+# call makes no synchronising CUDA call, MLR against flash at T = 8192 (sattn bench mlr, each call
+# alone and ten back to back, with each case's profiler timeline, its GPU's idle gaps by
+# trace_gaps.py), and profile_host.py's split of
 # the host's part at 1024 and 8192 (when each side of one call is done).
 # ab TREE (about 5 minutes) times the kernels of src/ against those of TREE/src, another
 # version of the package prepared beforehand where git is (the device machine's copy has no history):
@@ -74,21 +75,23 @@ if [[ $step == tests ]]; then
         | tee "$out/tests.log" | tail -n 5 || status=1
 fi
 if [[ $step == bench || $step == all ]]; then
+    # --back-to-back: also ten calls a round issued without a synchronisation between them, as a
+    # training loop issues them (the host's work then hides behind the GPU's where it can)
     sattn bench mlr --device cuda --dtype bfloat16 --seq-lens 4096,8192,16384 --paths sdpa_flash,sdpa,mlr \
-        --repeats 10 --profile --out "$out/mlr" || status=1
+        --repeats 10 --back-to-back 10 --profile --out "$out/mlr" || status=1
     python3 scripts/trace_gaps.py "$out"/mlr/trace-*.json | tee "$out/mlr-gaps.txt" || status=1
     sattn bench attention --device cuda --dtype bfloat16 --seq-lens 16384 --decode-cache 16368 --batch 16 \
         --kinds "mha,mlr:8|8|8|8|8|8|8|8,mlr:16|16|16|16" --repeats 5 --no-memory --out "$out/decode-b16" || status=1
     # head dim 128: 4 levels of rank 32, Dv = 128, batch 4, 16 heads
     sattn bench mlr --device cuda --dtype bfloat16 --seq-lens 4096 --ranks "32|32|32|32" --v-dim 128 --batch 4 \
-        --n-heads 16 --paths sdpa_flash,sdpa,mlr --repeats 10 --out "$out/mlr-d128" || status=1
+        --n-heads 16 --paths sdpa_flash,sdpa,mlr --repeats 10 --back-to-back 10 --out "$out/mlr-d128" || status=1
     # one level of rank 64 is full causal attention: the kernels' quality against flash apart from the structure
     sattn bench mlr --device cuda --dtype bfloat16 --seq-lens 8192,16384 --ranks 64 --paths sdpa_flash,sdpa,mlr \
         --repeats 10 --no-memory --out "$out/mlr-one-level" || status=1
     # a GPT's training step at context 4096 (tokens/s per kind), and where each kind's step goes (the
     # MLR GPT ran at 0.53x MHA's: which operators make the difference)
     sattn bench lm --device cuda --dtype bfloat16 --seq-lens 4096 --kinds "mha,mlr:16|16|16|16,mlr:8|8|8|8|8|8|8|8" \
-        --repeats 5 --profile --out "$out/lm" || status=1
+        --repeats 5 --back-to-back 5 --profile --out "$out/lm" || status=1
     # the host's share of one call (Python, the custom op, the Triton launches) against flash's
     timeout 60 python3 scripts/profile_host.py --out "$out/host.txt" | head -n 9 || status=1
 fi
@@ -131,7 +134,7 @@ if [[ $step == host ]]; then
     timeout 180 python3 -m pytest -o addopts= -q -p no:cacheprovider tests/test_mlr_triton.py -k never_waits -rA 2>&1 \
         | tee "$out/host-sync-test.log" | tail -n 5 || status=1
     sattn bench mlr --device cuda --dtype bfloat16 --seq-lens 8192 --paths sdpa_flash,mlr --repeats 10 \
-        --no-memory --profile --out "$out/host-mlr" | tail -n 4 || status=1
+        --back-to-back 10 --no-memory --profile --out "$out/host-mlr" | tail -n 4 || status=1
     python3 scripts/trace_gaps.py "$out"/host-mlr/trace-*.json | tee "$out/host-gaps.txt" || status=1
     for t in 1024 8192; do
         timeout 60 python3 scripts/profile_host.py --seq-len $t --calls 50 --out "$out/host-$t.txt" \

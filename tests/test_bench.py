@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
+from structured_attention.cli import bench
+from structured_attention.cli.bench import markdown_table
 from structured_attention.cli.main import main
 
 TINY = ["--seq-lens", "16,32", "--n-heads", "2", "--repeats", "1"]
@@ -58,6 +61,27 @@ def test_bench_mlr_compares_paths_with_sdpa(tmp_path):
     assert "== mlr, T=32, forward+backward ==" in report and "Self CPU" in report
 
 
+def test_bench_back_to_back_times_n_calls_a_round_and_reports_them_beside_single_calls(tmp_path, monkeypatch):
+    calls = []
+
+    def counted(q, k, v, ranks):
+        calls.append(q.requires_grad and torch.is_grad_enabled())
+        return bench._MLR_FUNCTIONS["mlr_reference"](q, k, v, ranks)
+
+    monkeypatch.setitem(bench._MLR_FUNCTIONS, "mlr", counted)
+    args = ["bench", "mlr", "--paths", "sdpa,mlr", "--ranks", "4|4", "--v-dim", "8", "--seq-lens", "16", "--n-heads",
+            "2", "--warmup", "1", "--repeats", "2", "--back-to-back", "3", "--no-memory", "--out", str(tmp_path)]
+    assert main(args) == 0
+    # 3 rounds, each a forward and a forward+backward alone, then 3 of each back to back
+    assert calls.count(False) == calls.count(True) == 3 * (1 + 3)
+    rows = json.loads((tmp_path / "mlr.json").read_text())["results"]
+    for r in rows:
+        assert r["back_to_back_calls"] == 3
+        assert r["forward_ms_back_to_back"] > 0 and r["forward_backward_ms_back_to_back"] > 0
+    assert rows[0]["speedup_forward_backward_back_to_back"] == pytest.approx(1.0)
+    assert "fwd+bwd ms, back to back" in markdown_table(rows)
+
+
 def test_bench_generate_times_every_kind_and_mode_and_reports_its_cache(tmp_path):
     args = ["bench", "generate", "--kinds", "mha,mlr:4|2|2", "--d-model", "16", "--n-heads", "2", "--n-layers", "1",
             "--batches", "1,2", "--cache-lens", "13", "--new-tokens", "3", "--backend", "aot_eager", "--repeats", "1",
@@ -84,6 +108,7 @@ def test_bench_generate_times_every_kind_and_mode_and_reports_its_cache(tmp_path
         (["mlr", "--ranks", "4|x"], "--ranks"),
         (["mlr", "--paths", "sdpa,flash9"], "--paths"),
         (["attention", "--seq-lens", "16,a"], "--seq-lens"),
+        (["mlr", "--back-to-back", "-1"], "--back-to-back"),
     ],
 )
 def test_bench_bad_arguments_exit_2_naming_the_option(tmp_path, capsys, extra, needle):

@@ -9,6 +9,13 @@ For each case and sequence length: forward ms and forward+backward ms, peak memo
 forward+backward (CUDA allocator peak; on the CPU the growth of the resident set, sampled in a
 fresh process per case), and, for layers, decode ms per token at a given cache length.
 
+A call is timed alone, between two synchronisations: the host's work before its first kernel and
+between its kernels counts in full, as in a step whose host is the slower side. With
+``--back-to-back N`` each round also times ``N`` calls issued one after another between two
+synchronisations (ms per call), as a training loop issues its layers and steps: there the host
+prepares the next kernels while the GPU runs the current ones, and only what it cannot hide counts.
+On the CPU, where nothing runs ahead, the two agree.
+
 The cases run interleaved, one after another in every round, and the speed-up over the first case
 is the median of the per-round ratios, so a machine whose speed drifts still compares fairly.
 Writes ``<what>.json``, ``<what>.png`` and prints a markdown table.
@@ -79,6 +86,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         add_timing_options(p)
         p.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurement")
         p.add_argument("--profile", action="store_true", help="also write <what>-profile.txt: torch.profiler's top operators of one forward+backward per case at the longest seq-len")
+        p.add_argument("--back-to-back", type=int, default=0, metavar="N",
+                       help="also time N calls issued back to back between two synchronisations, per call (default 0: off)")
         p.set_defaults(run=run)
     bench_batches.add_parsers(what)
     bench_generate.add_parser(what)
@@ -206,6 +215,27 @@ def _decode_ms(spec: str, args: argparse.Namespace, cache_len: int, context: int
     return statistics.median(times)
 
 
+def _measures(args: argparse.Namespace) -> dict[str, str]:
+    """The record keys of the timings each round takes (each call alone; back to back when asked),
+    each with the key of its speed-up over the first case."""
+    keys = {"forward_ms": "speedup_forward", "forward_backward_ms": "speedup_forward_backward"}
+    if args.back_to_back:
+        keys |= {f"{ms}_back_to_back": f"{speedup}_back_to_back" for ms, speedup in keys.items()}
+    return keys
+
+
+def _time_round(steps: tuple[Step, Step], args: argparse.Namespace, device: torch.device) -> dict[str, float]:
+    """One round of one case: ms of a forward and of a forward+backward, each alone between two
+    synchronisations, then (``--back-to-back N``) ms per call of N of each issued back to back."""
+    forward, forward_backward = steps
+    ms = {"forward_ms": time_ms(forward, device), "forward_backward_ms": time_ms(forward_backward, device)}
+    n = args.back_to_back
+    if n:
+        for key, step in (("forward_ms", forward), ("forward_backward_ms", forward_backward)):
+            ms[f"{key}_back_to_back"] = time_ms(lambda step=step: [step() for _ in range(n)], device) / n
+    return ms
+
+
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     device = torch.device(args.device)
     names = _case_names(args)
@@ -213,30 +243,33 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     records = []
     for seq_len in seq_lens:
         cases = {name: _build_case(name, args, seq_len) for name in names}
-        fwd: dict[str, list[float]] = {n: [] for n in names}
-        fwd_bwd: dict[str, list[float]] = {n: [] for n in names}
+        # per measure (alone, and back to back when asked), per case: the ms of each timed round
+        times: dict[str, dict[str, list[float]]] = {key: {n: [] for n in names} for key in _measures(args)}
         for round_ in range(args.warmup + args.repeats):
-            for name, (forward, forward_backward) in cases.items():
-                a, b = time_ms(forward, device), time_ms(forward_backward, device)
-                if round_ >= args.warmup:
-                    fwd[name].append(a)
-                    fwd_bwd[name].append(b)
+            for name, steps in cases.items():
+                for key, ms in _time_round(steps, args, device).items():
+                    if round_ >= args.warmup:
+                        times[key][name].append(ms)
         base = names[0]
         for name in names:
-            record: dict[str, Any] = {
-                "case": name, "seq_len": seq_len,
-                "forward_ms": statistics.median(fwd[name]),
-                "forward_backward_ms": statistics.median(fwd_bwd[name]),
-                "speedup_forward": statistics.median(x / y for x, y in zip(fwd[base], fwd[name])),
-                "speedup_forward_backward": statistics.median(x / y for x, y in zip(fwd_bwd[base], fwd_bwd[name])),
-            }
+            record: dict[str, Any] = {"case": name, "seq_len": seq_len}
+            for key, speedup in _measures(args).items():
+                record[key] = statistics.median(times[key][name])
+                record[speedup] = statistics.median(x / y for x, y in zip(times[key][base], times[key][name]))
+            if args.back_to_back:
+                record["back_to_back_calls"] = args.back_to_back
             if args.what == "lm":
                 record["train_tokens_per_s"] = args.batch * seq_len / (record["forward_backward_ms"] / 1e3)
+                if args.back_to_back:
+                    record["train_tokens_per_s_back_to_back"] = (
+                        args.batch * seq_len / (record["forward_backward_ms_back_to_back"] / 1e3))
             if not args.no_memory:
                 record["peak_memory_mib"] = _peak_memory_mib(name, args, seq_len)
             records.append(record)
+            b2b = (f"  back to back: fwd {record['forward_ms_back_to_back']:9.2f} ms  "
+                   f"fwd+bwd {record['forward_backward_ms_back_to_back']:9.2f} ms" if args.back_to_back else "")
             print(f"  {name:28s} T={seq_len:6d}  fwd {record['forward_ms']:9.2f} ms  "
-                  f"fwd+bwd {record['forward_backward_ms']:9.2f} ms", flush=True)
+                  f"fwd+bwd {record['forward_backward_ms']:9.2f} ms{b2b}", flush=True)
         del cases
     if args.what == "attention":
         context = max(seq_lens)
@@ -261,7 +294,10 @@ def plot(records: list[dict[str, Any]], path: Path, title: str) -> bool:
     for ax, key, label in ((axes[0], "forward_ms", "forward"), (axes[1], "forward_backward_ms", "forward + backward")):
         for name in dict.fromkeys(r["case"] for r in records):
             pts = [(r["seq_len"], r[key]) for r in records if r["case"] == name]
-            ax.plot(*zip(*pts), marker="o", label=name)
+            (line,) = ax.plot(*zip(*pts), marker="o", label=name)
+            if f"{key}_back_to_back" in records[0]:
+                pts = [(r["seq_len"], r[f"{key}_back_to_back"]) for r in records if r["case"] == name]
+                ax.plot(*zip(*pts), marker=".", linestyle="--", color=line.get_color(), label=f"{name}, back to back")
         ax.set(xscale="log", yscale="log", xlabel="sequence length T", ylabel="ms", title=f"{title}: {label}")
         ax.grid(True, which="both", alpha=0.3)
     axes[0].legend(fontsize=8)
@@ -278,6 +314,11 @@ def markdown_table(records: list[dict[str, Any]]) -> str:
         ("decode_ms_per_token", "decode ms/token", "{:.3f}"), ("train_tokens_per_s", "train tokens/s", "{:.0f}"),
         ("speedup_forward", "fwd speed-up", "{:.2f}x"),
         ("speedup_forward_backward", "fwd+bwd speed-up", "{:.2f}x"), ("speedup_decode", "decode speed-up", "{:.2f}x"),
+        ("forward_ms_back_to_back", "fwd ms, back to back", "{:.2f}"),
+        ("forward_backward_ms_back_to_back", "fwd+bwd ms, back to back", "{:.2f}"),
+        ("train_tokens_per_s_back_to_back", "train tokens/s, back to back", "{:.0f}"),
+        ("speedup_forward_back_to_back", "fwd speed-up, back to back", "{:.2f}x"),
+        ("speedup_forward_backward_back_to_back", "fwd+bwd speed-up, back to back", "{:.2f}x"),
     ]
     cols = [c for c in cols if any(c[0] in r for r in records)]
     lines = ["| " + " | ".join(c[1] for c in cols) + " |", "|" + "---|" * len(cols)]
@@ -293,6 +334,8 @@ def _check_args(args: argparse.Namespace) -> None:
         value = getattr(args, name, 1)
         if value <= 0:
             raise ValueError(f"--{name.replace('_', '-')}: expected a positive integer, got {value}")
+    if args.back_to_back < 0:
+        raise ValueError(f"--back-to-back: expected a non-negative integer (0: off), got {args.back_to_back}")
     if args.warmup < 0:
         raise ValueError(f"--warmup: expected a non-negative integer, got {args.warmup}")
     try:
