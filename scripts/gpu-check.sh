@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check of the kernels, for a machine with one CUDA GPU: the test suite on the GPU, the
 # tile-setting and decoding timings, and the benchmarks in bfloat16.
-#   scripts/gpu-check.sh [OUT_DIR] [all|suite|tests|tune|decode|tilings|subtile|varlen|generate|ncu|bench|host|ab] [K/N|TREE]
+#   scripts/gpu-check.sh [OUT_DIR] [all|suite|tests|tune|decode|tilings|subtile|varlen|generate|ncu|bench|host|graphs|ab] [K/N|TREE]
 # (default OUT_DIR runs/gpu-check, or $OUT on the lent device machine; default all). Each step is
 # sized for a machine that stops a command after 10 minutes:
 # all: the benchmarks (bench: MLR against flash and cuDNN at head dims 64 and 128 and with one level,
@@ -35,6 +35,9 @@
 # alone and ten back to back, with each case's profiler timeline, its GPU's idle gaps by
 # trace_gaps.py), and profile_host.py's split of
 # the host's part at 1024 and 8192 (when each side of one call is done).
+# graphs (about 3 minutes, most of it compiling): a GPT's training step at context 4096, MHA and MLR,
+# eager and under torch.compile(mode="reduce-overhead") (run.compile_mode: the step's kernels
+# replayed from CUDA graphs, no host work between them), each step alone and five back to back.
 # ab TREE (about 5 minutes) times the kernels of src/ against those of TREE/src, another
 # version of the package prepared beforehand where git is (the device machine's copy has no history):
 #   mkdir -p runs/ab-before && git archive REV src | tar -x -C runs/ab-before
@@ -52,9 +55,9 @@ set -uo pipefail
 out=${1:-${OUT:-runs/gpu-check}}
 step=${2:-all}
 case $step in
-    all|suite|tests|tune|decode|tilings|subtile|varlen|generate|ncu|bench|host|ab) ;;
+    all|suite|tests|tune|decode|tilings|subtile|varlen|generate|ncu|bench|host|graphs|ab) ;;
     *) echo "gpu-check.sh: step: expected one of all, suite, tests, tune, decode, tilings, subtile, varlen," \
-            "generate, ncu, bench, host, ab; got '$step'" >&2; exit 2 ;;
+            "generate, ncu, bench, host, graphs, ab; got '$step'" >&2; exit 2 ;;
 esac
 mkdir -p "$out"
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -140,6 +143,11 @@ if [[ $step == host ]]; then
         timeout 60 python3 scripts/profile_host.py --seq-len $t --calls 50 --out "$out/host-$t.txt" \
             | head -n 14 || status=1
     done
+fi
+if [[ $step == graphs ]]; then
+    timeout 300 python3 -m structured_attention.cli.main bench lm --device cuda --dtype bfloat16 --seq-lens 4096 \
+        --kinds "mha,mlr:8|8|8|8|8|8|8|8" --compile --compile-mode reduce-overhead --repeats 5 --back-to-back 5 \
+        --no-memory --out "$out/lm-graphs" 2>&1 | tail -n 8 || status=1
 fi
 if [[ $step == ab ]]; then
     tree=${3:?"ab: expected the other tree's folder (holding src/) as the third argument"}

@@ -308,6 +308,37 @@ def test_gpt_training_step_compiles_whole(backend):
         torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-4)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CUDA graphs)")
+def test_gpt_training_steps_replay_from_cuda_graphs_and_equal_eager():
+    """torch.compile(mode="reduce-overhead"), the training loop's run.compile_mode: each step's
+    kernels (the Triton kernels' custom ops among them) recorded in CUDA graphs and replayed, with
+    no graph skipped, training as eager does."""
+    pytest.importorskip("triton", reason="triton is not installed")
+    from torch._dynamo.utils import counters
+
+    model = _gpt("mlr:8|4|2|2").cuda()
+    twin = copy.deepcopy(model)
+    torch._dynamo.reset()
+    counters.clear()
+    step_model = torch.compile(model, fullgraph=True, mode="reduce-overhead")
+    opt, twin_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, twin))
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(4):  # recorded on the first steps, replayed after the weights change
+        idx, targets = (torch.randint(0, 64, (2, 40), generator=gen).cuda() for _ in range(2))
+        losses = []
+        for m, o, fn in ((model, opt, step_model), (twin, twin_opt, twin)):
+            o.zero_grad()
+            torch.compiler.cudagraph_mark_step_begin()
+            _, loss = fn(idx, targets)
+            loss.backward()
+            o.step()
+            losses.append(loss.detach().clone())
+        torch.testing.assert_close(losses[0], losses[1], rtol=1e-4, atol=1e-5)
+    assert counters["inductor"]["cudagraph_skips"] == 0
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-4)
+
+
 # The cache's position is a Python int, so each step is traced anew for its position (static caches
 # that hold it on the device are the way to one graph for every step); eight steps from position 20
 # cross the ends of the blocks of 4 and 8 at 24 and 28.

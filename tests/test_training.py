@@ -70,6 +70,7 @@ def test_yaml_and_overrides(tmp_path):
         ("foo.bar=1", r"foo\.bar"),
         ("run.steps=abc", r"run\.steps: expected an integer"),
         ("run.compile=maybe", r"run\.compile: expected a boolean"),
+        ("run.compile_mode=fast", r"run\.compile_mode: expected one of \['default', 'reduce-overhead'"),
         ("optim.lr=inf", r"optim\.lr: expected a finite number"),
         ("optim.grad_clip=nan", r"optim\.grad_clip: expected a finite number"),
         ("model.attention=nosuchkind", r"attention|kind"),
@@ -80,6 +81,22 @@ def test_yaml_and_overrides(tmp_path):
 def test_bad_config(override, match):
     with pytest.raises(ValueError, match=match):
         load_lm_config(None, [override])
+
+
+def test_compile_mode_reaches_torch_compile_and_every_micro_step_is_a_new_cuda_graph_step(tmp_path, monkeypatch):
+    """run.compile_mode is torch.compile's mode; with CUDA graphs (reduce-overhead) each replay
+    overwrites the last one's outputs, so the loop marks each micro-step as a new step."""
+    seen, marks = [], []
+
+    def fake_compile(model, **kwargs):
+        seen.append(kwargs)
+        return model
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(None))
+    train_lm(load_lm_config(None, tiny_overrides(tmp_path, steps=2, grad_accum=2, compile="true",
+                                                 compile_mode="reduce-overhead")))
+    assert seen == [{"mode": "reduce-overhead"}] and len(marks) == 2 * 2
 
 
 def test_config_json_records_the_requested_and_the_resolved_config(tmp_path):

@@ -43,6 +43,7 @@ from ..attention import build_attention
 from ..ops.mlr import mlr_attention, mlr_attention_reference
 from ..ops.mlr.blocked import mlr_attention_blocked
 from ..models import GPT, GPTConfig
+from ..models.gpt import COMPILE_MODES
 from . import bench_batches, bench_generate, bench_hf
 from .._cli import parse_device, pyplot
 from .common import add_timing_options, bench_environment, check_bench_memory, parse_ranks, time_ms
@@ -74,6 +75,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     help=f"also time every kind's model under torch.compile, as the case '<kind>{COMPILED}' "
                          "(the training loop's run.compile=true)")
     lm.add_argument("--backend", default="inductor", help="torch.compile backend of the --compile cases (default inductor)")
+    lm.add_argument("--compile-mode", choices=COMPILE_MODES, default="default",
+                    help="torch.compile mode of the --compile cases (the training loop's run.compile_mode): default, "
+                         "reduce-overhead (each step's kernels replayed from CUDA graphs), ... (default default)")
     mlr = what.add_parser("mlr", help="time the MLR attention primitive against scaled_dot_product_attention")
     mlr.add_argument("--paths", default=MLR_PATHS, help=f"comma-separated: sdpa (PyTorch's choice of fused kernel), sdpa_flash (its flash-attention kernel), mlr (dispatched: the C++ kernel on CPU, Triton on CUDA), mlr_blocked (the PyTorch fallback), mlr_reference (default {MLR_PATHS})")
     mlr.add_argument("--ranks", default="8|8|8|8|8|8|8|8", help="MLR ranks per level; their sum is the q/k head dim (default 8|8|8|8|8|8|8|8)")
@@ -119,9 +123,15 @@ def _build_case(name: str, args: argparse.Namespace, seq_len: int) -> tuple[Step
                            max_seq_len=seq_len, attention=kind)
         model = GPT(config).to(device=device, dtype=dtype)
         # compiled in the warm-up rounds
-        step_model = torch.compile(model, backend=args.backend) if name != kind else model
+        step_model = model
+        if name != kind:
+            step_model = torch.compile(model, backend=args.backend, mode=args.compile_mode)
         idx = torch.randint(0, 256, (args.batch, seq_len + 1), device=device)
-        call = lambda: step_model(idx[:, :-1], idx[:, 1:])[1]  # noqa: E731
+
+        def call() -> torch.Tensor:
+            if step_model is not model:  # as the training loop marks each step (CUDA graphs)
+                torch.compiler.cudagraph_mark_step_begin()
+            return step_model(idx[:, :-1], idx[:, 1:])[1]
         params = list(model.parameters())
     else:
         ranks = parse_ranks(args.ranks)

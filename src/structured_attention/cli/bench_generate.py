@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from ..models import GPT, GPTConfig
+from ..models.gpt import COMPILE_MODES
 from .._cli import number_list, parse_device, pyplot
 from .common import (add_timing_options, bench_environment, check_bench_memory, check_positive_options, records_table,
                      time_ms)
@@ -46,8 +47,8 @@ def add_parser(what: argparse._SubParsersAction) -> None:
     p.add_argument("--new-tokens", type=int, default=16, help="tokens decoded per timed round (default 16)")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated among {', '.join(MODES)} (default all)")
     p.add_argument("--backend", default="inductor", help="torch.compile backend of the compiled mode (default inductor)")
-    p.add_argument("--compile-mode", default="default",
-                   help="torch.compile mode of the compiled mode: default, or reduce-overhead (CUDA graphs)")
+    p.add_argument("--compile-mode", choices=COMPILE_MODES, default="default",
+                   help="torch.compile mode of the compiled mode: default, or reduce-overhead (CUDA graphs), ...")
     p.add_argument("--d-model", type=int, default=512, help="width (default 512)")
     p.add_argument("--n-heads", type=int, default=8, help="heads (default 8)")
     p.add_argument("--n-layers", type=int, default=2, help="layers (default 2)")
@@ -107,7 +108,7 @@ def _measure_kind(model: GPT, kind: str, batch: int, cache_len: int, modes: list
     if "compiled" in modes:
         torch._dynamo.reset()  # every case's step compiled afresh: no case adds to another's recompile limit
         steps["compiled"] = torch.compile(model._decode_step, fullgraph=True, dynamic=False, backend=args.backend,
-                                          mode=None if args.compile_mode == "default" else args.compile_mode)
+                                          mode=args.compile_mode)
 
     # Static caches are made once per mode and refilled in place each round, as a server reuses
     # them: a graph captured on their tensors then replays instead of being recorded again.

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from .._checks import parse_typed, require
+from ..models.gpt import COMPILE_MODES
 from .memory import parse_memory
 
 __all__ = [
@@ -90,6 +91,10 @@ class RunConfig:
     seed: int = 0
     out_dir: str = "runs/run"
     compile: bool = False
+    # torch.compile's mode with compile=true: "default"; "reduce-overhead" records each step's
+    # kernels in CUDA graphs and replays them (no host work between kernels; CUDA only, the CPU
+    # compiles as "default"); "max-autotune", "max-autotune-no-cudagraphs" also tune inductor's kernels
+    compile_mode: str = "default"
     autocast: str = "auto"  # "auto": bfloat16 on CUDA, none on CPU; "bf16"; "none"
     tensorboard: bool = False
     wandb: bool = False
@@ -108,6 +113,8 @@ class RunConfig:
             value = getattr(self, name)
             require(isinstance(value, int) and value >= 0, f"run.{name}", "a non-negative integer", value)
         require(self.autocast in ("auto", "bf16", "none"), "run.autocast", "'auto', 'bf16' or 'none'", self.autocast)
+        require(self.compile_mode in COMPILE_MODES, "run.compile_mode", f"one of {list(COMPILE_MODES)}",
+                self.compile_mode)
         require(self.device in ("auto", "cpu", "cuda"), "run.device", "'auto', 'cpu' or 'cuda'", self.device)
         parse_memory(self.max_memory)
 

@@ -620,7 +620,7 @@ class _Training:
             configs = {"requested": config_to_dict(self.task.requested), "resolved": self.config}
             (self.out_dir / "config.json").write_text(json.dumps(configs, indent=2) + "\n", encoding="utf-8")
         if self.run.compile:
-            self.step_model = torch.compile(self.model)
+            self.step_model = torch.compile(self.model, mode=self.run.compile_mode)
         self.progress = Progress(self.run.steps, self.start_step, self.stream)
         self.t_start = time.perf_counter()
         self.tokens_this_run = 0
@@ -642,6 +642,10 @@ class _Training:
             if info.enabled and not run.fsdp and micro < run.grad_accum - 1:
                 sync = self.model.no_sync()  # type: ignore[operator]
             with sync:
+                if run.compile:
+                    # a new step for CUDA graphs (compile_mode="reduce-overhead"): the outputs of the
+                    # last replay are dead (their loss was copied below), so this one may reuse them
+                    torch.compiler.cudagraph_mark_step_begin()
                 with autocast_context(run.autocast, self.device):
                     loss = self.task.loss(self.step_model, batch)
                 (loss / run.grad_accum).backward()
