@@ -14,6 +14,7 @@ import importlib
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -68,6 +69,26 @@ def test_a_repeated_call_reuses_its_plan_and_tables(sizes, tiles, kernels):
     assert device_table.cache_info().misses == tables.misses
     assert plan_of.cache_info().misses == plans.misses and plan_of.cache_info().hits > plans.hits
     assert triton_general._prefix_tiles.cache_info().misses == tile_choices.misses
+
+
+def test_device_tables_are_made_off_the_calling_thread_and_errors_reach_the_caller(monkeypatch):
+    # While torch.compile's CUDA graphs warm up, the calling thread's allocations go to the graph's
+    # memory pool; a table kept across calls must be allocated elsewhere (the CUDA training test
+    # under mode="reduce-overhead" in test_compile.py checks the pool itself).
+    made_on = []
+    tensor = torch.tensor
+
+    def recorded(*args, **kwargs):
+        made_on.append(threading.current_thread())
+        return tensor(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "tensor", recorded)
+    values = (3, 1, 4, 1, 5, 9, 2, 6, 5, 3)  # a table no other test makes (not cached yet)
+    table = device_table(values, torch.int32, torch.device(DEVICE))
+    assert table.tolist() == list(values) and table.dtype == torch.int32
+    assert len(made_on) == 1 and made_on[0] is not threading.current_thread()
+    with pytest.raises(RuntimeError, match="overflow"):
+        device_table((2 ** 40,), torch.int32, torch.device(DEVICE))
 
 
 def test_sub_tile_levels_launch_with_eight_warps_on_cuda():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import threading
 
 import torch
 import triton
@@ -83,8 +84,28 @@ def device_table(values: tuple[int, ...], dtype: torch.dtype, device: torch.devi
 
     The kernels read small metadata tables (block sizes, ranks, addresses); copying them to the
     device on every call would cost a synchronous host-to-device copy each. Never write to the result.
+
+    The table is made on a thread of its own. While ``torch.compile(mode="reduce-overhead")`` warms
+    a CUDA graph up, every allocation of the calling thread goes to the graph's memory pool, where
+    a table kept for later calls would be counted as a leak when the graph is recorded (an error)
+    and its memory could be handed to the graph; the other thread allocates as usual. The copy is
+    complete when the call returns (a copy from pageable memory waits for itself). A thread per
+    table, not a pool's: a process forked later would wait forever on a pool's dead thread.
     """
-    return torch.tensor(values, dtype=dtype, device=device)
+    made: list[torch.Tensor | BaseException] = []
+
+    def make() -> None:
+        try:
+            made.append(torch.tensor(values, dtype=dtype, device=device))
+        except BaseException as e:  # raised again on the calling thread
+            made.append(e)
+
+    maker = threading.Thread(target=make, name="sattn-device-table")
+    maker.start()
+    maker.join()
+    if isinstance(made[0], BaseException):
+        raise made[0]
+    return made[0]
 
 
 @functools.lru_cache(maxsize=64)
