@@ -83,9 +83,11 @@ def test_bad_config(override, match):
         load_lm_config(None, [override])
 
 
-def test_compile_mode_reaches_torch_compile_and_every_micro_step_is_a_new_cuda_graph_step(tmp_path, monkeypatch):
-    """run.compile_mode is torch.compile's mode; with CUDA graphs (reduce-overhead) each replay
-    overwrites the last one's outputs, so the loop marks each micro-step as a new step."""
+def test_compile_mode_reaches_torch_compile_and_every_optimizer_step_is_a_new_cuda_graph_step(tmp_path,
+                                                                                              monkeypatch):
+    """run.compile_mode is torch.compile's mode; with CUDA graphs (reduce-overhead) a replay after a
+    step's start may overwrite the last step's outputs, so the loop marks each optimizer step, not
+    each micro-batch (whose accumulated gradients are the last backward's outputs)."""
     seen, marks = [], []
 
     def fake_compile(model, **kwargs):
@@ -96,7 +98,28 @@ def test_compile_mode_reaches_torch_compile_and_every_micro_step_is_a_new_cuda_g
     monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(None))
     train_lm(load_lm_config(None, tiny_overrides(tmp_path, steps=2, grad_accum=2, compile="true",
                                                  compile_mode="reduce-overhead")))
-    assert seen == [{"mode": "reduce-overhead"}] and len(marks) == 2 * 2
+    assert seen == [{"mode": "reduce-overhead"}] and len(marks) == 2
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (CUDA graphs)"))])
+def test_compiled_training_with_gradient_accumulation_equals_eager_training(tmp_path, device):
+    """run.compile with compile_mode="reduce-overhead": on CUDA each step's kernels replayed from
+    CUDA graphs (the accumulated gradients kept across a step's micro-batches), on the CPU
+    inductor's code; either way the run trains as the eager run does."""
+    results = []
+    for compile_mode in (None, "reduce-overhead"):
+        run = dict(steps=3, grad_accum=2, device=device, autocast="none", eval_every=0, sample_tokens=0)
+        if compile_mode:
+            run.update(compile="true", compile_mode=compile_mode)
+        folder = tmp_path / (compile_mode or "eager")
+        folder.mkdir()
+        overrides = tiny_overrides(folder, **run) + ["model.attention=mlr:8|4|2|2"]
+        results.append(train_lm(load_lm_config(None, overrides)))
+    eager, graphs = results
+    assert graphs.losses == pytest.approx(eager.losses, rel=1e-4)
+    for p, q in zip(graphs.model.parameters(), eager.model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-4)
 
 
 def test_config_json_records_the_requested_and_the_resolved_config(tmp_path):

@@ -634,6 +634,12 @@ class _Training:
         for group in self.optimizer.param_groups:
             group["lr"] = lr * group["lr_mult"]
         loss_sum = torch.zeros((), device=self.device)
+        if run.compile:
+            # A new step for CUDA graphs (compile_mode="reduce-overhead"): the last step's outputs
+            # (its losses, copied below; its gradients, set to None) are dead, so this step's replays
+            # may overwrite them. Not per micro-batch: the gradients accumulated so far are outputs
+            # of the last backward's graph, which the next replays must keep.
+            torch.compiler.cudagraph_mark_step_begin()
         for micro in range(run.grad_accum):
             t_data = time.perf_counter()
             batch = self.task.batch(step * run.grad_accum + micro, info.rank, info.world_size, self.device)
@@ -642,10 +648,6 @@ class _Training:
             if info.enabled and not run.fsdp and micro < run.grad_accum - 1:
                 sync = self.model.no_sync()  # type: ignore[operator]
             with sync:
-                if run.compile:
-                    # a new step for CUDA graphs (compile_mode="reduce-overhead"): the outputs of the
-                    # last replay are dead (their loss was copied below), so this one may reuse them
-                    torch.compiler.cudagraph_mark_step_begin()
                 with autocast_context(run.autocast, self.device):
                     loss = self.task.loss(self.step_model, batch)
                 (loss / run.grad_accum).backward()
