@@ -62,8 +62,8 @@ def mlr_decode_static(q: torch.Tensor, keys: list[torch.Tensor], v: torch.Tensor
 
 def prepare_static(keys: list[torch.Tensor], v: torch.Tensor, ranks: list[int], block_sizes: list[int]) -> None:
     """Ready what the step will read of these static buffers, eagerly and outside any captured
-    graph: on CUDA, the Triton kernel's device tables (made while a graph is recorded, they would
-    be allocated in its memory pool and outlive it)."""
+    graph: on CUDA, the Triton kernel's device tables (made while a graph is captured, their copy
+    to the device would run during the capture, which CUDA refuses where the capture is global)."""
     if on_triton(v):
         from . import triton_decode
 

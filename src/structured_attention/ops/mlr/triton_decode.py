@@ -300,8 +300,8 @@ def _tables(keys: Sequence[torch.Tensor], key_starts: Sequence[int], ranks: Sequ
 
 
 def prepare_static(keys: Sequence[torch.Tensor], ranks: Sequence[int], block_sizes: Sequence[int]) -> None:
-    """Make the tables :func:`decode_static` reads for these static buffers now: a table first
-    made while a CUDA graph is recorded would be allocated in the graph's memory pool and outlive it."""
+    """Make the tables :func:`decode_static` reads for these static buffers now, before any CUDA
+    graph of the step is captured (see :func:`.static.prepare_static`)."""
     _tables(keys, [0] * len(keys), ranks, block_sizes[1:])
 
 
