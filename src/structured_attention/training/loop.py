@@ -636,7 +636,7 @@ class _Training:
         loss_sum = torch.zeros((), device=self.device)
         if run.compile:
             # A new step for CUDA graphs (compile_mode="reduce-overhead"): the last step's outputs
-            # (its losses, copied below; its gradients, set to None) are dead, so this step's replays
+            # (its losses, added up below; its gradients, set to None) are dead, so this step's replays
             # may overwrite them. Not per micro-batch: the gradients accumulated so far are outputs
             # of the last backward's graph, which the next replays must keep.
             torch.compiler.cudagraph_mark_step_begin()
