@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check of the kernels, for a machine with one CUDA GPU: the test suite on the GPU, the
 # tile-setting and decoding timings, and the benchmarks in bfloat16.
-#   scripts/gpu-check.sh [OUT_DIR] [all|suite|tests|tune|decode|tilings|subtile|varlen|generate|ncu|bench|host|graphs|ab] [K/N|TREE]
+#   scripts/gpu-check.sh [OUT_DIR] [all|suite|tests|tune|decode|layout|tilings|subtile|varlen|generate|ncu|bench|host|graphs|ab] [K/N|TREE]
 # (default OUT_DIR runs/gpu-check, or $OUT on the lent device machine; default all). Each step is
 # sized for a machine that stops a command after 10 minutes:
 # all: the benchmarks (bench: MLR against flash and cuDNN at head dims 64 and 128 and with one level,
@@ -18,6 +18,9 @@
 # tune (about 4 minutes): the prefix-rank kernels' tile settings and the decoding kernel's.
 # decode (about 5 minutes): the decoding kernel's timings and tests, the per-kernel profile of a
 # whole decoding step, and the layers' decoding benchmark.
+# layout (about a minute): the decoding kernel in its default setting against SDPA's, level 1 and
+# the values alone, and both read from one buffer that holds a token's level-1 key and value in one
+# row instead of two buffers.
 # varlen (about 8 minutes) runs the padded/packed/ragged tests and the kernels' document and row-start
 # tests on the GPU, then times packed documents against one call per document and mixed-length generation.
 # generate (about 6 minutes) runs the static-cache tests on the GPU and times generation per kind,
@@ -55,9 +58,9 @@ set -uo pipefail
 out=${1:-${OUT:-runs/gpu-check}}
 step=${2:-all}
 case $step in
-    all|suite|tests|tune|decode|tilings|subtile|varlen|generate|ncu|bench|host|graphs|ab) ;;
-    *) echo "gpu-check.sh: step: expected one of all, suite, tests, tune, decode, tilings, subtile, varlen," \
-            "generate, ncu, bench, host, graphs, ab; got '$step'" >&2; exit 2 ;;
+    all|suite|tests|tune|decode|layout|tilings|subtile|varlen|generate|ncu|bench|host|graphs|ab) ;;
+    *) echo "gpu-check.sh: step: expected one of all, suite, tests, tune, decode, layout, tilings, subtile," \
+            "varlen, generate, ncu, bench, host, graphs, ab; got '$step'" >&2; exit 2 ;;
 esac
 mkdir -p "$out"
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -183,6 +186,10 @@ if [[ $step == decode ]]; then
     python3 scripts/tune_mlr_triton.py --decode-only --out "$out/decode.json" 2>&1 | tee "$out/decode.log" || status=1
     python3 -m pytest -q -p no:cacheprovider tests/test_mlr_decode.py \
         tests/test_attention.py::test_decoding_on_cuda_avoids_cudnn_attention 2>&1 | tail -n 5 || status=1
+fi
+if [[ $step == layout ]]; then
+    timeout 150 python3 scripts/tune_mlr_triton.py --decode-only --decode-settings default \
+        --out "$out/decode-layout.json" 2>&1 | tee "$out/decode-layout.log" || status=1
 fi
 if [[ $step == tune || $step == decode ]]; then
     python3 scripts/profile_decode_step.py --device cuda --out "$out/decode-profile.txt" || status=1

@@ -117,7 +117,7 @@ def test_triton_kernel_default_chunking_and_bad_input():
 def test_triton_kernel_reads_levels_at_any_offset_and_stride(dtype):
     # The kernel addresses the finer levels by their offset from level 1's buffer and tells the
     # compiler the largest alignment all offsets and strides share: here levels sit at odd offsets
-    # of one flat buffer, one with padded rows, and level 1 has padded rows too (so it is copied).
+    # of one flat buffer, one with padded rows, and level 1 has padded rows too (read in place).
     s = cache_step(2, 4, 2, 90, (8, 4, 4, 2), (128, 32, 8, 4), 16)
     q_new, keys, starts, v = s.q_new, s.keys, s.starts, s.v
     flat = torch.zeros(20_000, dtype=dtype, device=DEVICE)
@@ -133,6 +133,29 @@ def test_triton_kernel_reads_levels_at_any_offset_and_stride(dtype):
     ref = mlr_decode_reference(q.double().cpu(), [k.double().cpu() for k in packed], starts, vv.double().cpu(),
                                (8, 4, 4, 2), 0.37)
     out = mlr_decode_triton(q, packed, starts, vv, (8, 4, 4, 2), 0.37, chunk=32, block_n=16)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double().cpu(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_triton_kernel_reads_level_1_keys_and_values_interleaved_in_one_buffer(dtype):
+    # One row per token, [level-1 key | value]: the kernel reads both through their row stride, in
+    # place (no copy of level 1), with the rows' shared alignment, and gives the reference's result.
+    from structured_attention.ops.mlr.triton_decode import _tables
+
+    ranks = (8, 4, 4)
+    s = cache_step(2, 4, 2, 100, ranks, (128, 32, 8), 16)
+    b, h, t, _ = s.v.shape
+    rows = torch.empty(b, h, t, ranks[0] + 16, dtype=dtype, device=DEVICE)
+    k0, v = rows[..., :ranks[0]], rows[..., ranks[0]:]
+    k0.copy_(s.keys[0])
+    v.copy_(s.v)
+    keys = [k0] + [k.to(DEVICE, dtype) for k in s.keys[1:]]
+    q = s.q_new.to(DEVICE, dtype)
+    assert _tables(keys, s.starts, ranks, None).k0.data_ptr() == k0.data_ptr()
+    ref = mlr_decode_reference(q.double().cpu(), [k.double().cpu() for k in keys], s.starts, v.double().cpu(), ranks,
+                               0.29)
+    out = mlr_decode_triton(q, keys, s.starts, v, ranks, 0.29, chunk=32, block_n=16)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.double().cpu(), ref, atol=tol, rtol=tol)
 

@@ -45,7 +45,7 @@ __all__ = ["decode", "decode_static", "mlr_decode_triton", "prepare_static"]
 def _program_rows(Q, K0, V, stride_qb, stride_qh, stride_k0b, stride_k0h, stride_vb, stride_vh,
                   HK: tl.constexpr, G: tl.constexpr, R0: tl.constexpr, BLOCK_G: tl.constexpr, R0P: tl.constexpr):
     """This program's (batch, kv head, split), its group's query rows (``BLOCK_G`` row starts, the
-    level-1 dims loaded), and the bases of its level-1 keys (contiguous rows of ``R0``) and values."""
+    level-1 dims loaded), and the bases of its level-1 keys (rows of ``R0``) and values."""
     pid_bk = tl.program_id(0)
     b = pid_bk // HK
     hk = pid_bk % HK
@@ -166,18 +166,24 @@ def _split_by_bytes(split, n_splits, b, last, held_end, FINE_STARTS, ROW_STARTS,
 def _mlr_decode_split_kernel(
     Q, K0, KF, V, FINE_OFFS, FINE_STRIDES, FINE_STARTS, FINE_QOFF, FINE_RANK, ROW_STARTS, SLOT, FINE_RING, ACC, M, L,
     end, qk_scale, N_SPLITS,
-    stride_qb, stride_qh, stride_k0b, stride_k0h, stride_vb, stride_vh, stride_vt,
+    stride_qb, stride_qh, stride_k0b, stride_k0h, k0_rows_apart, stride_vb, stride_vh, v_rows_apart,
     HK: tl.constexpr, G: tl.constexpr,
     R0: tl.constexpr, DV: tl.constexpr, N_FINE: tl.constexpr, DEPTH_NORMALIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, R0P: tl.constexpr, RF: tl.constexpr, RFP: tl.constexpr, DVP: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    ALIGN: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr, HAS_ROW_STARTS: tl.constexpr,
-    RINGS: tl.constexpr,
+    ALIGN: tl.constexpr, KV_ALIGN: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_ROW_STARTS: tl.constexpr, RINGS: tl.constexpr,
 ):
     pid_bk, split, b, hk, g, g_ok, q_rows, d0, q0, k0_rows, v_rows = _program_rows(
         Q, K0, V, stride_qb, stride_qh, stride_k0b, stride_k0h, stride_vb, stride_vh, HK, G, R0, BLOCK_G, R0P)
     dv = tl.arange(0, DVP)
     df = tl.arange(0, RFP)
+    # The level-1 key and value row strides come in units of KV_ALIGN elements, which divides both:
+    # multiplied by a compile-time constant, their rows are known to be aligned (a stride argument
+    # that is not a multiple of 16 carries no alignment), so they load as vectors, a tile ahead,
+    # whether they sit in buffers of their own or interleaved in one (a token's key and value in one row).
+    stride_k0t = k0_rows_apart * KV_ALIGN
+    stride_vt = v_rows_apart * KV_ALIGN
 
     last = 0
     held_end = end
@@ -205,7 +211,8 @@ def _mlr_decode_split_kernel(
         for n0 in range(r_lo, r_hi, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             n_ok = n < r_hi
-            k0 = tl.load(k0_rows + n[:, None] * R0 + d0[None, :], mask=n_ok[:, None] & (d0[None, :] < R0), other=0.0)
+            k0 = tl.load(k0_rows + n[:, None] * stride_k0t + d0[None, :], mask=n_ok[:, None] & (d0[None, :] < R0),
+                         other=0.0)
             s = dot(q0, tl.trans(k0), PREC, UPCAST)  # (BLOCK_G, BLOCK_N)
             for i in tl.static_range(j):
                 # A rank known at compile time (RF: every finer level's, when they are equal) keeps
@@ -281,8 +288,6 @@ def _tables(keys: Sequence[torch.Tensor], key_starts: Sequence[int], ranks: Sequ
     made once per distinct content (:func:`device_table`) and change only when a level's block
     ends or a buffer grows."""
     k0 = keys[0]
-    if k0.shape[2] > 1 and k0.stride(2) != ranks[0]:  # the kernel steps level-1 rows by R0
-        k0 = k0.contiguous()
     size, device = k0.element_size(), k0.device
     base = keys[1] if rings is not None and len(keys) > 1 else k0
     # a level whose address is not a whole number of elements from the base is copied
@@ -409,13 +414,15 @@ def _launch(q: torch.Tensor, keys: list[torch.Tensor], key_starts: list[int], v:
                   PREC="ieee" if v.dtype == torch.float32 else "tf32",
                   UPCAST=INTERPRETED and v.dtype == torch.bfloat16,
                   num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg)
-    scalars = (end, float(scale) / math.log(2.0), n_splits,
-               q.stride(0), q.stride(1), k0.stride(0), k0.stride(1), v.stride(0), v.stride(1), v.stride(2))
+    kv_align = math.gcd(16 // size, k0.stride(2), v.stride(2))
+    scalars = (end, float(scale) / math.log(2.0), n_splits, q.stride(0), q.stride(1), k0.stride(0), k0.stride(1),
+               k0.stride(2) // kv_align, v.stride(0), v.stride(1), v.stride(2) // kv_align)
     rows = t.starts if row_starts is None else row_starts.contiguous()
     _mlr_decode_split_kernel[(B * Hk, n_splits)](
         q, k0, t.base, v, t.offsets, t.strides, t.starts, t.query_dims, t.ranks, rows,
         t.starts if slot is None else slot, t.rings, part_acc, part_m, part_l, *scalars,
         RF=ranks[1] if len(set(ranks[1:])) == 1 else 0, RFP=pow2(max(ranks[1:], default=1), 16), ALIGN=t.align,
+        KV_ALIGN=kv_align,
         HAS_ROW_STARTS=row_starts is not None, RINGS=slot is not None, **common,
     )
     out = torch.empty(B, H, 1, Dv, dtype=v.dtype, device=device)
