@@ -224,8 +224,12 @@ def main() -> None:
     # bytes, one run per tile instead of two): does that layout move the bytes faster?
     kv = torch.cat([keys[0], vals], dim=-1)
     k0_in, v_in = kv[..., :ranks[0]], kv[..., ranks[0]:]
-    err = float((mlr_decode_triton(q1, [k0_in, *keys[1:]], starts, v_in, ranks, 0.125).float() - ref).abs().max())
-    both = _graph_ms(lambda: mlr_decode_triton(q1, [k0_in, *keys[1:]], starts, v_in, ranks, 0.125))
+
+    def interleaved():
+        return mlr_decode_triton(q1, [k0_in, *keys[1:]], starts, v_in, ranks, 0.125)
+
+    err = float((interleaved().float() - ref).abs().max())
+    both = _graph_ms(interleaved)
     alone = _graph_ms(lambda: mlr_decode_triton(q1[..., :ranks[0]], [k0_in], starts[:1], v_in, ranks[:1], 0.125))
     rows.append(dict(case="decode interleaved level 1 and values", cache=T, batch=B, mlr_ms=both, max_error=err))
     rows.append(dict(case="decode interleaved level 1 and values, level 1 only", cache=T, batch=B, mlr_ms=alone))

@@ -251,10 +251,11 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     names = _case_names(args)
     seq_lens = [int(t) for t in args.seq_lens.split(",")]
     records = []
+    measures = _measures(args)
     for seq_len in seq_lens:
         cases = {name: _build_case(name, args, seq_len) for name in names}
         # per measure (alone, and back to back when asked), per case: the ms of each timed round
-        times: dict[str, dict[str, list[float]]] = {key: {n: [] for n in names} for key in _measures(args)}
+        times: dict[str, dict[str, list[float]]] = {key: {n: [] for n in names} for key in measures}
         for round_ in range(args.warmup + args.repeats):
             for name, steps in cases.items():
                 for key, ms in _time_round(steps, args, device).items():
@@ -263,7 +264,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
         base = names[0]
         for name in names:
             record: dict[str, Any] = {"case": name, "seq_len": seq_len}
-            for key, speedup in _measures(args).items():
+            for key, speedup in measures.items():
                 record[key] = statistics.median(times[key][name])
                 record[speedup] = statistics.median(x / y for x, y in zip(times[key][base], times[key][name]))
             if args.back_to_back:
