@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check of the kernels, for a machine with one CUDA GPU: the test suite on the GPU, the
 # tile-setting and decoding timings, and the benchmarks in bfloat16.
-#   scripts/gpu-check.sh [OUT_DIR] [all|suite|tests|tune|decode|layout|tilings|subtile|varlen|generate|ncu|bench|host|graphs|ab] [K/N|TREE]
+#   scripts/gpu-check.sh [OUT_DIR] [all|suite|tests|tune|decode|layout|tilings|subtile|varlen|generate|captured|ncu|bench|host|graphs|ab] [K/N|TREE]
 # (default OUT_DIR runs/gpu-check, or $OUT on the lent device machine; default all). Each step is
 # sized for a machine that stops a command after 10 minutes:
 # all: the benchmarks (bench: MLR against flash and cuDNN at head dims 64 and 128 and with one level,
@@ -25,6 +25,10 @@
 # tests on the GPU, then times packed documents against one call per document and mixed-length generation.
 # generate (about 6 minutes) runs the static-cache tests on the GPU and times generation per kind,
 # growing and static caches, eager and CUDA-graph-captured.
+# captured (about 4 minutes, most of it compiling): the tests of decoding steps captured in one CUDA
+# graph with the choice of their token (GPT.generate(cuda_graph=True)), then generation at a 16k
+# cache, MHA and MLR, batch 16 then 1: torch.compile's reduce-overhead step against that graph
+# (whether the host's calls per token, not the GPU, set the reduce-overhead step's time).
 # ncu (about 2 minutes) writes Nsight Compute's profile of the decoding and prefill kernels beside
 # flash attention's.
 # tilings (about 3 minutes): the tilings of check_prefix_tilings.py one by one (which of them Triton
@@ -58,9 +62,9 @@ set -uo pipefail
 out=${1:-${OUT:-runs/gpu-check}}
 step=${2:-all}
 case $step in
-    all|suite|tests|tune|decode|layout|tilings|subtile|varlen|generate|ncu|bench|host|graphs|ab) ;;
+    all|suite|tests|tune|decode|layout|tilings|subtile|varlen|generate|captured|ncu|bench|host|graphs|ab) ;;
     *) echo "gpu-check.sh: step: expected one of all, suite, tests, tune, decode, layout, tilings, subtile," \
-            "varlen, generate, ncu, bench, host, graphs, ab; got '$step'" >&2; exit 2 ;;
+            "varlen, generate, captured, ncu, bench, host, graphs, ab; got '$step'" >&2; exit 2 ;;
 esac
 mkdir -p "$out"
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -215,6 +219,15 @@ if [[ $step == generate ]]; then
         --batches 1,16,64 --cache-lens 16368 --compile-mode reduce-overhead --repeats 5 --out "$out/generate" \
         || status=1
     timeout 70 python3 scripts/profile_generate_step.py --batch 16 --out "$out/generate-profile-b16.txt" || status=1
+fi
+if [[ $step == captured ]]; then
+    timeout 150 python3 -m pytest -o addopts= -q -p no:cacheprovider tests/test_static_cache.py tests/test_bench.py \
+        -k "captured or cuda_graph or bad_use" -rfE 2>&1 | tee "$out/captured-tests.log" | tail -n 5 || status=1
+    for batch in 16 1; do
+        timeout 150 python3 -m structured_attention.cli.main bench generate --device cuda --dtype bfloat16 \
+            --batches $batch --cache-lens 16368 --modes compiled,graph --compile-mode reduce-overhead --repeats 5 \
+            --out "$out/captured-b$batch" 2>&1 | tee "$out/captured-b$batch.log" | tail -n 8 || status=1
+    done
 fi
 if [[ $step == ncu ]]; then  # Nsight Compute's profile of the decoding and prefill kernels against flash
     for case in decode prefill; do

@@ -101,6 +101,17 @@ def test_bench_generate_times_every_kind_and_mode_and_reports_its_cache(tmp_path
     assert (tmp_path / "generate.png").is_file()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_bench_generate_times_the_captured_step_on_cuda(tmp_path):
+    args = ["bench", "generate", "--kinds", "mha,mlr:4|2|2", "--d-model", "16", "--n-heads", "2", "--n-layers", "1",
+            "--cache-lens", "13", "--new-tokens", "3", "--modes", "static,graph", "--device", "cuda", "--repeats", "2",
+            "--warmup", "0", "--out", str(tmp_path)]
+    assert main(args) == 0
+    rows = json.loads((tmp_path / "generate.json").read_text())["results"]
+    assert [r["case"] for r in rows] == ["mha+static", "mha+graph", "mlr:4|2|2+static", "mlr:4|2|2+graph"]
+    assert all(r["tokens_per_s"] > 0 for r in rows)
+
+
 @pytest.mark.parametrize(
     "extra, needle",
     [
@@ -159,6 +170,7 @@ def test_bench_ragged_compares_mixed_with_equal_prompts(tmp_path):
         (["ragged", "--min-len", "20", "--max-len", "10"], "--min-len"),
         (["ragged", "--kinds", "mlr:3|3", "--d-model", "16", "--n-heads", "2"], "ranks"),
         (["generate", "--modes", "eager,paged"], "--modes"),
+        (["generate", "--modes", "eager,graph", "--device", "cpu"], "--modes"),
         (["generate", "--batches", "0"], "--batches"),
         (["generate", "--kinds", "mlr:3|3", "--d-model", "16", "--n-heads", "2"], "ranks"),
     ],

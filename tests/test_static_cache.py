@@ -282,6 +282,63 @@ def test_generate_compile_takes_a_mode_or_a_backend(compile, backend, mode, monk
     assert seen == dict(fullgraph=True, dynamic=False, backend=backend, mode=mode)
 
 
+@pytest.mark.parametrize("attention", ["mha:n_kv_heads=1", "swa:window=6", "bilinear_btt", "mlr:8|4|2|2:depth_normalize=true"])
+def test_captured_decoding_gives_the_tokens_of_eager_generation_again_after_a_refill(attention):
+    """CapturedDecoding (its graph on CUDA; on the CPU the same bookkeeping, uncaptured) keeps the
+    tokens of eager generation in its buffer, and started again on caches refilled in place (a
+    server's reuse, no new graph) gives them again."""
+    from structured_attention.models.decoding import CapturedDecoding, next_token
+
+    model = _gpt(attention)
+    idx, mask = _ragged_prompts()
+    want = model.generate(idx, 20, temperature=0, attention_mask=mask)
+    caches = model.new_caches(3, static=True)
+    with torch.no_grad():
+        logits, _ = model(idx, caches=caches, attention_mask=mask)
+        prompt = copy.deepcopy(caches)
+        steps = CapturedDecoding(lambda token: model._decode_step(token, caches),
+                                 lambda x: next_token(x, 0, None, None), 3, 19, DEVICE)
+        first = next_token(logits[:, -1], 0, None, None)
+        for _ in range(2):
+            for live, held in zip(caches, prompt):
+                live.copy_(held)
+            steps.start(first)
+            new = [steps() for _ in range(19)]
+            graph = steps.graph
+            assert torch.equal(torch.cat([idx, steps.tokens], dim=1), want)
+            assert torch.equal(torch.stack(new, dim=1), want[:, 13:])
+        assert steps.graph is graph and (graph is not None) == (DEVICE == "cuda")
+        with pytest.raises(ValueError, match="^steps: expected at most 19 calls after start"):
+            steps()
+        with pytest.raises(ValueError, match=r"^token: expected shape \(3,\)"):
+            steps.start(first[:2])
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("attention", ["mha", "global_swa:window=6", "mlr:8|4|2|2"])
+def test_generate_with_a_cuda_graph_gives_the_tokens_of_static_generation(attention):
+    """One captured step replayed per token: greedy tokens of eager static generation; with the
+    step compiled, those of the compiled step; sampled ones from the same generator, those of
+    eager sampling (the generator is registered with the graph); on_token sees every new token."""
+    model = _gpt(attention)
+    idx, mask = _ragged_prompts()
+    want = model.generate(idx, 30, temperature=0, attention_mask=mask, cache="static")
+    seen = []
+    got = model.generate(idx, 30, temperature=0, attention_mask=mask, cache="static", cuda_graph=True,
+                         on_token=lambda t: seen.append(t.clone()))
+    assert torch.equal(got, want)
+    assert torch.equal(torch.stack(seen, dim=1), want[:, 12:])
+    compiled = model.generate(idx, 30, temperature=0, attention_mask=mask, cache="static", compile=True)
+    assert torch.equal(model.generate(idx, 30, temperature=0, attention_mask=mask, cache="static", compile=True,
+                                      cuda_graph=True), compiled)
+
+    def sampled(**kwargs):
+        return model.generate(idx, 30, temperature=0.8, top_k=20, attention_mask=mask, cache="static",
+                              generator=torch.Generator(DEVICE).manual_seed(3), **kwargs)
+
+    assert torch.equal(sampled(cuda_graph=True), sampled())
+
+
 def test_bad_use_is_one_line():
     model = _gpt("mlr:8|4|2|2")
     idx = torch.randint(0, 50, (2, 5), device=DEVICE)
@@ -289,6 +346,13 @@ def test_bad_use_is_one_line():
         model.generate(idx, 3, compile=True)
     with pytest.raises(ValueError, match="^cache: expected 'growing' or 'static'"):
         model.generate(idx, 3, cache="paged")
+    with pytest.raises(ValueError, match="^cuda_graph: expected False with cache='growing'"):
+        model.generate(idx, 3, cuda_graph=True)
+    with pytest.raises(ValueError, match="^compile: expected a mode other than reduce-overhead or max-autotune"):
+        model.generate(idx, 3, cache="static", compile="reduce-overhead", cuda_graph=True)
+    if DEVICE == "cpu":
+        with pytest.raises(ValueError, match="^cuda_graph: expected False for a model on the CPU"):
+            model.generate(idx, 3, cache="static", cuda_graph=True)
     caches = model.new_caches(2, static=True)
     assert all(isinstance(c, StaticKVCache) for c in caches)
     with torch.no_grad():

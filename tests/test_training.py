@@ -488,6 +488,8 @@ def test_cli_train_eval_generate(tmp_path, capsys):
     assert texts[1] == texts[0] and texts[2] == texts[0]
     assert sattn([*greedy, "--compile", "--cache", "growing"]) == 2
     assert "--cache: expected static with --compile" in capsys.readouterr().err
+    assert sattn([*greedy, "--cuda-graph", "--device", "cpu"]) == 2
+    assert "--cuda-graph: expected a CUDA --device" in capsys.readouterr().err
     assert sattn([*greedy, "--device", "tpu"]) == 2
     assert "--device: expected 'cpu' or an available CUDA device" in capsys.readouterr().err
 

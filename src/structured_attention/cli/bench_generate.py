@@ -8,7 +8,11 @@ prefilled caches, in each mode (every mode once per round, in an order rotated f
 - ``static``: static caches (:class:`~structured_attention.attention.StaticKVCache`), eager steps;
 - ``compiled``: static caches, the one-token step compiled once (``torch.compile``, ``fullgraph``;
   ``--backend``, ``--compile-mode reduce-overhead`` for CUDA graphs) and replayed, what
-  ``GPT.generate(cache="static", compile=True)`` does.
+  ``GPT.generate(cache="static", compile=True)`` does;
+- ``graph`` (CUDA only): static caches, the step compiled by ``--backend`` in torch.compile's
+  default mode and the choice of the token captured together in one CUDA graph and replayed, one
+  call of the host per token, what ``GPT.generate(cache="static", compile=True, cuda_graph=True)``
+  does.
 
 Writes ``<out>/generate.json`` (``environment`` and ``results``: one record per case with
 ``case, batch, cache_len, tokens_per_s, ms_per_token, cache_bytes``, the cache's own report of its
@@ -27,13 +31,14 @@ from typing import Any
 import torch
 
 from ..models import GPT, GPTConfig
+from ..models.decoding import CapturedDecoding
 from ..models.gpt import COMPILE_MODES
 from .._cli import number_list, parse_device, pyplot
 from .common import (add_timing_options, bench_environment, check_bench_memory, check_positive_options, records_table,
                      time_ms)
 
 GENERATE_KINDS = "mha,mlr:8|8|8|8|8|8|8|8"
-MODES = ("eager", "static", "compiled")
+MODES = ("eager", "static", "compiled", "graph")
 
 
 def add_parser(what: argparse._SubParsersAction) -> None:
@@ -45,7 +50,8 @@ def add_parser(what: argparse._SubParsersAction) -> None:
     p.add_argument("--cache-lens", default="4096", help="comma-separated prompt lengths, the cache before decoding "
                                                         "(default 4096)")
     p.add_argument("--new-tokens", type=int, default=16, help="tokens decoded per timed round (default 16)")
-    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated among {', '.join(MODES)} (default all)")
+    p.add_argument("--modes", default=None, help=f"comma-separated among {', '.join(MODES)} (default all; graph "
+                                                 "on CUDA only)")
     p.add_argument("--backend", default="inductor", help="torch.compile backend of the compiled mode (default inductor)")
     p.add_argument("--compile-mode", choices=COMPILE_MODES, default="default",
                    help="torch.compile mode of the compiled mode: default, or reduce-overhead (CUDA graphs), ...")
@@ -62,9 +68,12 @@ def _check(args: argparse.Namespace) -> tuple[list[int], list[int], list[str]]:
     if args.warmup < 0:
         raise ValueError(f"--warmup: expected a non-negative integer, got {args.warmup}")
     batches, lens = number_list(args.batches, "--batches"), number_list(args.cache_lens, "--cache-lens")
-    modes = args.modes.split(",")
+    cuda = torch.device(args.device).type == "cuda"
+    modes = args.modes.split(",") if args.modes is not None else [m for m in MODES if cuda or m != "graph"]
     if not modes or any(m not in MODES for m in modes):
         raise ValueError(f"--modes: expected names among {', '.join(MODES)}, got {args.modes!r}")
+    if "graph" in modes and not cuda:
+        raise ValueError(f"--modes: expected no graph on device {args.device} (CUDA graphs need a CUDA device)")
     # the prefill's queries, keys and values in every layer, for the largest case
     check_bench_memory("--cache-lens", max(lens),
                        4 * max(batches) * (max(lens) + args.new_tokens) * args.d_model * args.n_layers, args)
@@ -109,6 +118,9 @@ def _measure_kind(model: GPT, kind: str, batch: int, cache_len: int, modes: list
         torch._dynamo.reset()  # every case's step compiled afresh: no case adds to another's recompile limit
         steps["compiled"] = torch.compile(model._decode_step, fullgraph=True, dynamic=False, backend=args.backend,
                                           mode=args.compile_mode)
+    if "graph" in modes:  # a function of its own: its compiled code is not the compiled mode's
+        steps["graph"] = torch.compile(lambda token, caches: model._decode_step(token, caches), fullgraph=True,
+                                       dynamic=False, backend=args.backend)
 
     # Static caches are made once per mode and refilled in place each round, as a server reuses
     # them: a graph captured on their tensors then replays instead of being recorded again.
@@ -120,6 +132,9 @@ def _measure_kind(model: GPT, kind: str, batch: int, cache_len: int, modes: list
             return copy.deepcopy(prefilled)
         return [live.copy_(prompt) for live, prompt in zip(static[mode], prompt_static)]
 
+    # the graph mode's steps, captured in its first round on its static caches (refilled in place)
+    graphed = CapturedDecoding(lambda token: steps["graph"](token, static["graph"]), lambda x: x.argmax(-1), batch,
+                               args.new_tokens, device) if "graph" in modes else None
     times: dict[str, list[float]] = {mode: [] for mode in modes}
     held: dict[str, int] = {}
     for run in range(args.warmup + args.repeats):
@@ -128,7 +143,12 @@ def _measure_kind(model: GPT, kind: str, batch: int, cache_len: int, modes: list
         for mode in modes[run % len(modes):] + modes[:run % len(modes)]:
             caches = fresh(mode)
 
-            def generate(caches: list[Any] = caches, step: Any = steps[mode]) -> None:
+            def generate(caches: list[Any] = caches, step: Any = steps[mode], graph: bool = mode == "graph") -> None:
+                if graph:
+                    graphed.start(first[:, 0])
+                    for _ in range(args.new_tokens):
+                        graphed()
+                    return
                 token = first
                 for _ in range(args.new_tokens):
                     token = step(token, caches)[:, -1].argmax(-1, keepdim=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,12 +24,15 @@ from .._checks import require
 from .._files import atomic_write
 from ..attention import KVCache, StaticKVCache
 from ..matrices.base import Fan
+from .decoding import CapturedDecoding, next_token
 from .transformer import Transformer, TransformerConfig, init_gpt2_, mup_init_, parameter_fans
 
 __all__ = ["GPT", "GPTConfig"]
 
 # torch.compile's modes (of inductor); any other string given as generate(compile=...) is a backend
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+# the modes whose compiled code replays CUDA graphs of its own (inductor's triton.cudagraphs)
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 # Hugging Face's file names and this model's type in its config.json (GPT.save_pretrained)
 HF_CONFIG, HF_WEIGHTS, HF_MODEL_TYPE = "config.json", "model.safetensors", "sattn_gpt"
@@ -155,6 +158,7 @@ class GPT(nn.Module):
         attention_mask: torch.Tensor | None = None,
         cache: str = "growing",
         compile: bool | str = False,
+        cuda_graph: bool = False,
     ) -> torch.Tensor:
         """Sample ``max_new_tokens`` after the prompt ``idx: (B, T)`` with KV-cache decoding;
         ``temperature`` 0 is greedy; ``on_token`` gets each new ``(B,)`` token (for streaming).
@@ -168,7 +172,10 @@ class GPT(nn.Module):
         ``compile``: ``True`` (inductor), a ``torch.compile`` mode (``"reduce-overhead"``: CUDA
         graphs, the step captured once and replayed) or a backend name (``"aot_eager"``) compiles
         the one-token step once (``fullgraph``) and replays it for every token; it takes static
-        caches."""
+        caches. ``cuda_graph`` (CUDA, static caches): the one-token step, compiled by ``compile``
+        if given (a mode without CUDA graphs of its own), and the choice of the next token
+        captured in one CUDA graph (:class:`~.decoding.CapturedDecoding`) and replayed: one call
+        of the host per token."""
         require(idx.dim() == 2 and idx.shape[1] >= 1, "prompt", "at least one token", tuple(idx.shape))
         room = self.config.max_seq_len - idx.shape[1]
         require(0 <= max_new_tokens <= room, "max_new_tokens", f"0..{room} (max_seq_len minus the prompt)", max_new_tokens)
@@ -177,6 +184,13 @@ class GPT(nn.Module):
         require(cache in ("growing", "static"), "cache", "'growing' or 'static'", cache)
         require(not compile or cache == "static", "compile", "False with cache='growing' (a compiled step takes "
                 "static caches, whose shapes do not change from one token to the next)", compile)
+        if cuda_graph:
+            require(cache == "static", "cuda_graph", "False with cache='growing' (a captured step takes static caches)",
+                    cuda_graph)
+            require(compile not in CUDA_GRAPH_MODES, "compile", f"a mode other than {' or '.join(CUDA_GRAPH_MODES)} "
+                    "with cuda_graph=True (those capture graphs of their own)", compile)
+            require(self.tok_emb.weight.is_cuda, "cuda_graph", "False for a model on the CPU (CUDA graphs need a "
+                    "CUDA device)", cuda_graph)
         was_training = self.training
         self.eval()
         caches = self.new_caches(idx.shape[0], static=cache == "static")
@@ -186,22 +200,31 @@ class GPT(nn.Module):
             mode = compile if compile in COMPILE_MODES else None
             backend = "inductor" if compile is True or mode else compile
             decode = torch.compile(decode, fullgraph=True, dynamic=False, backend=backend, mode=mode)
+
+        def choose(logits: torch.Tensor) -> torch.Tensor:
+            return next_token(logits, temperature, top_k, generator)
+
+        def stepped() -> Iterator[torch.Tensor]:
+            nonlocal logits
+            for i in range(max_new_tokens):
+                token = choose(logits[:, -1])
+                yield token
+                if i + 1 < max_new_tokens:
+                    logits = decode(token[:, None], caches)
+
+        def captured() -> Iterator[torch.Tensor]:
+            steps = CapturedDecoding(lambda token: decode(token, caches), choose, idx.shape[0], max_new_tokens - 1,
+                                     idx.device, generator)
+            steps.start(choose(logits[:, -1]))
+            yield steps.tokens[:, 0]
+            for _ in range(max_new_tokens - 1):
+                yield steps()
+
         out = [idx]
-        for _ in range(max_new_tokens):
-            step = logits[:, -1].float()
-            if temperature == 0:
-                token = step.argmax(-1)
-            else:
-                step = step / temperature
-                if top_k is not None:
-                    kth = torch.topk(step, min(top_k, step.shape[-1])).values[:, -1:]
-                    step = step.masked_fill(step < kth, float("-inf"))
-                token = torch.multinomial(torch.softmax(step, -1), 1, generator=generator)[:, 0]
+        for token in captured() if cuda_graph and max_new_tokens > 1 else stepped():
             out.append(token[:, None])
             if on_token is not None:
                 on_token(token)
-            if len(out) - 1 < max_new_tokens:
-                logits = decode(token[:, None], caches)
         self.train(was_training)
         return torch.cat(out, dim=1)
 

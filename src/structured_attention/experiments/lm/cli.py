@@ -63,10 +63,13 @@ def add_parsers(top: argparse._SubParsersAction, train: argparse._SubParsersActi
     g.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     g.add_argument("--cache", choices=["growing", "static"], default=None,
                    help="KV caches: growing (touch only what a token attends to) or static (fixed shapes; "
-                        "default: static with --compile, else growing)")
+                        "default: static with --compile or --cuda-graph, else growing)")
     g.add_argument("--compile", nargs="?", const=True, default=False, metavar="MODE_OR_BACKEND",
                    help="compile the one-token step once and replay it (torch.compile; optionally a mode such as "
                         "reduce-overhead, CUDA graphs, or a backend name)")
+    g.add_argument("--cuda-graph", action="store_true",
+                   help="capture the one-token step (compiled with --compile) and the choice of the next token in "
+                        "one CUDA graph and replay it: one call of the host per token (CUDA, static caches)")
     g.set_defaults(run=run_generate)
 
     s = add_sweep_parser(sweep, EXPERIMENT, "widths x attention kinds x learning rates at matched training FLOPs",
@@ -131,9 +134,12 @@ def run_generate(args: argparse.Namespace) -> int:
     if not args.prompt:
         raise ValueError("--prompt: expected at least one character, got ''")
     device = parse_device(args.device)
-    cache = args.cache or ("static" if args.compile else "growing")
-    if args.compile and cache != "static":
-        raise ValueError("--cache: expected static with --compile (a compiled step takes fixed shapes), got growing")
+    cache = args.cache or ("static" if args.compile or args.cuda_graph else "growing")
+    if (args.compile or args.cuda_graph) and cache != "static":
+        raise ValueError("--cache: expected static with --compile or --cuda-graph (a compiled or captured step takes "
+                         "fixed shapes), got growing")
+    if args.cuda_graph and device.type != "cuda":
+        raise ValueError(f"--cuda-graph: expected a CUDA --device (CUDA graphs), got {args.device}")
     with one_line_warnings("generate"):
         model, tokenizer, _, _ = load_lm(args.checkpoint, device=device)
     ids = tokenizer.encode(args.prompt)
@@ -165,7 +171,7 @@ def run_generate(args: argparse.Namespace) -> int:
     gen = torch.Generator(device).manual_seed(args.seed)
     model.generate(
         torch.tensor([ids], device=device), args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-        on_token=emit, generator=gen, cache=cache, compile=args.compile,
+        on_token=emit, generator=gen, cache=cache, compile=args.compile, cuda_graph=args.cuda_graph,
     )
     if tokenizer.name == "byte":
         out.write(decoder.decode(b"", final=True))
