@@ -19,7 +19,10 @@ then the same for forward+backward; on a GPU, one forward+backward between two s
 as ``sattn bench`` times it, with when the host's calls return and when the GPU has done each part
 (which side the other waits for); and ``cProfile``'s table of ``mlr_attention``'s calls (the
 functions that take the host's time). Without a GPU (``TRITON_INTERPRET=1``, CPU tensors) the
-kernels are replaced by no-ops, so the figures are this machine's Python alone, with no Triton launch.
+kernels are replaced by no-ops and the dispatcher takes the Triton route for CPU tensors, so the
+figures are this machine's Python alone, with no Triton launch; the script then also prints when,
+in one forward+backward, each kernel would be launched (on a GPU the forward kernel runs from its
+launch on, and a backward kernel launched later than the forward kernel's time leaves the GPU idle).
 """
 
 from __future__ import annotations
@@ -37,12 +40,13 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from structured_attention.ops.mlr import mlr_attention
+from structured_attention.ops.mlr import dispatch, mlr_attention
 from structured_attention.ops.mlr import triton_prefix as tp
 from structured_attention.ops.mlr.contract import mlr_block_sizes
-from structured_attention.ops.mlr.triton_general import _prefix_tiles, mlr_attention_triton
+from structured_attention.ops.mlr.triton_general import _prefix_tiles
 
 RANKS = (8,) * 8
+launched: dict[str, float] = {}  # when each no-op kernel was last launched (the CPU's figures)
 
 
 def per_call_us(fn: Callable[[], object], calls: int, sync: Callable[[], None]) -> float:
@@ -69,12 +73,22 @@ def main() -> None:
             raise SystemExit("no CUDA device: run with TRITON_INTERPRET=1 (the kernels become no-ops)")
 
         class _NoLaunch:
+            def __init__(self, name: str) -> None:
+                self.name = name
+
             def __getitem__(self, grid: object) -> Callable[..., None]:
-                return lambda *a, **k: None
+                return lambda *a, **k: launched.__setitem__(self.name, time.perf_counter())
 
         for name in ("_prefix_fwd_kernel", "_prefix_dkdv_kernel", "_prefix_dq_kernel"):
-            setattr(tp, name, _NoLaunch())
-        tp.row_dots = lambda a, b: torch.empty(a.shape[:-1])  # the backward's delta kernel
+            setattr(tp, name, _NoLaunch(name))
+
+        def row_dots(a: torch.Tensor, b: torch.Tensor, zeroed: torch.Tensor | None = None) -> torch.Tensor:
+            launched["row_dots"] = time.perf_counter()  # the backward's delta kernel
+            return torch.empty(a.shape[:-1])
+
+        tp.row_dots = row_dots
+        dispatch.on_triton = lambda x: True  # CPU tensors take the Triton route, as CUDA ones do
+        dispatch.cpu.available = lambda: False
     device = "cuda" if on_gpu else "cpu"
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     B, H, T, R, Dv = 1, 8, args.seq_len, sum(RANKS), 64
@@ -82,7 +96,6 @@ def main() -> None:
     q, k, v = (torch.randn(B, H, T, d, device=device, dtype=torch.bfloat16, requires_grad=True) for d in (R, R, Dv))
     sizes = mlr_block_sizes(RANKS, T, None)
     scale = R ** -0.5
-    entry = mlr_attention if on_gpu else mlr_attention_triton  # the dispatcher sends CPU tensors to C++
     tiles = _prefix_tiles(tuple(sizes), q.dtype, "cuda", 64, 64, False)  # the tiles mlr_attention takes on CUDA
     assert tiles is not None, f"block sizes {sizes} take the general kernels"
     plan = tp.plan_of(q, v, RANKS, sizes, tiles)
@@ -90,7 +103,7 @@ def main() -> None:
                                   tiles.num_warps, tiles.num_stages)]
     forwards = {
         "sdpa flash": lambda: _flash(q, k, v),
-        "mlr_attention": lambda: entry(q, k, v, RANKS),
+        "mlr_attention": lambda: mlr_attention(q, k, v, RANKS),
         "op (compiled)": lambda: tp._forward_op(q, k, v, None, T, list(RANKS), list(sizes), True, scale, False, tile_list),
         "launch": lambda: tp._forward(q, k, v, None, T, plan, True, scale, False),
     }
@@ -105,6 +118,11 @@ def main() -> None:
     for name in ("sdpa flash", "mlr_attention"):
         fn = forwards[name]
         lines.append(f"  forward+backward  {name:15s} {per_call_us(lambda: fn().backward(grad), args.calls, sync):8.1f}")
+    if not on_gpu:
+        marks = [launch_times(forwards["mlr_attention"], grad, (q, k, v)) for _ in range(args.calls)][args.calls // 5:]
+        lines += ["", "one forward+backward, when the host launches each kernel (us, medians): from the call, then from",
+                  "backward()"]
+        lines.append("  " + "  ".join(f"{key} {statistics.median(m[key] for m in marks):6.1f}" for key in marks[0]))
     if on_gpu:
         lines += ["", "one forward+backward between two synchronisations, as sattn bench times it (ms from the",
                   "first; medians of 10): when the host's calls return, and when the GPU has done each part"]
@@ -150,6 +168,22 @@ def one_call(forward: Callable[[], torch.Tensor], grad: torch.Tensor, leaves: tu
     return {"host fwd": (forward_returned - start) * 1e3, "host bwd": (backward_returned - start) * 1e3,
             "synced": (done - start) * 1e3, "GPU fwd": marks[0].elapsed_time(marks[1]),
             "GPU bwd": marks[0].elapsed_time(marks[2])}
+
+
+def launch_times(forward: Callable[[], torch.Tensor], grad: torch.Tensor, leaves: tuple[torch.Tensor, ...]) -> dict:
+    """One forward+backward with the no-op kernels: when the forward kernel is launched and the
+    forward returns (us from the call), and when the backward's kernels are launched and it returns
+    (us from ``backward()``)."""
+    for x in leaves:
+        x.grad = None
+    start = time.perf_counter()
+    out = forward()
+    returned = time.perf_counter()
+    out.backward(grad)
+    done = time.perf_counter()
+    return {"fwd launch": (launched["_prefix_fwd_kernel"] - start) * 1e6, "fwd return": (returned - start) * 1e6,
+            "| delta launch": (launched["row_dots"] - returned) * 1e6,
+            "dK/dV launch": (launched["_prefix_dkdv_kernel"] - returned) * 1e6, "bwd return": (done - returned) * 1e6}
 
 
 def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

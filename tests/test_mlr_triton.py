@@ -71,6 +71,71 @@ def test_a_repeated_call_reuses_its_plan_and_tables(sizes, tiles, kernels):
     assert triton_general._prefix_tiles.cache_info().misses == tile_choices.misses
 
 
+@pytest.fixture
+def routed(monkeypatch):
+    """The dispatcher's Triton route for this device's tensors (CPU ones under the interpreter), with
+    an empty table of prepared routes that the test's calls fill and that goes with the test, and a
+    count of the argument checks it runs."""
+    from structured_attention.ops.mlr import dispatch
+
+    monkeypatch.setattr(dispatch, "on_triton", lambda x: x.dtype in (torch.float32, torch.float16, torch.bfloat16))
+    monkeypatch.setattr(dispatch, "_ROUTES", {})
+    checks = []
+    check = dispatch.check_mlr_arguments
+    monkeypatch.setattr(dispatch, "check_mlr_arguments", lambda *a: checks.append(1) or check(*a))
+    return dispatch, checks
+
+
+@pytest.mark.parametrize("ranks,sizes,Hk,route", [((4, 2, 2), None, 2, "PrefixCall"), ((8, 8), (128, 64), 1, "PrefixCall"),
+                                                  ((4, 4), (80, 40), 2, "partial")],
+                         ids=["prefix", "prefix-gqa", "general"])
+def test_a_checked_signature_goes_straight_to_its_prepared_route(routed, ranks, sizes, Hk, route):
+    """The dispatcher checks a signature once: its next calls skip the checks (counted) and run the
+    route prepared for it, with the first call's output and gradients, which are the reference's."""
+    from structured_attention.ops.mlr import mlr_attention
+    from structured_attention.ops.mlr.reference import mlr_attention_reference
+
+    dispatch, checks = routed
+    T = 80 if sizes == (80, 40) else 128 if sizes else 64
+    q, k, v, do = make_qkv(2, 2, Hk, T, sum(ranks), 8, torch.float32, requires_grad=True, dout=True, device=DEVICE)
+    runs = []
+    for _ in range(2):
+        out = mlr_attention(q, k, v, list(ranks), sizes)
+        runs.append((out, *torch.autograd.grad(out, (q, k, v), do)))
+    assert len(checks) == 1 and [type(r).__name__ for r in dispatch._ROUTES.values()] == [route]
+    for got, again in zip(*runs):
+        assert torch.equal(got, again)
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    want = mlr_attention_reference(q64, k64, v64, ranks, sizes)
+    for got, w in zip(runs[0], (want, *torch.autograd.grad(want, (q64, k64, v64), do.double()))):
+        torch.testing.assert_close(got.double(), w, atol=1e-4, rtol=1e-4)
+
+
+def test_a_changed_argument_is_checked_again(routed):
+    """Everything the checks read is part of the signature, types included (``True == 1`` and
+    ``8 == 8.0``, but the checks refuse the int and the float), so a call that differs from a
+    checked one in any of them is checked, and a bad one still raises its one line."""
+    from structured_attention.ops.mlr import mlr_attention
+
+    dispatch, checks = routed
+    q, k, v = make_qkv(1, 2, 2, 64, 8, 8, torch.float32, device=DEVICE)
+    mlr_attention(q, k, v, (4, 2, 2))
+    mlr_attention(q, k, v, [4, 2, 2])  # a list of the same ranks: the same signature
+    assert len(checks) == 1
+    for kwargs, needle in [({"causal": 1}, "causal"), ({"depth_normalize": 0}, "depth_normalize"),
+                           ({"ranks": (4.0, 2, 2)}, "ranks"), ({"scale": float("nan")}, "scale"),
+                           ({"block_sizes": (64, 32, 15)}, "block_sizes")]:
+        with pytest.raises(ValueError, match=f"^{needle}"):
+            mlr_attention(q, k, v, **{"ranks": (4, 2, 2), **kwargs})
+    mlr_attention(q, k, v, (4, 2, 2), (64, 16, 8))
+    mlr_attention(q, k, v, (4, 2, 2), scale=0.5)
+    mlr_attention(q, k[:, :1], v[:, :1], (4, 2, 2))
+    mlr_attention(q.half(), k.half(), v.half(), (4, 2, 2))
+    with pytest.raises(ValueError, match="^q: expected a torch.Tensor"):
+        mlr_attention(q.tolist(), k, v, (4, 2, 2))
+    assert len(checks) == 1 + 5 + 4 + 1 and len(dispatch._ROUTES) == 5
+
+
 def test_device_tables_are_made_off_the_calling_thread_and_errors_reach_the_caller(monkeypatch):
     # While torch.compile's CUDA graphs warm up, the calling thread's allocations go to the graph's
     # memory pool; a table kept across calls must be allocated elsewhere (the CUDA training test
@@ -214,16 +279,24 @@ def test_transposed_views_are_read_in_place_and_give_the_contiguous_results(kern
 
 @pytest.mark.parametrize("shape", [(2, 3, 37, 64), (1, 1, 5, 12), (1, 2, 300, 100)], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_row_dots_equal_the_float64_rowsum(shape, dtype):
-    # the backward's delta = rowsum(dO * O): rows not a multiple of a program's, dims not a power of two
+@pytest.mark.parametrize("zeroed_dim", [None, 8, 48, 100])
+def test_row_dots_equal_the_float64_rowsum(shape, dtype, zeroed_dim):
+    # the backward's delta = rowsum(dO * O): rows not a multiple of a program's, dims not a power of
+    # two; and the float32 buffer it zeroes on the way (dQ's, q's layout: a transposed view here),
+    # whatever its last dim against the operands'
     from structured_attention.ops.mlr.triton_common import row_dots
 
     g = torch.Generator().manual_seed(0)
     a, b = (torch.randn(shape, generator=g).to(dtype) for _ in range(2))
     want = (a.double() * b.double()).sum(-1)
-    got = row_dots(a.to(DEVICE), b.to(DEVICE).transpose(-2, -1).contiguous().transpose(-2, -1))  # strided b too
+    zeroed = None
+    if zeroed_dim is not None:
+        B, H, T, _ = shape
+        zeroed = torch.full((B, T, H, zeroed_dim), float("nan"), device=DEVICE).transpose(1, 2)
+    got = row_dots(a.to(DEVICE), b.to(DEVICE).transpose(-2, -1).contiguous().transpose(-2, -1), zeroed)  # strided b
     assert got.dtype == torch.float32 and got.shape == shape[:-1]
     torch.testing.assert_close(got.double().cpu(), want, atol=1e-5, rtol=1e-5)
+    assert zeroed is None or bool((zeroed == 0).all())
 
 
 def test_forward_without_grad_and_prefix_consistency():

@@ -15,8 +15,12 @@ import torch
 def autocast_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``tensors`` in autocast's dtype where autocast is on for their device, else as given; like
     autocast itself, only float32, float16 and bfloat16 tensors are cast (float64 stays)."""
-    device = tensors[0].device.type
+    try:
+        device = tensors[0].device.type
+    except AttributeError:
+        return tensors  # not a tensor: the caller's checks name it
     if device not in ("cpu", "cuda") or not torch.is_autocast_enabled(device):
         return tensors
     dtype = torch.get_autocast_dtype(device)
-    return tuple(t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t for t in tensors)
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
+                 else t for t in tensors)

@@ -46,6 +46,7 @@ __all__ = [
     "HALF_DTYPES",
     "attach_backward",
     "compiled_or_eager",
+    "eager_autograd",
     "check_dim_order",
     "check_document_ids",
     "check_mlr_arguments",
@@ -393,11 +394,11 @@ def attach_backward(forward_op: torch.library.CustomOpDef, backward_op: torch.li
     ``(out, *aux)`` (aux such as the row log-sum-exp is not differentiable), and
     ``backward_op(gout, q, k, v, out, *aux, *config)`` returns ``(dq, dk, dv)``.
 
-    ``eager``, the ops' two functions: outside ``torch.compile`` the returned function runs them in
-    an ``autograd.Function`` (the forward function alone where no input needs a gradient), without
-    the ops' dispatch, Python paid on every layer of every eager step (``scripts/profile_host.py``
-    measures it), which a GPU waits for where its kernels are shorter. Under ``torch.compile`` it
-    calls the op, which a graph keeps whole. Without ``eager`` it returns ``forward_op``.
+    ``eager``, the ops' two functions: outside ``torch.compile`` the returned function runs them
+    through :func:`eager_autograd`, without the ops' dispatch, Python paid on every layer of every
+    eager step (``scripts/profile_host.py`` measures it), which a GPU waits for where its kernels
+    are shorter. Under ``torch.compile`` it calls the op, which a graph keeps whole. Without
+    ``eager`` it returns ``forward_op``.
     """
 
     def save(ctx, inputs, output):  # noqa: ANN001, ANN202
@@ -408,33 +409,45 @@ def attach_backward(forward_op: torch.library.CustomOpDef, backward_op: torch.li
         if len(outputs) > 1:
             ctx.mark_non_differentiable(*outputs[1:])
 
-    def gradients(backward_fn, ctx, gout):  # noqa: ANN001, ANN202
-        grads = backward_fn(gout, *ctx.saved_tensors, *ctx.config)
+    def gradients(ctx, gout, *_aux):  # noqa: ANN001, ANN202
+        grads = backward_op(gout, *ctx.saved_tensors, *ctx.config)
         return (*grads, *([None] * len(ctx.config)))
 
-    forward_op.register_autograd(lambda ctx, gout, *_aux: gradients(backward_op, ctx, gout), setup_context=save)
+    forward_op.register_autograd(gradients, setup_context=save)
     if eager is None:
         return forward_op
-    forward_fn, backward_fn = eager
+    return compiled_or_eager(forward_op, eager_autograd(*eager))
+
+
+def eager_autograd(forward_fn: Callable[..., Any], backward_fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``forward_fn(q, k, v, *config)`` (returning ``out`` or ``(out, *aux)``, aux not
+    differentiable) made differentiable in ``q``, ``k`` and ``v`` by ``backward_fn(gout, q, k, v,
+    out, *aux, *config) -> (dq, dk, dv)`` in an ``autograd.Function``; where no input needs a
+    gradient (inference, prefill), the forward function alone, with no autograd node. The
+    configuration travels as one argument of the Function: each argument of its ``apply`` costs the
+    host about 0.2 us (``scripts/profile_host.py``)."""
 
     class Eager(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, *inputs):  # noqa: ANN001, ANN205
-            output = forward_fn(*inputs)
-            save(ctx, inputs, output)
+        def forward(ctx, q, k, v, config):  # noqa: ANN001, ANN205
+            output = forward_fn(q, k, v, *config)
+            outputs = output if isinstance(output, tuple) else (output,)
+            ctx.save_for_backward(q, k, v, *outputs)
+            ctx.config = config
+            if len(outputs) > 1:
+                ctx.mark_non_differentiable(*outputs[1:])
             return output
 
         @staticmethod
         def backward(ctx, gout, *_aux):  # noqa: ANN001, ANN205
-            return gradients(backward_fn, ctx, gout)
+            return (*backward_fn(gout, *ctx.saved_tensors, *ctx.config), None)
 
-    def eager_call(*inputs: Any) -> Any:
-        # Without a gradient to record (inference, prefill) the function alone: no autograd node.
-        if torch.is_grad_enabled() and any(x.requires_grad for x in inputs[:3]):
-            return Eager.apply(*inputs)
-        return forward_fn(*inputs)
+    def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *config: Any) -> Any:
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            return Eager.apply(q, k, v, config)
+        return forward_fn(q, k, v, *config)
 
-    return compiled_or_eager(forward_op, eager_call)
+    return call
 
 
 def compiled_or_eager(op: Callable[..., Any], function: Callable[..., Any]) -> Callable[..., Any]:

@@ -25,7 +25,8 @@ Every call is checked against the contract first, so a bad argument raises the s
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -61,6 +62,33 @@ def on_triton(x: torch.Tensor) -> bool:
     return x.is_cuda and x.dtype in _TRITON_DTYPES and has_triton()
 
 
+# The Triton calls already checked, by signature: a call whose signature passed the checks before
+# passes them again, so it goes straight to its prepared route (triton_general.mlr_attention_route),
+# without the checks, the dispatch and the tile and plan look-ups, which the host pays on every
+# layer of every step before the kernels can start (scripts/profile_host.py). Bounded: emptied when
+# full.
+_ROUTES: dict[tuple[Any, ...], Callable[..., torch.Tensor]] = {}
+_MAX_ROUTES = 256
+
+
+def _signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ranks: object, block_sizes: object, causal: object,
+               scale: object, depth_normalize: object) -> tuple[Any, ...] | None:
+    """What the checks and the route of a call without documents depend on, hashable; None where
+    it cannot be read without consuming or converting an argument (the full path then checks it).
+    The types are part of it: ``True == 1`` and ``8 == 8.0``, but the checks tell them apart."""
+    if type(ranks) not in (tuple, list) or not (block_sizes is None or type(block_sizes) in (tuple, list)):
+        return None
+    signature = (type(q), type(k), type(v), q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+                 tuple(ranks), tuple(map(type, ranks)), block_sizes if block_sizes is None else tuple(block_sizes),
+                 None if block_sizes is None else tuple(map(type, block_sizes)), causal, type(causal), scale,
+                 type(scale), depth_normalize, type(depth_normalize))
+    try:
+        hash(signature)
+    except TypeError:
+        return None
+    return signature
+
+
 def mlr_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -90,8 +118,23 @@ def mlr_attention(
     PyTorch's own attention's are.
     """
     q, k, v = autocast_inputs(q, k, v)
-    _, sizes, resolved_scale = check_mlr_arguments(
+    signature = None
+    if (document_ids is None and dim_order is None and isinstance(q, torch.Tensor) and on_triton(q)
+            and not torch.compiler.is_compiling()):
+        signature = _signature(q, k, v, ranks, block_sizes, causal, scale, depth_normalize)
+        route = _ROUTES.get(signature) if signature is not None else None
+        if route is not None:
+            return route(q, k, v)
+    checked_ranks, sizes, resolved_scale = check_mlr_arguments(
         q, k, v, ranks, block_sizes, causal, scale, depth_normalize, document_ids)
+    if signature is not None:
+        from .triton_general import mlr_attention_route
+
+        if len(_ROUTES) >= _MAX_ROUTES:
+            _ROUTES.clear()
+        route = _ROUTES[signature] = mlr_attention_route(q, v, checked_ranks, sizes, causal, resolved_scale,
+                                                         depth_normalize)
+        return route(q, k, v)
     order = check_dim_order(dim_order, q.shape[-1])
     if q.device.type == "cpu" and cpu.available():
         return cpu.mlr_attention_cpu(q, k, v, ranks, sizes, causal, resolved_scale, depth_normalize, document_ids,

@@ -128,23 +128,33 @@ def segments_of_documents(document_ids: torch.Tensor | None, T: int,
 
 
 @triton.jit
-def _row_dots_kernel(A, B, OUT, n_rows, D, BLOCK: tl.constexpr, DP: tl.constexpr):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+def _row_dots_kernel(A, B, OUT, ZEROED, n_rows, D, n_zeroed, BLOCK: tl.constexpr, DP: tl.constexpr,
+                     ZBLOCK: tl.constexpr):
+    program = tl.program_id(0).to(tl.int64)
+    rows = program * BLOCK + tl.arange(0, BLOCK)
     cols = tl.arange(0, DP)
     ok = (rows < n_rows)[:, None] & (cols < D)[None, :]
     a = tl.load(A + rows[:, None] * D + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     b = tl.load(B + rows[:, None] * D + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     tl.store(OUT + rows, tl.sum(a * b, axis=1), mask=rows < n_rows)
+    if ZBLOCK > 0:  # this program's run of the zeroed buffer's memory
+        at = program * ZBLOCK + tl.arange(0, ZBLOCK)
+        tl.store(ZEROED + at, tl.zeros([ZBLOCK], dtype=tl.float32), mask=at < n_zeroed)
 
 
-def row_dots(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def row_dots(a: torch.Tensor, b: torch.Tensor, zeroed: torch.Tensor | None = None) -> torch.Tensor:
     """``(a * b).sum(-1)`` in float32 for two tensors of one shape: the backward's
     ``delta = rowsum(dO * O)`` in one kernel, where PyTorch takes four (two casts, a product, a sum)
-    and writes two float32 copies of the operands."""
+    and writes two float32 copies of the operands. ``zeroed``, a float32 tensor whose elements fill
+    the memory they span (as :func:`dense_rows`' and ``empty_like``'s do), is set to zeros in the
+    same launch: the buffer the next kernel adds into, without a launch of its own for it."""
     a, b = a.contiguous(), b.contiguous()
     out = torch.empty(a.shape[:-1], dtype=torch.float32, device=a.device)
     n_rows, d = out.numel(), a.shape[-1]
     dp = pow2(d)
     block = max(1, 8192 // dp)  # 8192 numbers of each operand per program
-    _row_dots_kernel[(cdiv(n_rows, block),)](a, b, out, n_rows, d, BLOCK=block, DP=dp)
+    programs = cdiv(n_rows, block)
+    n_zeroed = 0 if zeroed is None else zeroed.numel()
+    _row_dots_kernel[(programs,)](a, b, out, out if zeroed is None else zeroed, n_rows, d, n_zeroed, BLOCK=block,
+                                  DP=dp, ZBLOCK=pow2(cdiv(n_zeroed, programs)) if n_zeroed else 0)
     return out

@@ -39,7 +39,7 @@ Design
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import triton
@@ -49,9 +49,9 @@ from ..._checks import require
 from .contract import attach_backward, check_mlr_arguments
 from .triton_common import (INTERPRETED, blocks_meet, cdiv, dense_rows, device_table, dot, load_segment, pow2,
                             row_dots, segments_of_documents, segments_of_rows)
-from .triton_prefix import PrefixTiles, miscompiled_on_cuda, mlr_attention_prefix, square_tiles
+from .triton_prefix import PrefixCall, PrefixTiles, miscompiled_on_cuda, mlr_attention_prefix, square_tiles
 
-__all__ = ["mlr_attention_checked", "mlr_attention_triton"]
+__all__ = ["mlr_attention_checked", "mlr_attention_route", "mlr_attention_triton"]
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -568,11 +568,29 @@ def mlr_attention_checked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ran
     return _attention(q, k, v, ranks, sizes, causal, scale, depth_normalize, document_ids, None, None)
 
 
+def mlr_attention_route(q: torch.Tensor, v: torch.Tensor, ranks: tuple[int, ...], sizes: tuple[int, ...],
+                        causal: bool, scale: float, depth_normalize: bool) -> Callable[..., torch.Tensor]:
+    """What :func:`mlr_attention_checked` runs for calls of ``q``'s and ``v``'s signature without
+    documents, as a function of ``(q, k, v)`` (the dispatcher keeps one per signature it has
+    checked): the prefix-rank kernels' :class:`~.triton_prefix.PrefixCall`, prepared, or else the
+    general kernels' call with its configuration bound."""
+    tile = _default_tile(q.device.type)
+    tiles = _prefix_tiles(tuple(sizes), q.dtype, q.device.type, tile, tile, False)
+    if tiles is not None:
+        return PrefixCall(q, v, ranks, sizes, causal, scale, depth_normalize, tiles)
+    return functools.partial(mlr_attention_checked, ranks=ranks, sizes=sizes, causal=causal, scale=scale,
+                             depth_normalize=depth_normalize)
+
+
+def _default_tile(device_type: str) -> int:
+    # Small tiles keep the interpreter fast; a GPU wants larger ones.
+    return 64 if device_type == "cuda" else 16
+
+
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ranks: tuple[int, ...], sizes: tuple[int, ...],
                causal: bool, scale: float, depth_normalize: bool, document_ids: torch.Tensor | None,
                block_m: int | None, block_n: int | None) -> torch.Tensor:
-    # Small tiles keep the interpreter fast; a GPU wants larger ones.
-    default_tile = 64 if q.device.type == "cuda" else 16
+    default_tile = _default_tile(q.device.type)
     explicit = block_m is not None or block_n is not None
     block_m, block_n = block_m or default_tile, block_n or default_tile
     tiles = _prefix_tiles(tuple(sizes), q.dtype, q.device.type, block_m, block_n, explicit)

@@ -55,7 +55,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .contract import attach_backward
+from .contract import attach_backward, eager_autograd
 from .triton_common import (INTERPRETED, blocks_meet, cdiv, dense_rows, device_table, dot, dot_acc, load_segment,
                             pow2, row_dots, segments_of_documents, segments_of_rows)
 
@@ -921,15 +921,22 @@ class PrefixPlan:
         self.num_warps = launch_warps(tiles, sizes, device.type)
         self.prec = "ieee" if dtype == torch.float32 else "tf32"
         self.upcast = INTERPRETED and dtype == torch.bfloat16
+        self._constexprs: dict[tuple[bool, bool, int, int], dict] = {}
 
     def tables(self) -> tuple[torch.Tensor, ...]:
         return self.fsize, self.frank, self.tiers, self.sub
 
     def constexprs(self, causal: bool, depth_normalize: bool, block_m: int, block_n: int) -> dict:
-        return dict(CAUSAL=causal, DEPTH_NORM=depth_normalize, BLOCK_M=block_m, BLOCK_N=block_n,
-                    CH=self.CH, NCH=self.NCH, NCC=self.NCC, NSUB=self.NSUB, LP=self.LP, DVP=self.DVP,
-                    PREC=self.prec, UPCAST=self.upcast, num_warps=self.num_warps,
-                    num_stages=self.tiles.num_stages)
+        """A kernel's compile-time arguments and launch options (made once per combination: the
+        host pays for a fresh dict of them on every launch otherwise). Never modify the result."""
+        key = (causal, depth_normalize, block_m, block_n)
+        made = self._constexprs.get(key)
+        if made is None:
+            made = self._constexprs[key] = dict(
+                CAUSAL=causal, DEPTH_NORM=depth_normalize, BLOCK_M=block_m, BLOCK_N=block_n, CH=self.CH,
+                NCH=self.NCH, NCC=self.NCC, NSUB=self.NSUB, LP=self.LP, DVP=self.DVP, PREC=self.prec,
+                UPCAST=self.upcast, num_warps=self.num_warps, num_stages=self.tiles.num_stages)
+        return made
 
 
 @functools.lru_cache(maxsize=256)
@@ -953,10 +960,7 @@ def _forward(q, k, v, segments, max_len: int, plan: PrefixPlan, causal: bool, sc
     lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
     _prefix_fwd_kernel[(cdiv(max_len, tiles.fwd_m), segments.shape[0] * H)](
         q, k, v, o, lse, segments, *plan.tables(),
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        o.stride(0), o.stride(1), o.stride(2),
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
         H, H // k.shape[1], T, plan.R, plan.R1, plan.RC, plan.SF, plan.DV, scale * _LOG2E,
         **plan.constexprs(causal, depth_normalize, tiles.fwd_m, tiles.fwd_n),
     )
@@ -970,20 +974,15 @@ def _backward(q, k, v, o, lse, do, segments, max_len: int, plan: PrefixPlan, cau
     Hk = k.shape[1]
     tiles = plan.tiles
     do = do.contiguous()
-    delta = row_dots(do, o)  # (B, H, T)
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
-    strides = (
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        do.stride(0), do.stride(1), do.stride(2),
-    )
     # dQ: by default added into a float32 buffer by the dK/dV kernel as it goes (atomics, so the
     # order of the additions, and dQ's last bits, vary from run to run, as in flash attention's
-    # backward); under torch.use_deterministic_algorithms(True) the dQ kernel computes it instead,
-    # recomputing the scores from the queries' side.
+    # backward), zeroed by the delta's kernel; under torch.use_deterministic_algorithms(True) the
+    # dQ kernel computes it instead, recomputing the scores from the queries' side.
     fused = not torch.are_deterministic_algorithms_enabled()
-    dq = torch.zeros_like(q, dtype=torch.float32) if fused else torch.empty_like(q)  # q's strides, as dk, dv
+    dq = torch.empty_like(q, dtype=torch.float32 if fused else q.dtype)  # q's strides, as dk, dv
+    delta = row_dots(do, o, dq if fused else None)  # (B, H, T)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3])
     _prefix_dkdv_kernel[(cdiv(max_len, tiles.dkdv_n), segments.shape[0] * Hk)](
         q, k, v, do, lse, delta, dk, dv, dq, segments, *plan.tables(), *strides,
         H, Hk, H // Hk, T, plan.R, plan.R1, plan.RC, plan.SF, plan.DV, scale, scale * _LOG2E,
@@ -1048,6 +1047,33 @@ def _(do, q, k, v, o, lse, segments, max_len, ranks, sizes, causal, scale, depth
 
 
 _forward_call = attach_backward(_forward_op, _backward_op, eager=(_run_forward, _run_backward))
+
+
+class PrefixCall:
+    """The prefix-rank kernels' call of one signature, prepared: its plan and configuration bound
+    once, so each call pays the launches and little else. The dispatcher keeps one per signature it
+    has checked (``dispatch.mlr_attention``); whole rows, no documents; outside ``torch.compile``."""
+
+    def __init__(self, q: torch.Tensor, v: torch.Tensor, ranks: tuple[int, ...], sizes: tuple[int, ...],
+                 causal: bool, scale: float, depth_normalize: bool, tiles: PrefixTiles) -> None:
+        self.plan = plan_of(q, v, ranks, sizes, tiles)
+        self.T, self.causal, self.scale, self.depth_normalize = q.shape[2], causal, float(scale), depth_normalize
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return _prepared_call(dense_rows(q), dense_rows(k), dense_rows(v), self)[0]
+
+
+def _run_prepared_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          call: PrefixCall) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward(q, k, v, None, call.T, call.plan, call.causal, call.scale, call.depth_normalize)
+
+
+def _run_prepared_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                           lse: torch.Tensor, call: PrefixCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward(q, k, v, o, lse, do, None, call.T, call.plan, call.causal, call.scale, call.depth_normalize)
+
+
+_prepared_call = eager_autograd(_run_prepared_forward, _run_prepared_backward)
 
 
 def mlr_attention_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ranks: tuple[int, ...],
