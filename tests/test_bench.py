@@ -120,6 +120,7 @@ def test_bench_generate_times_the_captured_step_on_cuda(tmp_path):
         (["mlr", "--paths", "sdpa,flash9"], "--paths"),
         (["attention", "--seq-lens", "16,a"], "--seq-lens"),
         (["mlr", "--back-to-back", "-1"], "--back-to-back"),
+        (["lm", "--compile-mode", "reduce-overhead"], "--compile-mode"),
     ],
 )
 def test_bench_bad_arguments_exit_2_naming_the_option(tmp_path, capsys, extra, needle):

@@ -71,6 +71,7 @@ def test_yaml_and_overrides(tmp_path):
         ("run.steps=abc", r"run\.steps: expected an integer"),
         ("run.compile=maybe", r"run\.compile: expected a boolean"),
         ("run.compile_mode=fast", r"run\.compile_mode: expected one of \['default', 'reduce-overhead'"),
+        ("run.compile_mode=reduce-overhead", r"run\.compile_mode: expected 'default' unless run\.compile=true"),
         ("optim.lr=inf", r"optim\.lr: expected a finite number"),
         ("optim.grad_clip=nan", r"optim\.grad_clip: expected a finite number"),
         ("model.attention=nosuchkind", r"attention|kind"),

@@ -349,6 +349,9 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--back-to-back: expected a non-negative integer (0: off), got {args.back_to_back}")
     if args.warmup < 0:
         raise ValueError(f"--warmup: expected a non-negative integer, got {args.warmup}")
+    if args.what == "lm" and args.compile_mode != "default" and not args.compile:
+        raise ValueError(f"--compile-mode: expected default without --compile (the mode of the --compile cases), "
+                         f"got {args.compile_mode}")
     try:
         seq_lens = [int(t) for t in args.seq_lens.split(",")]
     except ValueError:

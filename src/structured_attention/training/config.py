@@ -115,6 +115,9 @@ class RunConfig:
         require(self.autocast in ("auto", "bf16", "none"), "run.autocast", "'auto', 'bf16' or 'none'", self.autocast)
         require(self.compile_mode in COMPILE_MODES, "run.compile_mode", f"one of {list(COMPILE_MODES)}",
                 self.compile_mode)
+        require(self.compile or self.compile_mode == "default", "run.compile_mode",
+                "'default' unless run.compile=true (a mode is torch.compile's; set run.compile=true to use it)",
+                self.compile_mode)
         require(self.device in ("auto", "cpu", "cuda"), "run.device", "'auto', 'cpu' or 'cuda'", self.device)
         parse_memory(self.max_memory)
 
