@@ -216,13 +216,14 @@ if [[ $step == generate ]]; then
     timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_static_cache.py tests/test_mlr_decode.py 2>&1 \
         | tee "$out/generate-tests.log" | tail -n 5 || status=1
     timeout 360 python3 -m structured_attention.cli.main bench generate --device cuda --dtype bfloat16 \
-        --batches 1,16,64 --cache-lens 16368 --compile-mode reduce-overhead --repeats 5 --out "$out/generate" \
+        --batches 1,16,64 --cache-lens 16368 --modes eager,static,compiled --compile-mode reduce-overhead \
+        --repeats 5 --out "$out/generate" \
         || status=1
     timeout 70 python3 scripts/profile_generate_step.py --batch 16 --out "$out/generate-profile-b16.txt" || status=1
 fi
 if [[ $step == captured ]]; then
     timeout 150 python3 -m pytest -o addopts= -q -p no:cacheprovider tests/test_static_cache.py tests/test_bench.py \
-        -k "captured or cuda_graph or bad_use" -rfE 2>&1 | tee "$out/captured-tests.log" | tail -n 5 || status=1
+        -k "captured or cuda_graph or bad_use or bench_generate" -rfE 2>&1 | tee "$out/captured-tests.log" | tail -n 5 || status=1
     for batch in 16 1; do
         timeout 150 python3 -m structured_attention.cli.main bench generate --device cuda --dtype bfloat16 \
             --batches $batch --cache-lens 16368 --modes compiled,graph --compile-mode reduce-overhead --repeats 5 \
