@@ -19,6 +19,8 @@ from test_attention import CTX, D, SPECS, make
 # where graph-captured steps must give the tokens of eager ones
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PROMPT = 13  # then single tokens up to CTX: crosses the MLR blocks and fills the windows' rings
+GENERATION_KINDS = ["mha:n_kv_heads=1", "swa:window=6", "global_swa:window=6", "bilinear_btt", "bilinear_mlr",
+                    "mlr:8|4|2|2:depth_normalize=true:rotary=true"]
 
 
 @pytest.fixture(autouse=True)
@@ -218,8 +220,7 @@ def _ragged_prompts() -> tuple[torch.Tensor, torch.Tensor]:
     return idx.to(DEVICE), mask.to(DEVICE)
 
 
-@pytest.mark.parametrize("attention", ["mha:n_kv_heads=1", "swa:window=6", "global_swa:window=6", "bilinear_btt",
-                                       "bilinear_mlr", "mlr:8|4|2|2:depth_normalize=true:rotary=true"])
+@pytest.mark.parametrize("attention", GENERATION_KINDS)
 def test_compiled_static_generation_gives_the_tokens_of_eager_generation(attention):
     """Greedy tokens of a ragged batch: growing caches (eager), static caches (eager) and the
     compiled one-token step (aot_eager: traced forward, no code generation) agree."""
@@ -315,11 +316,10 @@ def test_captured_decoding_gives_the_tokens_of_eager_generation_again_after_a_re
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a CUDA device")
-@pytest.mark.parametrize("attention", ["mha", "global_swa:window=6", "mlr:8|4|2|2"])
+@pytest.mark.parametrize("attention", GENERATION_KINDS)
 def test_generate_with_a_cuda_graph_gives_the_tokens_of_static_generation(attention):
-    """One captured step replayed per token: greedy tokens of eager static generation; with the
-    step compiled, those of the compiled step; sampled ones from the same generator, those of
-    eager sampling (the generator is registered with the graph); on_token sees every new token."""
+    """One captured step replayed per token gives the greedy tokens of eager static generation, of
+    a ragged batch; on_token sees every new token."""
     model = _gpt(attention)
     idx, mask = _ragged_prompts()
     want = model.generate(idx, 30, temperature=0, attention_mask=mask, cache="static")
@@ -328,6 +328,14 @@ def test_generate_with_a_cuda_graph_gives_the_tokens_of_static_generation(attent
                          on_token=lambda t: seen.append(t.clone()))
     assert torch.equal(got, want)
     assert torch.equal(torch.stack(seen, dim=1), want[:, 12:])
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a CUDA device")
+def test_a_cuda_graph_of_the_compiled_step_and_of_sampling_gives_their_tokens():
+    """Captured, the compiled step gives the compiled step's tokens, and sampling from a generator
+    (registered with the graph) draws the tokens eager sampling draws from the same seed."""
+    model = _gpt("mlr:8|4|2|2")
+    idx, mask = _ragged_prompts()
     compiled = model.generate(idx, 30, temperature=0, attention_mask=mask, cache="static", compile=True)
     assert torch.equal(model.generate(idx, 30, temperature=0, attention_mask=mask, cache="static", compile=True,
                                       cuda_graph=True), compiled)
