@@ -25,10 +25,11 @@
 # tests on the GPU, then times packed documents against one call per document and mixed-length generation.
 # generate (about 6 minutes) runs the static-cache tests on the GPU and times generation per kind,
 # growing and static caches, eager and CUDA-graph-captured.
-# captured (about 4 minutes, most of it compiling): the tests of decoding steps captured in one CUDA
+# captured (about 6 minutes, most of it compiling): the tests of decoding steps captured in one CUDA
 # graph with the choice of their token (GPT.generate(cuda_graph=True)), then generation at a 16k
-# cache, MHA and MLR, batch 16 then 1: torch.compile's reduce-overhead step against that graph
-# (whether the host's calls per token, not the GPU, set the reduce-overhead step's time).
+# cache, MHA and MLR, batch 16 (with each mode's per-step profile) then 1: torch.compile's
+# reduce-overhead step against that graph (whether the host's calls per token, not the GPU, set the
+# reduce-overhead step's time).
 # ncu (about 2 minutes) writes Nsight Compute's profile of the decoding and prefill kernels beside
 # flash attention's.
 # tilings (about 3 minutes): the tilings of check_prefix_tilings.py one by one (which of them Triton
@@ -228,6 +229,10 @@ if [[ $step == captured ]]; then
         timeout 150 python3 -m structured_attention.cli.main bench generate --device cuda --dtype bfloat16 \
             --batches $batch --cache-lens 16368 --modes compiled,graph --compile-mode reduce-overhead --repeats 5 \
             --out "$out/captured-b$batch" 2>&1 | tee "$out/captured-b$batch.log" | tail -n 8 || status=1
+        if [[ $batch == 16 ]]; then  # each mode's kernels and the GPU's time in one step
+            timeout 150 python3 scripts/profile_generate_step.py --batch 16 --out "$out/captured-profile-b16.txt" \
+                || status=1
+        fi
     done
 fi
 if [[ $step == ncu ]]; then  # Nsight Compute's profile of the decoding and prefill kernels against flash

@@ -1,4 +1,5 @@
-"""Where one GPT generation step goes, per attention kind and cache mode (growing, static, compiled).
+"""Where one GPT generation step goes, per attention kind and cache mode (growing, static, compiled,
+and on CUDA graph: the compiled step and the token's choice captured in one CUDA graph).
 
     PYTHONPATH=src python3 scripts/profile_generate_step.py [--device cuda] [--batch 16] [--out FILE.txt]
 
@@ -14,11 +15,13 @@ from __future__ import annotations
 import argparse
 import copy
 import time
+from collections.abc import Callable
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from structured_attention.models import GPT, GPTConfig
+from structured_attention.models.decoding import CapturedDecoding
 
 KINDS = ("mha", "mlr:8|8|8|8|8|8|8|8")
 
@@ -47,21 +50,31 @@ def main() -> None:
             prefilled = model.new_caches(args.batch)
             model(prompt, caches=prefilled)
             compiled = torch.compile(model._decode_step, fullgraph=True, dynamic=False, mode=args.compile_mode)
-            for mode, step in (("growing", model._decode_step), ("static", model._decode_step), ("compiled", compiled)):
+            modes = [("growing", model._decode_step), ("static", model._decode_step), ("compiled", compiled)]
+            if device.type == "cuda":  # a function of its own: compiled in the default mode, then captured
+                modes.append(("graph", torch.compile(lambda token, caches: model._decode_step(token, caches),
+                                                     fullgraph=True, dynamic=False)))
+            for mode, step in modes:
                 caches = copy.deepcopy(prefilled)
                 if mode != "growing":
                     caches = [block.attn.static_cache(c) for block, c in zip(model.blocks, caches)]
                 token = prompt[:, -1:]
+                advance = greedy(step, caches)
+                if mode == "graph":  # 13 steps: the warm-up's, the timed ones and the profiled one
+                    captured = CapturedDecoding(lambda t, step=step, caches=caches: step(t, caches),
+                                                lambda logits: logits.argmax(-1), args.batch, 13, device)
+                    captured.start(token[:, 0])
+                    advance = lambda token, captured=captured: captured()[:, None]  # noqa: E731
                 for _ in range(4):  # warm-up (compiles, records the graph)
-                    token = step(token, caches)[:, -1].argmax(-1, keepdim=True)
+                    token = advance(token)
                 sync()
                 t0 = time.perf_counter()
                 for _ in range(8):
-                    token = step(token, caches)[:, -1].argmax(-1, keepdim=True)
+                    token = advance(token)
                 sync()
                 ms = (time.perf_counter() - t0) / 8 * 1e3
                 with profile(activities=activities) as prof:
-                    token = step(token, caches)[:, -1].argmax(-1, keepdim=True)
+                    token = advance(token)
                     sync()
                 events = prof.events()
                 kernels = sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
@@ -72,6 +85,11 @@ def main() -> None:
                 tables.append(f"## {line}\n{prof.key_averages().table(sort_by=sort, row_limit=15)}")
     with open(args.out, "w") as f:
         f.write("\n\n".join(tables))
+
+
+def greedy(step: Callable[..., torch.Tensor], caches: list) -> Callable[[torch.Tensor], torch.Tensor]:
+    """One greedy step from ``token`` ``(B, 1)``: the next token, ``(B, 1)``."""
+    return lambda token: step(token, caches)[:, -1].argmax(-1, keepdim=True)
 
 
 if __name__ == "__main__":
