@@ -39,7 +39,7 @@
 # subtile (about 8 minutes): tilings, then the Triton tests and the lengths below 4096 with 8 levels
 # timed against flash and cuDNN.
 # host (about 2 minutes): where a whole call's time beyond its kernels goes: the test that a training
-# call makes no synchronising CUDA call, MLR against flash at T = 8192 (sattn bench mlr, each call
+# call makes no synchronising CUDA call, MLR against flash and cuDNN at T = 8192 (sattn bench mlr, each call
 # alone and ten back to back, with each case's profiler timeline, its GPU's idle gaps by
 # trace_gaps.py), and profile_host.py's split of
 # the host's part at 1024 and 8192 (when each side of one call is done).
@@ -144,7 +144,7 @@ if [[ $step == host ]]; then
     # a synchronising call in a training call's forward+backward fails this test with its stack
     timeout 180 python3 -m pytest -o addopts= -q -p no:cacheprovider tests/test_mlr_triton.py -k never_waits -rA 2>&1 \
         | tee "$out/host-sync-test.log" | tail -n 5 || status=1
-    sattn bench mlr --device cuda --dtype bfloat16 --seq-lens 8192 --paths sdpa_flash,mlr --repeats 10 \
+    sattn bench mlr --device cuda --dtype bfloat16 --seq-lens 8192 --paths sdpa_flash,sdpa,mlr --repeats 10 \
         --back-to-back 10 --no-memory --profile --out "$out/host-mlr" | tail -n 4 || status=1
     python3 scripts/trace_gaps.py "$out"/host-mlr/trace-*.json | tee "$out/host-gaps.txt" || status=1
     for t in 1024 8192; do
