@@ -19,7 +19,8 @@ Anything else (float64 on CUDA, other devices, Triton missing) runs the exact re
 steps that need gradients take the reference too: the decoding kernels have no backward.
 
 Every call is checked against the contract first, so a bad argument raises the same one-line
-``ValueError`` on every path, inside ``torch.compile`` as outside. The backends are
+``ValueError`` on every path, inside ``torch.compile`` as outside; a CUDA call whose signature
+passed the checks before (everything they read) goes straight to the route prepared for it. The backends are
 ``torch.library`` custom ops, so a compiled graph holds them whole, with no graph break.
 """
 
@@ -78,8 +79,9 @@ def _signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ranks: object,
     The types are part of it: ``True == 1`` and ``8 == 8.0``, but the checks tell them apart."""
     if type(ranks) not in (tuple, list) or not (block_sizes is None or type(block_sizes) in (tuple, list)):
         return None
-    signature = (type(q), type(k), type(v), q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
-                 tuple(ranks), tuple(map(type, ranks)), block_sizes if block_sizes is None else tuple(block_sizes),
+    signature = (type(q), type(k), type(v), q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device,
+                 k.device, v.device, tuple(ranks), tuple(map(type, ranks)),
+                 block_sizes if block_sizes is None else tuple(block_sizes),
                  None if block_sizes is None else tuple(map(type, block_sizes)), causal, type(causal), scale,
                  type(scale), depth_normalize, type(depth_normalize))
     try:
