@@ -71,6 +71,52 @@ def test_a_repeated_call_reuses_its_plan_and_tables(sizes, tiles, kernels):
     assert triton_general._prefix_tiles.cache_info().misses == tile_choices.misses
 
 
+def test_a_kernel_is_launched_through_triton_once_per_specialisation_then_directly(monkeypatch):
+    """triton_common.launch: the first launch of a key goes through Triton (``kernel[grid](...)``),
+    which returns the compiled kernel; later launches with the same key call its launcher bound to
+    the grid, with the compile-time parameters in the kernel's order (defaults applied) and the
+    current stream. A changed scalar, a tensor's dtype or its 16-byte alignment, a compile-time
+    argument or the grid is a new key. (The path Triton's own launches take on a GPU; this checks
+    its bookkeeping with a stand-in kernel, the GPU suite the real one.)"""
+    from types import SimpleNamespace
+
+    from structured_attention.ops.mlr import triton_common
+
+    monkeypatch.setattr(triton_common, "_FAST_LAUNCH", True)
+    monkeypatch.setattr(triton_common, "_launchers", {})
+    monkeypatch.setattr(triton_common, "_raw_stream", lambda device: 100 + device)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    through_triton, direct = [], []
+
+    class Compiled:
+        def __getitem__(self, grid):
+            return lambda *args, stream: direct.append((grid, args, stream))
+
+    class Kernel:
+        arg_names = ["X", "n", "scale", "BLOCK", "EVEN"]
+        params = [SimpleNamespace(name=n, default=d) for n, d in
+                  [("X", None), ("n", None), ("scale", None), ("BLOCK", None), ("EVEN", True)]]
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: through_triton.append((grid, args, kwargs)) or Compiled()
+
+    kernel, x = Kernel(), torch.zeros(64)
+    calls = [((4,), x, 64, 0.5, {"BLOCK": 16, "num_warps": 4}),
+             ((4,), x, 64, 0.5, {"BLOCK": 16, "num_warps": 4}),  # the same key: direct
+             ((4,), x.clone(), 64, 0.5, {"BLOCK": 16, "num_warps": 4}),  # another aligned tensor: direct
+             ((4,), x, 65, 0.5, {"BLOCK": 16, "num_warps": 4}),  # a scalar
+             ((4,), x[1:], 64, 0.5, {"BLOCK": 16, "num_warps": 4}),  # not 16-byte aligned
+             ((4,), x.double(), 64, 0.5, {"BLOCK": 16, "num_warps": 4}),  # a dtype
+             ((4,), x, 64, 0.5, {"BLOCK": 32, "num_warps": 4}),  # a compile-time argument
+             ((4, 2), x, 64, 0.5, {"BLOCK": 16, "num_warps": 4}),  # the grid
+             ((4,), x, 64, 0.5, {"BLOCK": 16, "num_warps": 4})]  # the first key again: direct
+    for grid, t, n, scale, kwargs in calls:
+        triton_common.launch(kernel, grid, t, n, scale, **kwargs)
+    assert len(through_triton) == 6 and len(direct) == 3
+    assert direct[0] == ((4, 1, 1), (x, 64, 0.5, 16, True), 100)
+    assert direct[1][1][0] is not x and direct[2][1][0] is x
+
+
 @pytest.fixture
 def routed(monkeypatch):
     """The dispatcher's Triton route for this device's tensors (CPU ones under the interpreter), with

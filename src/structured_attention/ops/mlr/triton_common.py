@@ -11,8 +11,8 @@ import triton.language as tl
 
 from .contract import document_bounds
 
-__all__ = ["INTERPRETED", "blocks_meet", "cdiv", "dense_rows", "device_table", "dot", "dot_acc", "load_segment",
-           "pow2", "row_dots", "segments_of_documents", "segments_of_rows"]
+__all__ = ["INTERPRETED", "blocks_meet", "cdiv", "dense_rows", "device_table", "dot", "dot_acc", "launch",
+           "load_segment", "pow2", "row_dots", "segments_of_documents", "segments_of_rows"]
 
 
 @triton.jit
@@ -53,6 +53,65 @@ def load_segment(SEG, pid):
 
 # Triton's interpreter (TRITON_INTERPRET=1 when triton.jit ran) swaps kernels for interpreted ones.
 INTERPRETED = "interpret" in type(dot).__name__.lower()
+
+
+def _compiled_kernels_take_every_parameter() -> bool:
+    """Whether this Triton's compiled kernels are launched with every parameter of the kernel, its
+    compile-time ones included, as ``JITFunction.run`` launches them from Triton 3.3 on (read from
+    that method's source: the fast launch below passes exactly what it passes, or is not used)."""
+    import inspect
+
+    from triton.runtime.jit import JITFunction
+
+    try:
+        return "*bound_args.values()" in inspect.getsource(JITFunction.run)
+    except (OSError, TypeError):
+        return False
+
+
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what Triton's CUDA driver reads
+# Launches without Triton's per-launch Python: on by default on a GPU where this Triton's launch
+# convention is the known one (never under the interpreter, whose kernels are Python).
+_FAST_LAUNCH = not INTERPRETED and _raw_stream is not None and _compiled_kernels_take_every_parameter()
+_launchers: dict[object, dict[tuple, tuple]] = {}  # kernel -> specialisation -> (bound launcher, constexprs)
+
+
+def launch(kernel: triton.runtime.JITFunction, grid: tuple[int, ...], *args: object, **constexprs: object) -> None:
+    """``kernel[grid](*args, **constexprs)``: tensors and scalars positional, the compile-time
+    arguments and launch options by keyword.
+
+    Triton's own launch (``JITFunction.run``) binds and specialises every argument and builds a
+    cache key on every call: 16 us of the host's time for the prefix-rank forward's 31 arguments
+    on the 2-core Xeon, against 9.5 here (``scripts/launch_cost.py``, Triton 3.6 and 3.9), paid
+    three times in each forward+backward, before kernels the GPU waits for. Here the first launch
+    of each specialisation goes through Triton, and the compiled kernel it returns is kept with its
+    launcher bound to the grid; later launches with the same key call it directly. The key is finer
+    than Triton's specialisation: the device, the grid, each tensor's dtype and whether its address
+    is a multiple of 16 (what Triton specialises a pointer on), every scalar by value, and every
+    keyword argument by value. At most 64 kept per kernel (emptied when full)."""
+    if not _FAST_LAUNCH:
+        kernel[grid](*args, **constexprs)
+        return
+    device = torch.cuda.current_device()
+    key = (device, grid, *[(a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a for a in args],
+           *constexprs.items())
+    kept = _launchers.setdefault(kernel, {})
+    found = kept.get(key)
+    if found is not None:
+        launcher, compile_time = found
+        launcher(*args, *compile_time, stream=_raw_stream(device))
+        return
+    compiled = kernel[grid](*args, **constexprs)
+    if compiled is None:
+        return
+    if len(kept) >= 64:
+        kept.clear()
+    # the compile-time parameters after the positional ones, in the kernel's order, defaults applied
+    # (what JITFunction.run's binder passes the launcher)
+    names = kernel.arg_names[len(args):]
+    defaults = {p.name: p.default for p in kernel.params}
+    compile_time = tuple(constexprs[n] if n in constexprs else defaults[n] for n in names)
+    kept[key] = (compiled[(*grid, 1, 1)[:3]], compile_time)
 
 
 # Host-side arithmetic in plain Python: Triton's own cdiv and next_power_of_2 are constexpr
@@ -155,6 +214,6 @@ def row_dots(a: torch.Tensor, b: torch.Tensor, zeroed: torch.Tensor | None = Non
     block = max(1, 8192 // dp)  # 8192 numbers of each operand per program
     programs = cdiv(n_rows, block)
     n_zeroed = 0 if zeroed is None else zeroed.numel()
-    _row_dots_kernel[(programs,)](a, b, out, out if zeroed is None else zeroed, n_rows, d, n_zeroed, BLOCK=block,
-                                  DP=dp, ZBLOCK=pow2(cdiv(n_zeroed, programs)) if n_zeroed else 0)
+    launch(_row_dots_kernel, (programs,), a, b, out, out if zeroed is None else zeroed, n_rows, d, n_zeroed,
+           BLOCK=block, DP=dp, ZBLOCK=pow2(cdiv(n_zeroed, programs)) if n_zeroed else 0)
     return out

@@ -36,7 +36,7 @@ import triton.language as tl
 
 from ..._checks import require
 from .contract import check_mlr_cache_arguments, compiled_or_eager
-from .triton_common import INTERPRETED, cdiv, device_table, dot, dot_acc, pow2
+from .triton_common import INTERPRETED, cdiv, device_table, dot, dot_acc, launch, pow2
 
 __all__ = ["decode", "decode_static", "mlr_decode_triton", "prepare_static"]
 
@@ -418,7 +418,7 @@ def _launch(q: torch.Tensor, keys: list[torch.Tensor], key_starts: list[int], v:
     scalars = (end, float(scale) / math.log(2.0), n_splits, q.stride(0), q.stride(1), k0.stride(0), k0.stride(1),
                k0.stride(2) // kv_align, v.stride(0), v.stride(1), v.stride(2) // kv_align)
     rows = t.starts if row_starts is None else row_starts.contiguous()
-    _mlr_decode_split_kernel[(B * Hk, n_splits)](
+    launch(_mlr_decode_split_kernel, (B * Hk, n_splits),
         q, k0, t.base, v, t.offsets, t.strides, t.starts, t.query_dims, t.ranks, rows,
         t.starts if slot is None else slot, t.rings, part_acc, part_m, part_l, *scalars,
         RF=ranks[1] if len(set(ranks[1:])) == 1 else 0, RFP=pow2(max(ranks[1:], default=1), 16), ALIGN=t.align,
@@ -426,8 +426,8 @@ def _launch(q: torch.Tensor, keys: list[torch.Tensor], key_starts: list[int], v:
         HAS_ROW_STARTS=row_starts is not None, RINGS=slot is not None, **common,
     )
     out = torch.empty(B, H, 1, Dv, dtype=v.dtype, device=device)
-    _mlr_decode_merge_kernel[(B * H,)](part_acc, part_m, part_l, out, n_splits, SP=pow2(n_splits),
-                                       DV=Dv, DVP=pow2(Dv))
+    launch(_mlr_decode_merge_kernel, (B * H,), part_acc, part_m, part_l, out, n_splits, SP=pow2(n_splits), DV=Dv,
+           DVP=pow2(Dv))
     return out
 
 

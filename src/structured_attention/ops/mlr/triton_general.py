@@ -47,8 +47,8 @@ import triton.language as tl
 
 from ..._checks import require
 from .contract import attach_backward, check_mlr_arguments
-from .triton_common import (INTERPRETED, blocks_meet, cdiv, dense_rows, device_table, dot, load_segment, pow2,
-                            row_dots, segments_of_documents, segments_of_rows)
+from .triton_common import (INTERPRETED, blocks_meet, cdiv, dense_rows, device_table, dot, launch, load_segment,
+                            pow2, row_dots, segments_of_documents, segments_of_rows)
 from .triton_prefix import PrefixCall, PrefixTiles, miscompiled_on_cuda, mlr_attention_prefix, square_tiles
 
 __all__ = ["mlr_attention_checked", "mlr_attention_route", "mlr_attention_triton"]
@@ -427,7 +427,7 @@ def _forward(q, k, v, segments, max_len: int, plan: _Plan, causal: bool, scale: 
     o = torch.empty(B, H, T, plan.DV, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
     grid = (cdiv(max_len, plan.block_m), segments.shape[0] * H)
-    _mlr_fwd_kernel[grid](
+    launch(_mlr_fwd_kernel, grid,
         q, k, v, o, lse, segments, plan.foff, plan.frank, plan.fsize,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
@@ -458,13 +458,13 @@ def _backward(q, k, v, o, lse, do, segments, max_len: int, plan: _Plan, causal: 
     )
     cx = plan.constexprs(causal, depth_normalize)
     n_segments = segments.shape[0]
-    _mlr_bwd_dkdv_kernel[(cdiv(max_len, plan.block_n), n_segments * Hk)](
+    launch(_mlr_bwd_dkdv_kernel, (cdiv(max_len, plan.block_n), n_segments * Hk),
         q, k, v, do, lse, delta, dk, dv, segments, plan.foff, plan.frank, plan.fsize,
         *common_strides,
         H, Hk, G, T, plan.R1, plan.DV, float(scale),
         **cx,
     )
-    _mlr_bwd_dq_kernel[(cdiv(max_len, plan.block_m), n_segments * H)](
+    launch(_mlr_bwd_dq_kernel, (cdiv(max_len, plan.block_m), n_segments * H),
         q, k, v, do, lse, delta, dq, segments, plan.foff, plan.frank, plan.fsize,
         *common_strides,
         H, G, T, plan.R1, plan.DV, float(scale),

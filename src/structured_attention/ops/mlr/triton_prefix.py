@@ -56,8 +56,8 @@ import triton
 import triton.language as tl
 
 from .contract import attach_backward, eager_autograd
-from .triton_common import (INTERPRETED, blocks_meet, cdiv, dense_rows, device_table, dot, dot_acc, load_segment,
-                            pow2, row_dots, segments_of_documents, segments_of_rows)
+from .triton_common import (INTERPRETED, blocks_meet, cdiv, dense_rows, device_table, dot, dot_acc, launch,
+                            load_segment, pow2, row_dots, segments_of_documents, segments_of_rows)
 
 __all__ = ["PrefixTiles", "miscompiled_on_cuda", "square_tiles", "mlr_attention_prefix"]
 
@@ -958,7 +958,7 @@ def _forward(q, k, v, segments, max_len: int, plan: PrefixPlan, causal: bool, sc
     tiles = plan.tiles
     o = torch.empty(B, H, T, plan.DV, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
-    _prefix_fwd_kernel[(cdiv(max_len, tiles.fwd_m), segments.shape[0] * H)](
+    launch(_prefix_fwd_kernel, (cdiv(max_len, tiles.fwd_m), segments.shape[0] * H),
         q, k, v, o, lse, segments, *plan.tables(),
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
         H, H // k.shape[1], T, plan.R, plan.R1, plan.RC, plan.SF, plan.DV, scale * _LOG2E,
@@ -983,14 +983,14 @@ def _backward(q, k, v, o, lse, do, segments, max_len: int, plan: PrefixPlan, cau
     delta = row_dots(do, o, dq if fused else None)  # (B, H, T)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3])
-    _prefix_dkdv_kernel[(cdiv(max_len, tiles.dkdv_n), segments.shape[0] * Hk)](
+    launch(_prefix_dkdv_kernel, (cdiv(max_len, tiles.dkdv_n), segments.shape[0] * Hk),
         q, k, v, do, lse, delta, dk, dv, dq, segments, *plan.tables(), *strides,
         H, Hk, H // Hk, T, plan.R, plan.R1, plan.RC, plan.SF, plan.DV, scale, scale * _LOG2E,
         **plan.constexprs(causal, depth_normalize, tiles.dkdv_m, tiles.dkdv_n), FUSED_DQ=fused,
     )
     if fused:
         return dq.to(q.dtype), dk, dv
-    _prefix_dq_kernel[(cdiv(max_len, tiles.dq_m), segments.shape[0] * H)](
+    launch(_prefix_dq_kernel, (cdiv(max_len, tiles.dq_m), segments.shape[0] * H),
         q, k, v, do, lse, delta, dq, segments, *plan.tables(), *strides,
         H, H // Hk, T, plan.R, plan.R1, plan.RC, plan.SF, plan.DV, scale, scale * _LOG2E,
         **plan.constexprs(causal, depth_normalize, tiles.dq_m, tiles.dq_n),
