@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,6 +32,7 @@ from structured_attention.ops.mlr.triton_general import mlr_attention_triton  # 
 from structured_attention.ops.mlr.triton_prefix import PrefixTiles, square_tiles  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ROOT = Path(__file__).resolve().parents[1]
 
 if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":  # pragma: no cover
     pytest.skip("no CUDA device and TRITON_INTERPRET is not 1", allow_module_level=True)
@@ -115,6 +117,17 @@ def test_a_kernel_is_launched_through_triton_once_per_specialisation_then_direct
     assert len(through_triton) == 6 and len(direct) == 3
     assert direct[0] == ((4, 1, 1), (x, 64, 0.5, 16, True), 100)
     assert direct[1][1][0] is not x and direct[2][1][0] is x
+
+
+def test_launch_hands_the_compiled_kernels_what_tritons_own_launch_does():
+    """With the real kernels compiled for sm_90 (no GPU: the driver stood in for, the launchers
+    recording), a forward and a backward launched through Triton, then through the launchers
+    launch() keeps, give every launcher the same arguments (scripts/launch_cost.py --check)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    res = subprocess.run([sys.executable, str(ROOT / "scripts/launch_cost.py"), "--check", "--seq-len", "1024"],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 0 and "the same" in res.stdout, res.stdout + res.stderr[-2000:]
 
 
 @pytest.fixture

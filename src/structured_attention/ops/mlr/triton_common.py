@@ -88,7 +88,8 @@ def launch(kernel: triton.runtime.JITFunction, grid: tuple[int, ...], *args: obj
     launcher bound to the grid; later launches with the same key call it directly. The key is finer
     than Triton's specialisation: the device, the grid, each tensor's dtype and whether its address
     is a multiple of 16 (what Triton specialises a pointer on), every scalar by value, and every
-    keyword argument by value. At most 64 kept per kernel (emptied when full)."""
+    keyword argument by value. At most 64 kept per kernel (emptied when full). The launchers get
+    what Triton's launch gives them (``scripts/launch_cost.py --check``, run by the tests)."""
     if not _FAST_LAUNCH:
         kernel[grid](*args, **constexprs)
         return
