@@ -225,8 +225,8 @@ fi
 if [[ $step == captured ]]; then
     timeout 150 python3 -m pytest -o addopts= -q -p no:cacheprovider tests/test_static_cache.py tests/test_bench.py \
         -k "captured or cuda_graph or bad_use or bench_generate" -rfE 2>&1 | tee "$out/captured-tests.log" | tail -n 5 || status=1
-    for batch in 16 1; do
-        timeout 150 python3 -m structured_attention.cli.main bench generate --device cuda --dtype bfloat16 \
+    for batch in 16 1; do  # each batch compiles four steps (two kinds, two modes)
+        timeout 240 python3 -m structured_attention.cli.main bench generate --device cuda --dtype bfloat16 \
             --batches $batch --cache-lens 16368 --modes compiled,graph --compile-mode reduce-overhead --repeats 5 \
             --out "$out/captured-b$batch" 2>&1 | tee "$out/captured-b$batch.log" | tail -n 8 || status=1
         if [[ $batch == 16 ]]; then  # each mode's kernels and the GPU's time in one step
