@@ -1,8 +1,9 @@
 """Tests for the Triton MLR attention kernels (structured_attention.ops.mlr.triton_general and
 triton_prefix) beyond their agreement with the reference on the shared grid (tests/test_mlr_grid.py,
 backends ``triton_general`` and ``triton_prefix``): which tiles fit the prefix-rank kernels, device
-tables made once, a causal prefix scored as inside the whole sequence, argument validation, and a
-clean import without Triton.
+tables made once, the dispatcher's route per checked signature, launches past Triton's per-call
+binding, a causal prefix scored as inside the whole sequence, argument validation, and a clean
+import without Triton.
 
 Without a CUDA device the kernels run on CPU tensors under Triton's interpreter
 (``TRITON_INTERPRET=1``, set before Triton is imported).
