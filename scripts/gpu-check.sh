@@ -38,11 +38,12 @@
 # one sub-tile level with four and eight warps).
 # subtile (about 8 minutes): tilings, then the Triton tests and the lengths below 4096 with 8 levels
 # timed against flash and cuDNN.
-# host (about 2 minutes): where a whole call's time beyond its kernels goes: the test that a training
+# host [TREE] (about 2 minutes, 3 with TREE): where a whole call's time beyond its kernels goes: the test that a training
 # call makes no synchronising CUDA call, MLR against flash and cuDNN at T = 8192 (sattn bench mlr, each call
 # alone and ten back to back, with each case's profiler timeline, its GPU's idle gaps by
 # trace_gaps.py), and profile_host.py's split of
-# the host's part at 1024 and 8192 (when each side of one call is done).
+# the host's part at 1024 and 8192 (when each side of one call is done); with TREE (another version's
+# src/, prepared as for ab) the whole calls at 8192 again, that tree's package then this one's.
 # graphs (about 3 minutes, most of it compiling): a GPT's training step at context 4096, MHA and MLR,
 # eager and under torch.compile(mode="reduce-overhead") (run.compile_mode: the step's kernels
 # replayed from CUDA graphs, no host work between them), each step alone and five back to back.
@@ -151,6 +152,14 @@ if [[ $step == host ]]; then
         timeout 60 python3 scripts/profile_host.py --seq-len $t --calls 50 --out "$out/host-$t.txt" \
             | head -n 14 || status=1
     done
+    if [[ -n ${3:-} ]]; then  # the same whole calls with another tree's package, in this call (the host's speed varies by machine)
+        [[ -d $3/src/structured_attention ]] || { echo "host: expected $3/src/structured_attention" >&2; exit 2; }
+        for package in "$3/src" src; do
+            PYTHONPATH=$package timeout 90 python3 -m structured_attention.cli.main bench mlr --device cuda \
+                --dtype bfloat16 --seq-lens 8192 --paths sdpa_flash,mlr --repeats 10 --back-to-back 10 --no-memory \
+                --out "$out/host-ab-${package//\//_}" | tail -n 3 || status=1
+        done
+    fi
 fi
 if [[ $step == graphs ]]; then
     timeout 300 python3 -m structured_attention.cli.main bench lm --device cuda --dtype bfloat16 --seq-lens 4096 \
