@@ -8,9 +8,9 @@ known), and with ``--check`` that both hand the launcher the same arguments.
 Triton compiles the kernels for sm_90 (no GPU needed); the CUDA driver is replaced by a stand-in and
 the compiled kernels' C launchers by a no-op (timing) or a recorder (``--check``), so the times are
 Python's alone: the launcher's own argument parsing, a few microseconds, comes on top of both on a
-GPU. ``--check`` runs a forward and a backward twice, through Triton's launch the first time and
-through the kept launchers the second, and exits 1 unless every launch got the same grid, stream,
-kernel and arguments (tensors by dtype and shape). Run without ``TRITON_INTERPRET`` (the
+GPU. ``--check`` runs a forward, a backward and a decoding step twice, through Triton's launch the
+first time and through the kept launchers the second, and exits 1 unless every launch got the same
+grid, stream, kernel and arguments (tensors by dtype and shape). Run without ``TRITON_INTERPRET`` (the
 interpreter has no compiled kernels).
 """
 
@@ -95,7 +95,7 @@ def main() -> None:
     stand_in_gpu(launched if args.check else None)
     import triton
 
-    from structured_attention.ops.mlr import triton_common, triton_prefix as tp
+    from structured_attention.ops.mlr import triton_common, triton_decode, triton_prefix as tp
     from structured_attention.ops.mlr.contract import mlr_block_sizes
 
     ranks, T = (8,) * 8, args.seq_len
@@ -106,13 +106,17 @@ def main() -> None:
     plan.upcast = False  # the GPU's kernels, not the interpreter's
     if args.check:
         runs = []
+        # one new query against a two-level compressed cache of the sequence (its second level
+        # holding the last half): the decoding kernels' launches
+        keys, starts = [k[..., :32], k[:, :, T // 2:, 32:]], [0, T // 2]
         for _ in range(2):  # through Triton's launch (compiling), then through the kept launchers
             launched.clear()
             out, lse = tp._forward(q, k, v, None, T, plan, True, 0.125, False)
             tp._backward(q, k, v, out, lse, do, None, T, plan, True, 0.125, False)
+            triton_decode.mlr_decode_triton(q[:, :, -1:], keys, starts, v, (32, 32), 0.125)
             runs.append([tuple(describe(a) for a in call) for call in launched])
         kept = sum(len(kernels) for kernels in triton_common._launchers.values())
-        same = len(runs[0]) == 3 and runs[0] == runs[1] and kept == 3
+        same = len(runs[0]) == 5 and runs[0] == runs[1] and kept == 5
         print(f"Triton {triton.__version__}: {len(runs[0])} launches, {kept} kept launchers, "
               f"arguments {'the same' if same else 'DIFFERENT'} through Triton's launch and through launch()")
         sys.exit(0 if same else 1)

@@ -122,8 +122,8 @@ def test_a_kernel_is_launched_through_triton_once_per_specialisation_then_direct
 
 def test_launch_hands_the_compiled_kernels_what_tritons_own_launch_does():
     """With the real kernels compiled for sm_90 (no GPU: the driver stood in for, the launchers
-    recording), a forward and a backward launched through Triton, then through the launchers
-    launch() keeps, give every launcher the same arguments (scripts/launch_cost.py --check)."""
+    recording), a forward, a backward and a decoding step launched through Triton, then through the
+    launchers launch() keeps, give every launcher the same arguments (scripts/launch_cost.py --check)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
     res = subprocess.run([sys.executable, str(ROOT / "scripts/launch_cost.py"), "--check", "--seq-len", "1024"],
