@@ -311,6 +311,29 @@ def test_a_training_call_never_waits_for_the_gpu(ranks, T):
     assert all(g.shape == x.shape for g, x in zip(grads, (q, k, v)))
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="a host synchronisation is a CUDA device's")
+def test_a_call_with_a_dim_order_never_waits_for_the_gpu():
+    """The head dims' order a Hugging Face model's MLR attention passes (rotary pairs): its index is
+    made on the device once, not copied from the host on every call (a copy that waits for the GPU)."""
+    from structured_attention.integrations.transformers import level_permutation
+    from structured_attention.ops.mlr import mlr_attention
+
+    ranks = (16, 16, 16, 16)
+    q, k, v, do = make_qkv(1, 8, 8, 1024, 64, 64, torch.bfloat16, requires_grad=True, dout=True, device=DEVICE)
+    order = level_permutation(64)
+    torch.autograd.grad(mlr_attention(q, k, v, ranks, dim_order=order), (q, k, v), do)  # plans, tables, index
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = mlr_attention(q, k, v, ranks, dim_order=order)
+        grads = torch.autograd.grad(out, (q, k, v), do)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    want = mlr_attention(q[..., list(order)], k[..., list(order)], v, ranks)
+    torch.testing.assert_close(out, want)
+    assert all(g.shape == x.shape for g, x in zip(grads, (q, k, v)))
+
+
 @pytest.mark.parametrize("kernel", ["prefix", "general"])
 def test_transposed_views_are_read_in_place_and_give_the_contiguous_results(kernel):
     # A layer's heads are a transposed view of its projection, (B, T, H, D) -> (B, H, T, D): the
