@@ -10,6 +10,7 @@ import torch
 
 transformers = pytest.importorskip("transformers", reason="the [hf] extra (transformers) is not installed")
 
+from structured_attention.attention.segments import left_padding  # noqa: E402
 from structured_attention.integrations import transformers as sattn_hf  # noqa: E402
 from structured_attention.ops.mlr import mlr_attention_reference  # noqa: E402
 
@@ -213,6 +214,21 @@ def test_the_compressed_cache_generates_exactly_and_holds_what_mlr_reads():
     beams = dict(attention_mask=mask, max_new_tokens=20, num_beams=3, do_sample=False)  # the cache reordered
     assert torch.equal(model.generate(prompts, **beams, **{CACHE: sattn_hf.MLRCache(model.config)}),
                        model.generate(prompts, **beams, use_cache=False))
+
+
+def test_a_decoding_step_reads_the_padding_once_for_all_layers(monkeypatch):
+    """Each row's block starts after a cache come from the padding mask, which is read on the host
+    (a wait for the device): once per forward step for every layer, not once per layer, with the
+    tokens of generation without a cache."""
+    model = _llama(sattn_hf.ATTN_IMPLEMENTATION, [8, 4, 4])  # two layers
+    prompts, mask = IDX[:, :10], torch.tensor([[0] * 4 + [1] * 6, [1] * 10])
+    reads = []
+    monkeypatch.setattr(sattn_hf, "left_padding", lambda *a: reads.append(1) or left_padding(*a))
+    out = model.generate(prompts, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                         **{CACHE: sattn_hf.MLRCache(model.config)})
+    assert len(reads) == 11  # the 11 steps after the prompt's
+    assert torch.equal(out, model.generate(prompts, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                                           use_cache=False))
 
 
 def test_transformers_static_cache_generates_what_no_cache_does():

@@ -153,6 +153,29 @@ def _filled_slots(position_ids: torch.Tensor | None, keys: int) -> int:
     return _filled_memo[2]
 
 
+_row_starts_memo: tuple[Any, int, tuple, torch.Tensor] | None = None  # (the mask or a weak reference, its version, the rest, the answer)
+
+
+def _row_starts(attention_mask: torch.Tensor | None, batch: int, keys: int, first: int, sizes: tuple[int, ...],
+                device: torch.device) -> torch.Tensor:
+    """Each row's first key at each level for queries from position ``first`` after a cache of
+    ``keys``: its left padding, then its current block's start. Made once per forward: every layer
+    gets the same mask, and reading it (the check that it is left-padded, the padding per row) and
+    copying the answer to the device wait for the device, which per layer would hold back every
+    layer's kernels."""
+    global _row_starts_memo
+    rest = (batch, keys, first, sizes, device)
+    version = -1 if attention_mask is None else attention_mask._version
+    memo = _row_starts_memo
+    if memo is not None and memo[1:3] == (version, rest) and (memo[0] is None if attention_mask is None
+                                                                 else memo[0]() is attention_mask):
+        return memo[3]
+    offsets = left_padding(attention_mask, batch, keys, device) if attention_mask is not None else [0] * batch
+    starts = torch.tensor([[o + (first - o) // s * s for s in sizes] for o in offsets], device=device)
+    _row_starts_memo = (None if attention_mask is None else weakref.ref(attention_mask), version, rest, starts)
+    return starts
+
+
 # Arguments transformers passes to attention functions that change the scores: Gemma 2's logit
 # soft-capping, the attention sinks of gpt-oss (s_aux, sinks), T5-style position biases.
 _SCORE_CHANGES = ("softcap", "s_aux", "sinks", "position_bias")
@@ -204,11 +227,7 @@ def mlr_attention_forward(
         # inside autocast the rotated keys are float32 beside bfloat16 values: read as SDPA would
         query, key, value = autocast_inputs(query, key, value)
         q, k = _pair_order(query), _pair_order(key)
-        offsets = torch.tensor(left_padding(attention_mask, batch, t_k, q.device) if attention_mask is not None
-                               else [0] * batch, device=q.device)
-        first = t_k - t_q
-        block = torch.tensor(sizes, device=q.device)
-        row_starts = offsets[:, None] + (first - offsets)[:, None] // block * block
+        row_starts = _row_starts(attention_mask, batch, t_k, t_k - t_q, sizes, q.device)
         out = mlr_prefill(q, list(k.split(ranks, dim=-1)), [0] * len(ranks), value, ranks, scale, False, sizes,
                           row_starts)
     return out.transpose(1, 2).contiguous(), None
