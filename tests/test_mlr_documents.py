@@ -190,13 +190,14 @@ def test_cpu_kernel_takes_documents_in_one_call(monkeypatch):
     if not mlr_cpu.available():
         pytest.skip("the C++ kernel is not available here")
     calls = []
-    original = mlr_cpu._forward_op
+    kernel = mlr_cpu.load()
+    original = kernel.forward
 
     def spy(q, k, v, segments, *rest):
         calls.append(segments.clone())
         return original(q, k, v, segments, *rest)
 
-    monkeypatch.setattr(mlr_cpu, "_forward_op", spy)
+    monkeypatch.setattr(kernel, "forward", spy)
     q, k, v, ranks, block_sizes, lengths = _inputs("uneven-gqa", torch.float32)
     mlr_attention(q, k, v, ranks, block_sizes, document_ids=_ids(lengths))
     assert len(calls) == 1

@@ -21,6 +21,7 @@ from .contract import (
     check_mlr_arguments,
     check_mlr_cache_arguments,
     check_dim_order,
+    compiled_or_eager,
     compute_dtype,
 )
 
@@ -32,12 +33,14 @@ __all__ = ["available", "decode", "decode_static", "load", "mlr_attention_cpu", 
 # head dims in ``order`` (empty: as they come); outputs are (B, H, T, *) views of (B, T, H, *)
 # memory. ``segments`` (S, 3) int64 rows of (row b * H + h, start, length), or (0, 3) for whole
 # rows: each is scored as a sequence of its own (packed documents, varlen).
-@torch.library.custom_op("sattn::mlr_cpu_forward", mutates_args=())
-def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor, sizes: list[int],
-                offsets: list[int], order: list[int], scale: float, causal: bool, depth_normalize: bool
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def _run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor, sizes: list[int],
+                 offsets: list[int], order: list[int], scale: float, causal: bool, depth_normalize: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     return tuple(load().forward(q, k, v, segments, sizes, offsets, order, scale, causal, depth_normalize, BLOCK_Q,
                                 BLOCK_K))
+
+
+_forward_op = torch.library.custom_op("sattn::mlr_cpu_forward", _run_forward, mutates_args=())
 
 
 def _kernel_input(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -58,14 +61,16 @@ def _(q, k, v, segments, sizes, offsets, order, scale, causal, depth_normalize):
     return _heads_view(q, v.shape[-1]), q.new_empty(q.shape[:3])
 
 
-@torch.library.custom_op("sattn::mlr_cpu_backward", mutates_args=())
-def _backward_op(gout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                 lse: torch.Tensor, segments: torch.Tensor, sizes: list[int], offsets: list[int], order: list[int],
-                 scale: float, causal: bool, depth_normalize: bool
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _run_backward(gout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                  lse: torch.Tensor, segments: torch.Tensor, sizes: list[int], offsets: list[int], order: list[int],
+                  scale: float, causal: bool, depth_normalize: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dq, dk, dv = load().backward(q, k, v, out, _kernel_input(gout, gout.dtype), lse, segments, sizes, offsets, order,
                                  scale, causal, depth_normalize, BLOCK_Q, BLOCK_K)
     return dq, _group_sum(dk, k.shape[1]), _group_sum(dv, k.shape[1])
+
+
+_backward_op = torch.library.custom_op("sattn::mlr_cpu_backward", _run_backward, mutates_args=())
 
 
 def _group_sum(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -79,14 +84,17 @@ def _(gout, q, k, v, out, lse, segments, sizes, offsets, order, scale, causal, d
             _group_sum(_heads_view(q, v.shape[-1]), k.shape[1]))
 
 
-attach_backward(_forward_op, _backward_op)
+_forward_call = attach_backward(_forward_op, _backward_op, eager=(_run_forward, _run_backward))
 
 
-@torch.library.custom_op("sattn::mlr_cpu_decode", mutates_args=())
-def _decode_op(q: torch.Tensor, keys: list[torch.Tensor], key_starts: list[int], v: torch.Tensor, scale: float,
-               depth_normalize: bool, row_starts: torch.Tensor | None) -> torch.Tensor:
+def _run_decode(q: torch.Tensor, keys: list[torch.Tensor], key_starts: list[int], v: torch.Tensor, scale: float,
+                depth_normalize: bool, row_starts: torch.Tensor | None) -> torch.Tensor:
     starts = torch.empty(0, dtype=torch.long) if row_starts is None else row_starts.long().contiguous()
     return load().decode(q, keys, key_starts, v, scale, depth_normalize, starts)
+
+
+_decode_op = torch.library.custom_op("sattn::mlr_cpu_decode", _run_decode, mutates_args=())
+_decode_call = compiled_or_eager(_decode_op, _run_decode)
 
 
 @_decode_op.register_fake
@@ -94,10 +102,13 @@ def _(q, keys, key_starts, v, scale, depth_normalize, row_starts):
     return q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
 
 
-@torch.library.custom_op("sattn::mlr_cpu_decode_static", mutates_args=())
-def _decode_static_op(q: torch.Tensor, keys: list[torch.Tensor], v: torch.Tensor, slot: torch.Tensor,
-                      row_starts: torch.Tensor, rings: list[int], scale: float, depth_normalize: bool) -> torch.Tensor:
+def _run_decode_static(q: torch.Tensor, keys: list[torch.Tensor], v: torch.Tensor, slot: torch.Tensor,
+                       row_starts: torch.Tensor, rings: list[int], scale: float, depth_normalize: bool) -> torch.Tensor:
     return load().decode_static(q, keys, v, slot, row_starts, rings, scale, depth_normalize)
+
+
+_decode_static_op = torch.library.custom_op("sattn::mlr_cpu_decode_static", _run_decode_static, mutates_args=())
+_decode_static_call = compiled_or_eager(_decode_static_op, _run_decode_static)
 
 
 @_decode_static_op.register_fake
@@ -111,8 +122,8 @@ def decode_static(q: torch.Tensor, keys: Sequence[torch.Tensor], v: torch.Tensor
     ``q (B, H, 1, R)``, level 1's keys and ``v`` at their slots, level ``l``'s keys in a ring of
     ``rings[l]`` slots (0 for level 1), the new token at ``slot``; ``row_starts`` ``(B, L)`` each
     row's first slot per level. float32 or float64 buffers."""
-    out = _decode_static_op(q[:, :, 0], list(keys), v, slot, row_starts.contiguous(), list(rings), float(scale),
-                            depth_normalize)
+    out = _decode_static_call(q[:, :, 0], list(keys), v, slot, row_starts.contiguous(), list(rings), float(scale),
+                              depth_normalize)
     return out.unsqueeze(2)
 
 
@@ -141,10 +152,10 @@ def mlr_attention_cpu(
     if not available():
         raise RuntimeError("the C++ MLR attention kernel is not available here (see the warning when it was built)")
     dtype = compute_dtype(q.dtype)
-    out, _ = _forward_op(_kernel_input(q, dtype), _kernel_input(k, dtype), _kernel_input(v, dtype),
-                         document_segments(document_ids, q.shape[1]), list(sizes),
-                         list(itertools.accumulate(ranks, initial=0)), [] if order is None else list(order),
-                         float(scale), causal, depth_normalize)
+    out, _ = _forward_call(_kernel_input(q, dtype), _kernel_input(k, dtype), _kernel_input(v, dtype),
+                           document_segments(document_ids, q.shape[1]), list(sizes),
+                           list(itertools.accumulate(ranks, initial=0)), [] if order is None else list(order),
+                           float(scale), causal, depth_normalize)
     return out.to(q.dtype)
 
 
@@ -196,6 +207,6 @@ def decode(
     if not available():
         raise RuntimeError("the C++ MLR attention kernel is not available here (see the warning when it was built)")
     dtype = compute_dtype(v.dtype)
-    out = _decode_op(_kernel_input(q, dtype)[:, :, 0], [_kernel_input(k, dtype) for k in keys], list(key_starts),
-                     _kernel_input(v, dtype), float(scale), depth_normalize, row_starts)
+    out = _decode_call(_kernel_input(q, dtype)[:, :, 0], [_kernel_input(k, dtype) for k in keys], list(key_starts),
+                       _kernel_input(v, dtype), float(scale), depth_normalize, row_starts)
     return out.unsqueeze(2).to(v.dtype)

@@ -26,6 +26,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/native/CPUBlas.h>
@@ -831,6 +832,7 @@ std::vector<at::Tensor> mlr_forward(const at::Tensor& q, const at::Tensor& k, co
                                     const at::Tensor& segments, std::vector<int64_t> sizes,
                                     std::vector<int64_t> offsets, std::vector<int64_t> order, double scale,
                                     bool causal, bool depth_normalize, int64_t bq, int64_t bk) {
+  RECORD_FUNCTION("sattn::mlr_cpu_forward_kernel", std::vector<c10::IValue>());
   for (auto [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}}) check_input(*t, q, name);
   TORCH_CHECK(k.size(3) == q.size(3) && v.size(1) == k.size(1), "mlr_cpu: k must be (B, Hk, T, R), v (B, Hk, T, Dv)");
   const Levels lv = make_levels(sizes, offsets);
@@ -849,6 +851,7 @@ std::vector<at::Tensor> mlr_backward(const at::Tensor& q, const at::Tensor& k, c
                                      const at::Tensor& segments, std::vector<int64_t> sizes,
                                      std::vector<int64_t> offsets, std::vector<int64_t> order, double scale,
                                      bool causal, bool depth_normalize, int64_t bq, int64_t bk) {
+  RECORD_FUNCTION("sattn::mlr_cpu_backward_kernel", std::vector<c10::IValue>());
   for (auto [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}, {&out, "out"}, {&gout, "gout"}})
     check_input(*t, q, name);
   TORCH_CHECK(lse.is_contiguous() && lse.sizes() == q.sizes().slice(0, 3), "mlr_cpu: lse must be a contiguous (B, H, T)");
@@ -890,6 +893,7 @@ at::Tensor mlr_decode_checked(const at::Tensor& q, const std::vector<at::Tensor>
 
 at::Tensor mlr_decode(const at::Tensor& q, const std::vector<at::Tensor>& keys, std::vector<int64_t> starts,
                       const at::Tensor& v, double scale, bool depth_normalize, const at::Tensor& row_starts) {
+  RECORD_FUNCTION("sattn::mlr_cpu_decode_kernel", std::vector<c10::IValue>());
   TORCH_CHECK(keys.size() == starts.size(), "mlr_cpu: one key view and start per level");
   auto out = mlr_decode_checked(q, keys, v, row_starts);
   const std::vector<int64_t> rings(keys.size(), 0);
@@ -905,6 +909,7 @@ at::Tensor mlr_decode(const at::Tensor& q, const std::vector<at::Tensor>& keys, 
 at::Tensor mlr_decode_static(const at::Tensor& q, const std::vector<at::Tensor>& keys, const at::Tensor& v,
                              const at::Tensor& slot, const at::Tensor& row_starts, std::vector<int64_t> rings,
                              double scale, bool depth_normalize) {
+  RECORD_FUNCTION("sattn::mlr_cpu_decode_static_kernel", std::vector<c10::IValue>());
   TORCH_CHECK(slot.numel() == 1 && slot.scalar_type() == at::kLong && slot.device().is_cpu(),
               "mlr_cpu: decode_static takes the slot as a one-element int64 CPU tensor");
   TORCH_CHECK(rings.size() == keys.size() && row_starts.numel() > 0, "mlr_cpu: one ring size per level and row starts");
