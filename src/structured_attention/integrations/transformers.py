@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -139,41 +139,48 @@ def _check_levels(ranks: Any, block_sizes: Any, context: Any, head_dim: int
     return tuple(ranks), sizes
 
 
-_filled_memo: tuple[Any, int, int] | None = None  # (a weak reference to position_ids, their version, the answer)
+class _PerForward:
+    """A value derived from one tensor (or None) and other arguments, kept until another tensor,
+    another version of it or other arguments ask: every layer of a forward passes the same tensors
+    (``position_ids``, the padding mask), so what is read from them on the host, a wait for the
+    device, is read once per forward instead of once per layer."""
+
+    def __init__(self) -> None:
+        self._held: tuple[Any, int, tuple, Any] | None = None  # (a weak reference or None, version, rest, value)
+
+    def get(self, tensor: torch.Tensor | None, rest: tuple, make: Callable[[], Any]) -> Any:
+        version = -1 if tensor is None else tensor._version
+        held = self._held
+        if held is not None and held[1:3] == (version, rest) and (held[0] is None if tensor is None
+                                                                  else held[0]() is tensor):
+            return held[3]
+        value = make()
+        self._held = (None if tensor is None else weakref.ref(tensor), version, rest, value)
+        return value
+
+
+_filled_memo, _row_starts_memo = _PerForward(), _PerForward()
 
 
 def _filled_slots(position_ids: torch.Tensor | None, keys: int) -> int:
-    """The last query's position + 1 (``keys`` without ``position_ids``). Reading it waits for the
-    device, so it is read once per forward: every layer gets the same ``position_ids`` tensor."""
-    global _filled_memo
+    """The last query's position + 1 (``keys`` without ``position_ids``), read once per forward."""
     if not isinstance(position_ids, torch.Tensor):
         return keys
-    if _filled_memo is None or _filled_memo[0]() is not position_ids or _filled_memo[1] != position_ids._version:
-        _filled_memo = (weakref.ref(position_ids), position_ids._version, int(position_ids[:, -1].max()) + 1)
-    return _filled_memo[2]
-
-
-_row_starts_memo: tuple[Any, int, tuple, torch.Tensor] | None = None  # (the mask or a weak reference, its version, the rest, the answer)
+    return _filled_memo.get(position_ids, (), lambda: int(position_ids[:, -1].max()) + 1)
 
 
 def _row_starts(attention_mask: torch.Tensor | None, batch: int, keys: int, first: int, sizes: tuple[int, ...],
                 device: torch.device) -> torch.Tensor:
     """Each row's first key at each level for queries from position ``first`` after a cache of
-    ``keys``: its left padding, then its current block's start. Made once per forward: every layer
-    gets the same mask, and reading it (the check that it is left-padded, the padding per row) and
-    copying the answer to the device wait for the device, which per layer would hold back every
-    layer's kernels."""
-    global _row_starts_memo
-    rest = (batch, keys, first, sizes, device)
-    version = -1 if attention_mask is None else attention_mask._version
-    memo = _row_starts_memo
-    if memo is not None and memo[1:3] == (version, rest) and (memo[0] is None if attention_mask is None
-                                                                 else memo[0]() is attention_mask):
-        return memo[3]
-    offsets = left_padding(attention_mask, batch, keys, device) if attention_mask is not None else [0] * batch
-    starts = torch.tensor([[o + (first - o) // s * s for s in sizes] for o in offsets], device=device)
-    _row_starts_memo = (None if attention_mask is None else weakref.ref(attention_mask), version, rest, starts)
-    return starts
+    ``keys``: its left padding, then its current block's start; made once per forward (reading the
+    mask, checking that it is left-padded and copying the answer to the device each wait for the
+    device, which per layer would hold back every layer's kernels)."""
+
+    def make() -> torch.Tensor:
+        offsets = left_padding(attention_mask, batch, keys, device) if attention_mask is not None else [0] * batch
+        return torch.tensor([[o + (first - o) // s * s for s in sizes] for o in offsets], device=device)
+
+    return _row_starts_memo.get(attention_mask, (batch, keys, first, sizes, device), make)
 
 
 # Arguments transformers passes to attention functions that change the scores: Gemma 2's logit

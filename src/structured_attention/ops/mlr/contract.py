@@ -27,7 +27,9 @@ error style):
 
 from __future__ import annotations
 
+import functools
 import math
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -52,6 +54,7 @@ __all__ = [
     "check_mlr_arguments",
     "check_mlr_cache_arguments",
     "compute_dtype",
+    "device_table",
     "expand_kv",
     "grouped_matmul",
     "mlr_block_sizes",
@@ -176,6 +179,38 @@ def mlr_score_flops(T: int, ranks: Sequence[int], block_sizes: Sequence[int], ca
 # --------------------------------------------------------------------------------------------------
 # Arguments, dtypes and grouped-query attention
 # --------------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=512)
+def device_table(values: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``values`` as a 1-D tensor on ``device``, made once per distinct table.
+
+    The kernels read small metadata tables (block sizes, ranks, addresses), the dispatcher a head-dim
+    order; copying them to the device on every call would cost a synchronous host-to-device copy
+    each (it waits for the device's queued work). Never write to the result.
+
+    The table is made on a thread of its own. While ``torch.compile(mode="reduce-overhead")`` warms
+    a CUDA graph up, every allocation of the calling thread goes to the graph's memory pool, where
+    a table kept for later calls would be counted as a leak when the graph is recorded (an error)
+    and its memory could be handed to the graph; the other thread allocates as usual. The copy is
+    complete when the call returns (a copy from pageable memory waits for itself). A thread per
+    table (about 70 us on a 2-core Xeon, once per distinct table), not a pool's: a process forked
+    later would wait forever on a pool's dead thread.
+    """
+    made: list[torch.Tensor | BaseException] = []
+
+    def make() -> None:
+        try:
+            made.append(torch.tensor(values, dtype=dtype, device=device))
+        except BaseException as e:  # raised again on the calling thread
+            made.append(e)
+
+    maker = threading.Thread(target=make, name="sattn-device-table")
+    maker.start()
+    maker.join()
+    if isinstance(made[0], BaseException):
+        raise made[0]
+    return made[0]
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -402,12 +437,7 @@ def attach_backward(forward_op: torch.library.CustomOpDef, backward_op: torch.li
     """
 
     def save(ctx, inputs, output):  # noqa: ANN001, ANN202
-        q, k, v, *config = inputs
-        outputs = output if isinstance(output, tuple) else (output,)
-        ctx.save_for_backward(q, k, v, *outputs)
-        ctx.config = config
-        if len(outputs) > 1:
-            ctx.mark_non_differentiable(*outputs[1:])
+        _save(ctx, *inputs[:3], inputs[3:], output)
 
     def gradients(ctx, gout, *_aux):  # noqa: ANN001, ANN202
         grads = backward_op(gout, *ctx.saved_tensors, *ctx.config)
@@ -417,6 +447,15 @@ def attach_backward(forward_op: torch.library.CustomOpDef, backward_op: torch.li
     if eager is None:
         return forward_op
     return compiled_or_eager(forward_op, eager_autograd(*eager))
+
+
+def _save(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: Sequence[Any], output: Any) -> None:
+    """What a backward reads: the inputs, the outputs (aux ones not differentiable), the configuration."""
+    outputs = output if isinstance(output, tuple) else (output,)
+    ctx.save_for_backward(q, k, v, *outputs)
+    ctx.config = config
+    if len(outputs) > 1:
+        ctx.mark_non_differentiable(*outputs[1:])
 
 
 def eager_autograd(forward_fn: Callable[..., Any], backward_fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -431,11 +470,7 @@ def eager_autograd(forward_fn: Callable[..., Any], backward_fn: Callable[..., An
         @staticmethod
         def forward(ctx, q, k, v, config):  # noqa: ANN001, ANN205
             output = forward_fn(q, k, v, *config)
-            outputs = output if isinstance(output, tuple) else (output,)
-            ctx.save_for_backward(q, k, v, *outputs)
-            ctx.config = config
-            if len(outputs) > 1:
-                ctx.mark_non_differentiable(*outputs[1:])
+            _save(ctx, q, k, v, config, output)
             return output
 
         @staticmethod

@@ -26,7 +26,6 @@ passed the checks before (everything they read) goes straight to the route prepa
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,7 +33,8 @@ import torch
 
 from ..._autocast import autocast_inputs
 from . import blocked, cpu
-from .contract import check_dim_order, check_mlr_arguments, check_mlr_cache_arguments, document_bounds
+from .contract import (check_dim_order, check_mlr_arguments, check_mlr_cache_arguments, device_table,
+                       document_bounds)
 from .reference import mlr_attention_reference, mlr_decode_reference, mlr_prefill_reference
 
 __all__ = ["has_triton", "mlr_attention", "mlr_decode", "mlr_prefill"]
@@ -143,7 +143,10 @@ def mlr_attention(
         return cpu.mlr_attention_cpu(q, k, v, ranks, sizes, causal, resolved_scale, depth_normalize, document_ids,
                                      order)
     if order is not None:
-        index = torch.tensor(order, device=q.device) if torch.compiler.is_compiling() else _order_index(order, q.device)
+        # made once per order and device: copied from the host on every call it would wait for the
+        # GPU in every layer of a Hugging Face model's MLR attention
+        index = (torch.tensor(order, device=q.device) if torch.compiler.is_compiling()
+                 else device_table(order, torch.long, q.device))
         q, k = q.index_select(-1, index), k.index_select(-1, index)
     if document_ids is None:
         return _mlr_attention(q, k, v, ranks, sizes, causal, resolved_scale, depth_normalize)
@@ -167,14 +170,6 @@ def mlr_attention(
         ]
         rows.append(torch.cat(segments, dim=2))
     return torch.cat(rows, dim=0)
-
-
-@functools.lru_cache(maxsize=64)
-def _order_index(order: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """``dim_order`` as an index on ``device``, made once per order and device: a copy from the
-    host's memory on every call would wait for the GPU to finish its queued work (a synchronising
-    copy), in every layer of every step (a Hugging Face model's MLR attention passes one)."""
-    return torch.tensor(order, device=device)
 
 
 def _mlr_attention(

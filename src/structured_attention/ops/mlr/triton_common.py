@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import functools
-import threading
 
 import torch
 import triton
 import triton.language as tl
 
-from .contract import document_bounds
+from .contract import device_table, document_bounds
 
 __all__ = ["INTERPRETED", "blocks_meet", "cdiv", "dense_rows", "device_table", "dot", "dot_acc", "launch",
            "load_segment", "pow2", "row_dots", "segments_of_documents", "segments_of_rows"]
@@ -96,7 +95,9 @@ def launch(kernel: triton.runtime.JITFunction, grid: tuple[int, ...], *args: obj
     device = torch.cuda.current_device()
     key = (device, grid, *[(a.dtype, a.data_ptr() % 16 == 0) if isinstance(a, torch.Tensor) else a for a in args],
            *constexprs.items())
-    kept = _launchers.setdefault(kernel, {})
+    kept = _launchers.get(kernel)
+    if kept is None:
+        kept = _launchers[kernel] = {}
     found = kept.get(key)
     if found is not None:
         launcher, compile_time = found
@@ -136,37 +137,6 @@ def dense_rows(x: torch.Tensor) -> torch.Tensor:
                              == x.numel()):
         return x
     return x.contiguous()
-
-
-@functools.lru_cache(maxsize=512)
-def device_table(values: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``values`` as a 1-D tensor on ``device``, made once per distinct table.
-
-    The kernels read small metadata tables (block sizes, ranks, addresses); copying them to the
-    device on every call would cost a synchronous host-to-device copy each. Never write to the result.
-
-    The table is made on a thread of its own. While ``torch.compile(mode="reduce-overhead")`` warms
-    a CUDA graph up, every allocation of the calling thread goes to the graph's memory pool, where
-    a table kept for later calls would be counted as a leak when the graph is recorded (an error)
-    and its memory could be handed to the graph; the other thread allocates as usual. The copy is
-    complete when the call returns (a copy from pageable memory waits for itself). A thread per
-    table (about 70 us on a 2-core Xeon, once per distinct table), not a pool's: a process forked
-    later would wait forever on a pool's dead thread.
-    """
-    made: list[torch.Tensor | BaseException] = []
-
-    def make() -> None:
-        try:
-            made.append(torch.tensor(values, dtype=dtype, device=device))
-        except BaseException as e:  # raised again on the calling thread
-            made.append(e)
-
-    maker = threading.Thread(target=make, name="sattn-device-table")
-    maker.start()
-    maker.join()
-    if isinstance(made[0], BaseException):
-        raise made[0]
-    return made[0]
 
 
 @functools.lru_cache(maxsize=64)

@@ -429,10 +429,7 @@ def _forward(q, k, v, segments, max_len: int, plan: _Plan, causal: bool, scale: 
     grid = (cdiv(max_len, plan.block_m), segments.shape[0] * H)
     launch(_mlr_fwd_kernel, grid,
         q, k, v, o, lse, segments, plan.foff, plan.frank, plan.fsize,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        o.stride(0), o.stride(1), o.stride(2),
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
         H, H // Hk, T, plan.R1, plan.DV, float(scale),
         **plan.constexprs(causal, depth_normalize),
     )
@@ -450,12 +447,7 @@ def _backward(q, k, v, o, lse, do, segments, max_len: int, plan: _Plan, causal: 
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
-    common_strides = (
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        do.stride(0), do.stride(1), do.stride(2),
-    )
+    common_strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3])
     cx = plan.constexprs(causal, depth_normalize)
     n_segments = segments.shape[0]
     launch(_mlr_bwd_dkdv_kernel, (cdiv(max_len, plan.block_n), n_segments * Hk),
