@@ -20,7 +20,8 @@
 # whole decoding step, and the layers' decoding benchmark.
 # layout (about a minute): the decoding kernel in its default setting against SDPA's, level 1 and
 # the values alone, and both read from one buffer that holds a token's level-1 key and value in one
-# row instead of two buffers.
+# row instead of two buffers; then the same cache as a static cache holds it (what a captured
+# generation step reads), in two buffers and in one.
 # varlen (about 8 minutes) runs the padded/packed/ragged tests and the kernels' document and row-start
 # tests on the GPU, then times packed documents against one call per document and mixed-length generation.
 # generate (about 6 minutes) runs the static-cache tests on the GPU and times generation per kind,

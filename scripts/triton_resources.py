@@ -1,14 +1,16 @@
 """The package's Triton kernels compiled for an NVIDIA GPU without one: each kernel's shared memory,
 registers, spill stack and compile time, the numbers that decide occupancy and local-memory traffic.
 
-    python3 scripts/triton_resources.py [--case general|prefix|sub-tile|one-sub-tile|decode] [--dtype bfloat16] [--arch 90]
+    python3 scripts/triton_resources.py [--case general|prefix|sub-tile|one-sub-tile|decode|decode-static]
+                                        [--dtype bfloat16] [--arch 90]
                                         [--num-warps N] [--tile N] [--step N] [--recorder PYTHON]
 
 Step 1 runs one call of the case (forward and backward for ``general`` and ``prefix``, one decoding
-step for ``decode``) on CPU tensors in a child process under ``TRITON_INTERPRET=1`` and records
-every kernel launch: its arguments' types, the 16-divisibility Triton specialises on, the
+step for the decoding cases) on CPU tensors in a child process under ``TRITON_INTERPRET=1`` and
+records every kernel launch: its arguments' types, the 16-divisibility Triton specialises on, the
 compile-time constants and the launch options. Step 2 compiles each launch with ``triton.compile``
-for ``sm_<arch>`` (Triton ships ptxas) and reads the resources from the cubin with cuobjdump, and
+for ``sm_<arch>`` (Triton ships ptxas) and reads the resources and the machine instructions' count
+(SASS, straight-line: a loop's body counts once) from the cubin with cuobjdump, and
 from the TTGIR the structure of its loops: the warp-group matrix products (``mma``, Hopper's
 asynchronous ``wgmma``), how many of their waits leave none in flight (``waited at once``: a
 product's result awaited before anything else is issued, so the matrix units do not run beside the
@@ -27,7 +29,10 @@ step over the walked axis) for the prefix-rank ones):
   on 1024 tokens): the prefix-rank kernels with sub-tile levels;
 - ``one-sub-tile``: the same with the block sizes of T = 4096 (one level, of 32-token blocks, finer
   than a tile);
-- ``decode``: one query against a 4096-token compressed cache (batch 2, 8 heads, 2 kv heads).
+- ``decode``: one query against a 4096-token compressed cache (batch 2, 8 heads, 2 kv heads);
+- ``decode-static``: the same against a static cache (``decode_static``: level 1 and the values
+  as long as the context, each finer level in a ring of its block size; what a graph-captured
+  generation step reads).
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ import sys
 import tempfile
 import time
 
-CASES = ("general", "prefix", "sub-tile", "one-sub-tile", "decode")
+CASES = ("general", "prefix", "sub-tile", "one-sub-tile", "decode", "decode-static")
 _TYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64", "int32": "i32",
           "int64": "i64", "bool": "i1", "int8": "i8", "uint8": "u8"}
 _OPTIONS = ("num_warps", "num_stages", "maxnreg")
@@ -97,6 +102,19 @@ def record(case: str, dtype: str, tile: int, step: int) -> list[dict]:
         keys = [torch.randn(B, Hk, n - start, r, dtype=dt) for r, start in zip(ranks, starts)]
         mlr_decode_triton(torch.randn(B, H, 1, sum(ranks), dtype=dt), keys, starts,
                           torch.randn(B, Hk, n, 64, dtype=dt), ranks, 0.125)
+    elif case == "decode-static":
+        from structured_attention.ops.mlr.contract import mlr_block_sizes
+        from structured_attention.ops.mlr.triton_decode import decode_static
+
+        B, H, Hk, n = 2, 8, 2, 4096
+        sizes = mlr_block_sizes(ranks, n)
+        flat = torch.randn(B * Hk * sum(r * s for r, s in zip(ranks[1:], sizes[1:])), dtype=dt)
+        keys, at = [torch.randn(B, Hk, n, ranks[0], dtype=dt)], 0
+        for r, s in zip(ranks[1:], sizes[1:]):
+            keys.append(flat[at:at + B * Hk * s * r].view(B, Hk, s, r))
+            at += B * Hk * s * r
+        decode_static(torch.randn(B, H, 1, sum(ranks), dtype=dt), keys, torch.randn(B, Hk, n, 64, dtype=dt),
+                      torch.tensor(n - 5), torch.zeros(B, dtype=torch.long), ranks, sizes, 0.125, False)
     else:
         from structured_attention.ops.mlr.triton_general import mlr_attention_triton
         from structured_attention.ops.mlr.triton_prefix import PrefixTiles, mlr_attention_prefix
@@ -135,10 +153,12 @@ def compile_launch(launch: dict, arch: int) -> dict:
         f.flush()
         usage = subprocess.run([cuobjdump, "--dump-resource-usage", f.name], capture_output=True, text=True,
                                check=True).stdout
+        sass = subprocess.run([cuobjdump, "--dump-sass", f.name], capture_output=True, text=True, check=True).stdout
     found = {key: int(re.search(rf"{key}:(\d+)", usage).group(1)) for key in ("REG", "STACK")}
     ttgir = kernel.asm["ttgir"]
     return {"kernel": launch["name"], "shared_bytes": kernel.metadata.shared, "registers": found["REG"],
             "spill_stack_bytes": found["STACK"], "compile_s": round(seconds, 1),
+            "instructions": len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+\S", sass, re.MULTILINE)),
             # Hopper's asynchronous warp-group products, and how many of their waits leave none in
             # flight (the product's result waited for at once: no overlap with what follows)
             "mma": len(re.findall(r"ttng\.warp_group_dot ", ttgir)),
@@ -175,13 +195,14 @@ def main() -> None:
     import triton
 
     print(f"case {args.case}, {args.dtype}, sm_{args.arch} (Triton {triton.__version__}'s compiler, no GPU)")
-    print(f"{'kernel':32s} {'shared B':>9s} {'regs':>5s} {'spill B':>8s} {'compile s':>9s} {'mma':>4s} "
+    print(f"{'kernel':32s} {'shared B':>9s} {'regs':>5s} {'spill B':>8s} {'instrs':>7s} {'compile s':>9s} {'mma':>4s} "
           f"{'waited at once':>14s} {'async loads':>11s} {'warp-specialised':>16s}")
     for launch in json.loads(child.stdout):
         if args.num_warps is not None:
             launch["options"]["num_warps"] = args.num_warps
         r = compile_launch(launch, args.arch)
         print(f"{r['kernel']:32s} {r['shared_bytes']:9d} {r['registers']:5d} {r['spill_stack_bytes']:8d} "
+              f"{r['instructions']:7d} "
               f"{r['compile_s']:9.1f} {r['mma']:4d} {r['mma_waited_at_once']:14d} {r['async_loads']:11d} "
               f"{'yes' if r['warp_specialized'] else 'no':>16s}")
 

@@ -12,7 +12,10 @@ step's attention (the kernel alone, no projections) at a 16k cache: SDPA's cuDNN
 memory-efficient kernels, and the MLR decoding kernel under several grid / tile / stage / register
 settings, each checked against the float32 reference, timed from a CUDA graph so that the host's
 launch cost does not count; then, in the default setting, level 1 and the values alone, and both
-reads again from one buffer that holds a token's level-1 key and value in one row.
+reads again from one buffer that holds a token's level-1 key and value in one row; last the same
+cache as a static cache holds it (what graph-captured generation reads: level 1 and the values in
+buffers as long as the context, each finer level in a ring of its block size), in two buffers and
+in one.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from check_prefix_tilings import errors, use_tile_warps  # scripts/ is on the path of a script run from it
 from structured_attention.functional import mlr_decode_reference
 from structured_attention.ops.mlr.contract import check_mlr_arguments, mlr_block_sizes
-from structured_attention.ops.mlr.triton_decode import mlr_decode_triton
+from structured_attention.ops.mlr.triton_decode import decode_static, mlr_decode_triton
 from structured_attention.ops.mlr.triton_general import mlr_attention_triton
 from structured_attention.ops.mlr.triton_prefix import PrefixTiles, mlr_attention_prefix
 
@@ -54,7 +57,7 @@ SETTINGS = {
 }
 
 
-DECODE_CACHE, DECODE_RANKS = 16368, (8,) * 8
+DECODE_CACHE, DECODE_RANKS, CONTEXT = 16368, (8,) * 8, 16384
 
 
 def decode_case(batch: int = 16, heads: int = 8) -> tuple[torch.Tensor, list[torch.Tensor], list[int], torch.Tensor,
@@ -62,7 +65,7 @@ def decode_case(batch: int = 16, heads: int = 8) -> tuple[torch.Tensor, list[tor
     """The benchmark's decoding step in bfloat16: a new query, the compressed MLR cache a layer built
     for a 16k context holds after ``DECODE_CACHE`` tokens (level ``l`` keeps its current block),
     the values, and full 64-dim keys for MHA."""
-    T, sizes = DECODE_CACHE, mlr_block_sizes(DECODE_RANKS, 16384)
+    T, sizes = DECODE_CACHE, mlr_block_sizes(DECODE_RANKS, CONTEXT)
     q = torch.randn(batch, heads, 1, 64, device="cuda", dtype=torch.bfloat16)
     starts = [0] + [(T // s) * s for s in sizes[1:]]
     keys = [torch.randn(batch, heads, T + 1 - start, r, device="cuda", dtype=torch.bfloat16)
@@ -236,6 +239,35 @@ def main() -> None:
     print(f"  level-1 keys and values interleaved (default setting): {both * 1e3:.1f} us "
           f"({mlr_bytes / both / 1e9:.2f} TB/s, error {err:.1e}); level 1 and values only {alone * 1e3:.1f} us",
           flush=True)
+    # The same step against the cache laid out as a static cache holds it (decode_static: what a
+    # captured generation step reads), the slot and the rows' starts read on the device.
+    slot = torch.tensor(T, device="cuda")
+    offsets = torch.zeros(B, dtype=torch.long, device="cuda")
+    sizes = mlr_block_sizes(ranks, CONTEXT)
+    # the rings share one allocation, as a static cache's do
+    flat = torch.zeros(B * H * sum(r * s for r, s in zip(ranks[1:], sizes[1:])), device="cuda", dtype=torch.bfloat16)
+    rings, at = [], 0
+    for r, s in zip(ranks[1:], sizes[1:]):
+        rings.append(flat[at:at + B * H * s * r].view(B, H, s, r))
+        at += B * H * s * r
+    for ring, held, start, s in zip(rings, keys[1:], starts[1:], sizes[1:]):
+        ring[:, :, torch.arange(start, T + 1, device="cuda") % s] = held
+    for name, width in (("static", None), ("static interleaved level 1 and values", ranks[0] + vals.shape[-1])):
+        level_1, values = (torch.zeros(B, H, CONTEXT, d, device="cuda", dtype=torch.bfloat16)
+                           for d in (ranks[0], vals.shape[-1]))
+        if width is not None:
+            both = torch.zeros(B, H, CONTEXT, width, device="cuda", dtype=torch.bfloat16)
+            level_1, values = both[..., :ranks[0]], both[..., ranks[0]:]
+        level_1[:, :, :T + 1], values[:, :, :T + 1] = keys[0], vals
+
+        def static_step(level_1=level_1, values=values):
+            return decode_static(q1, [level_1, *rings], values, slot, offsets, ranks, sizes, 0.125, False)
+
+        err = float((static_step().float() - ref).abs().max())
+        ms = _graph_ms(static_step)
+        rows.append(dict(case=f"decode {name}", cache=T, batch=B, mlr_ms=ms, max_error=err))
+        print(f"  {name} cache (default setting): {ms * 1e3:.1f} us ({mlr_bytes / ms / 1e9:.2f} TB/s, "
+              f"error {err:.1e})", flush=True)
     _write(rows, args.out)
 
 

@@ -162,15 +162,17 @@ def test_triton_kernel_reads_level_1_keys_and_values_interleaved_in_one_buffer(d
 
 @pytest.mark.parametrize("slot", [0, 37, 95])
 @pytest.mark.parametrize("dn", [False, True], ids=["no_dn", "dn"])
-def test_static_kernel_matches_the_static_step_in_aten_ops(slot, dn, monkeypatch):
+@pytest.mark.parametrize("sizes", [(96, 32, 8, 4), (96, 24, 12, 6)], ids=["pow2_rings", "other_rings"])
+def test_static_kernel_matches_the_static_step_in_aten_ops(slot, dn, sizes, monkeypatch):
     """decode_static against the static step's ATen form (itself checked against each row run
     alone in test_static_cache.py), with six splits of the keys held up to the slot (several of them
-    empty at the early slots)."""
+    empty at the early slots); rings of powers of two (a key's slot by a mask) and of other sizes (a
+    division), a padded row's blocks wrapping around them."""
     from structured_attention.ops.mlr import cpu, static
     from structured_attention.ops.mlr.triton_decode import decode_static
 
     g = torch.Generator().manual_seed(slot)
-    ranks, sizes, C = (8, 4, 2, 2), (96, 32, 8, 4), 96
+    ranks, C = (8, 4, 2, 2), 96
     keys = [torch.randn(2, 2, C if level == 0 else sizes[level], r, generator=g) for level, r in enumerate(ranks)]
     q, v = torch.randn(2, 4, 1, 16, generator=g), torch.randn(2, 2, C, 24, generator=g)
     slot_t, offsets = torch.tensor(slot), torch.tensor([0, min(slot, 11)])

@@ -172,7 +172,7 @@ def _mlr_decode_split_kernel(
     BLOCK_G: tl.constexpr, R0P: tl.constexpr, RF: tl.constexpr, RFP: tl.constexpr, DVP: tl.constexpr,
     BLOCK_N: tl.constexpr,
     ALIGN: tl.constexpr, KV_ALIGN: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-    HAS_ROW_STARTS: tl.constexpr, RINGS: tl.constexpr,
+    HAS_ROW_STARTS: tl.constexpr, RINGS: tl.constexpr, POW2_RINGS: tl.constexpr,
 ):
     pid_bk, split, b, hk, g, g_ok, q_rows, d0, q0, k0_rows, v_rows = _program_rows(
         Q, K0, V, stride_qb, stride_qh, stride_k0b, stride_k0h, stride_vb, stride_vh, HK, G, R0, BLOCK_G, R0P)
@@ -226,7 +226,10 @@ def _mlr_decode_split_kernel(
                                      + hk * tl.load(FINE_STRIDES + 3 * i + 1), ALIGN)
                 step = tl.multiple_of(tl.load(FINE_STRIDES + 3 * i + 2), ALIGN)
                 if RINGS:  # position p of a finer level sits at p % (its block size)
-                    at = n % tl.load(FINE_RING + i)
+                    if POW2_RINGS:  # a mask instead of a division per key
+                        at = n & (tl.load(FINE_RING + i) - 1)
+                    else:
+                        at = n % tl.load(FINE_RING + i)
                 else:
                     at = n - tl.load(FINE_STARTS + i)
                 kl = tl.load(KF + row + at[:, None] * step + df[None, :],
@@ -423,7 +426,8 @@ def _launch(q: torch.Tensor, keys: list[torch.Tensor], key_starts: list[int], v:
         t.starts if slot is None else slot, t.rings, part_acc, part_m, part_l, *scalars,
         RF=ranks[1] if len(set(ranks[1:])) == 1 else 0, RFP=pow2(max(ranks[1:], default=1), 16), ALIGN=t.align,
         KV_ALIGN=kv_align,
-        HAS_ROW_STARTS=row_starts is not None, RINGS=slot is not None, **common,
+        HAS_ROW_STARTS=row_starts is not None, RINGS=slot is not None,
+        POW2_RINGS=rings is not None and all(r & (r - 1) == 0 for r in rings), **common,
     )
     out = torch.empty(B, H, 1, Dv, dtype=v.dtype, device=device)
     launch(_mlr_decode_merge_kernel, (B * H,), part_acc, part_m, part_l, out, n_splits, SP=pow2(n_splits), DV=Dv,
