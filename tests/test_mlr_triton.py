@@ -337,7 +337,9 @@ def test_a_call_with_a_dim_order_never_waits_for_the_gpu():
 @pytest.mark.parametrize("kernel", ["prefix", "general"])
 def test_transposed_views_are_read_in_place_and_give_the_contiguous_results(kernel):
     # A layer's heads are a transposed view of its projection, (B, T, H, D) -> (B, H, T, D): the
-    # kernels read it through its strides (no copy), and write the gradients with the same strides.
+    # kernels read it through its strides (no copy), and write the gradients with the same strides,
+    # the output in the same layout (its heads merge without a copy), whose gradient, in that
+    # layout too, the backward reads in place.
     from structured_attention.ops.mlr.triton_common import dense_rows
 
     g = torch.Generator().manual_seed(0)
@@ -350,10 +352,11 @@ def test_transposed_views_are_read_in_place_and_give_the_contiguous_results(kern
     tiles = {"block_m": 16, "block_n": 32} if kernel == "general" else {}
     do = torch.randn(B, H, T, Dv, generator=g).to(DEVICE)
     results = []
-    for xs in (views, copies):
+    for xs, gout in ((views, do.transpose(1, 2).contiguous().transpose(1, 2)), (copies, do)):
         out = mlr_attention_triton(*xs, (8, 4, 4), (64, 16, 8), **tiles)
-        results.append((out, torch.autograd.grad(out, xs, do)))
+        results.append((out, torch.autograd.grad(out, xs, gout)))
     (out_v, grads_v), (out_c, grads_c) = results
+    assert out_v.transpose(1, 2).is_contiguous() and out_c.is_contiguous()
     torch.testing.assert_close(out_v, out_c, atol=1e-6, rtol=1e-6)
     for got, want, x in zip(grads_v, grads_c, views):
         assert got.stride() == x.stride()
@@ -380,6 +383,11 @@ def test_row_dots_equal_the_float64_rowsum(shape, dtype, zeroed_dim):
     assert got.dtype == torch.float32 and got.shape == shape[:-1]
     torch.testing.assert_close(got.double().cpu(), want, atol=1e-5, rtol=1e-5)
     assert zeroed is None or bool((zeroed == 0).all())
+    # a layer's output and its gradient: (B, T, H, D) memory read as (B, H, T, D), beside a contiguous one
+    heads_inner = a.to(DEVICE).transpose(1, 2).contiguous().transpose(1, 2)
+    for x, y in ((heads_inner, heads_inner.clone()), (heads_inner, b.to(DEVICE))):
+        got = row_dots(x, y)
+        torch.testing.assert_close(got.double().cpu(), (x.double() * y.double()).sum(-1).cpu(), atol=1e-5, rtol=1e-5)
 
 
 def test_forward_without_grad_and_prefix_consistency():

@@ -440,7 +440,7 @@ def attach_backward(forward_op: torch.library.CustomOpDef, backward_op: torch.li
         _save(ctx, *inputs[:3], inputs[3:], output)
 
     def gradients(ctx, gout, *_aux):  # noqa: ANN001, ANN202
-        grads = backward_op(gout, *ctx.saved_tensors, *ctx.config)
+        grads = (None,) * 3 if gout is None else backward_op(gout, *ctx.saved_tensors, *ctx.config)
         return (*grads, *([None] * len(ctx.config)))
 
     forward_op.register_autograd(gradients, setup_context=save)
@@ -450,10 +450,14 @@ def attach_backward(forward_op: torch.library.CustomOpDef, backward_op: torch.li
 
 
 def _save(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: Sequence[Any], output: Any) -> None:
-    """What a backward reads: the inputs, the outputs (aux ones not differentiable), the configuration."""
+    """What a backward reads: the inputs, the outputs (aux ones not differentiable), the configuration.
+    Gradients are not materialised: autograd would otherwise fill a zero tensor for each aux output
+    (the log-sum-exp) on every backward, a kernel that nothing reads; an undefined gradient of the
+    output (``gradcheck`` passes one) arrives as None and gives none."""
     outputs = output if isinstance(output, tuple) else (output,)
     ctx.save_for_backward(q, k, v, *outputs)
     ctx.config = config
+    ctx.set_materialize_grads(False)
     if len(outputs) > 1:
         ctx.mark_non_differentiable(*outputs[1:])
 
@@ -475,6 +479,8 @@ def eager_autograd(forward_fn: Callable[..., Any], backward_fn: Callable[..., An
 
         @staticmethod
         def backward(ctx, gout, *_aux):  # noqa: ANN001, ANN205
+            if gout is None:
+                return None, None, None, None
             return (*backward_fn(gout, *ctx.saved_tensors, *ctx.config), None)
 
     def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *config: Any) -> Any:

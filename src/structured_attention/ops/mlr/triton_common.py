@@ -10,8 +10,8 @@ import triton.language as tl
 
 from .contract import device_table, document_bounds
 
-__all__ = ["INTERPRETED", "blocks_meet", "cdiv", "dense_rows", "device_table", "dot", "dot_acc", "launch",
-           "load_segment", "pow2", "row_dots", "segments_of_documents", "segments_of_rows"]
+__all__ = ["INTERPRETED", "blocks_meet", "cdiv", "dense_rows", "device_table", "dot", "dot_acc", "empty_rows",
+           "launch", "load_segment", "pow2", "row_dots", "segments_of_documents", "segments_of_rows"]
 
 
 @triton.jit
@@ -139,6 +139,18 @@ def dense_rows(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous()
 
 
+def empty_rows(q: torch.Tensor, dim: int) -> torch.Tensor:
+    """An uninitialised ``(B, H, T, dim)`` tensor of ``q``'s dtype and device laid out as ``q``
+    ``(B, H, T, R)`` is: for a layer's transposed view of ``(B, T, H, R)``, a transposed view of
+    ``(B, T, H, dim)``, so the output the kernels write there merges its heads (``(B, T, H * dim)``,
+    the output projection's input) without a copy, and its gradient arrives in the same layout;
+    else contiguous."""
+    B, H, T, _ = q.shape
+    if H > 1 and T > 1 and q.stride(1) < q.stride(2):
+        return torch.empty(B, T, H, dim, dtype=q.dtype, device=q.device).transpose(1, 2)
+    return torch.empty(B, H, T, dim, dtype=q.dtype, device=q.device)
+
+
 @functools.lru_cache(maxsize=64)
 def segments_of_rows(B: int, T: int, device: torch.device) -> torch.Tensor:
     """The kernels' ``(B, 3)`` int32 segment table ``(batch row, start, length)`` of whole rows, made
@@ -158,33 +170,42 @@ def segments_of_documents(document_ids: torch.Tensor | None, T: int,
 
 
 @triton.jit
-def _row_dots_kernel(A, B, OUT, ZEROED, n_rows, D, n_zeroed, BLOCK: tl.constexpr, DP: tl.constexpr,
-                     ZBLOCK: tl.constexpr):
+def _row_dots_kernel(A, B, OUT, ZEROED, n_rows, H, T, D, n_zeroed, stride_ab, stride_ah, stride_at, stride_bb,
+                     stride_bh, stride_bt, BLOCK: tl.constexpr, DP: tl.constexpr, ZBLOCK: tl.constexpr):
     program = tl.program_id(0).to(tl.int64)
-    rows = program * BLOCK + tl.arange(0, BLOCK)
+    rows = program * BLOCK + tl.arange(0, BLOCK)  # (batch, head, position), position fastest
+    t = rows % T
+    batch = rows // T // H
+    head = rows // T % H
     cols = tl.arange(0, DP)
     ok = (rows < n_rows)[:, None] & (cols < D)[None, :]
-    a = tl.load(A + rows[:, None] * D + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-    b = tl.load(B + rows[:, None] * D + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-    tl.store(OUT + rows, tl.sum(a * b, axis=1), mask=rows < n_rows)
+    x = tl.load(A + (batch * stride_ab + head * stride_ah + t * stride_at)[:, None] + cols[None, :], mask=ok,
+                other=0.0).to(tl.float32)
+    y = tl.load(B + (batch * stride_bb + head * stride_bh + t * stride_bt)[:, None] + cols[None, :], mask=ok,
+                other=0.0).to(tl.float32)
+    tl.store(OUT + rows, tl.sum(x * y, axis=1), mask=rows < n_rows)
     if ZBLOCK > 0:  # this program's run of the zeroed buffer's memory
         at = program * ZBLOCK + tl.arange(0, ZBLOCK)
         tl.store(ZEROED + at, tl.zeros([ZBLOCK], dtype=tl.float32), mask=at < n_zeroed)
 
 
 def row_dots(a: torch.Tensor, b: torch.Tensor, zeroed: torch.Tensor | None = None) -> torch.Tensor:
-    """``(a * b).sum(-1)`` in float32 for two tensors of one shape: the backward's
-    ``delta = rowsum(dO * O)`` in one kernel, where PyTorch takes four (two casts, a product, a sum)
-    and writes two float32 copies of the operands. ``zeroed``, a float32 tensor whose elements fill
-    the memory they span (as :func:`dense_rows`' and ``empty_like``'s do), is set to zeros in the
-    same launch: the buffer the next kernel adds into, without a launch of its own for it."""
-    a, b = a.contiguous(), b.contiguous()
-    out = torch.empty(a.shape[:-1], dtype=torch.float32, device=a.device)
-    n_rows, d = out.numel(), a.shape[-1]
+    """``(a * b).sum(-1)`` in float32 for two ``(B, H, T, D)`` tensors, each read through its own
+    strides (the output and its gradient, transposed views where :func:`empty_rows` made them so):
+    the backward's ``delta = rowsum(dO * O)`` in one kernel, where PyTorch takes four (two casts, a
+    product, a sum) and writes two float32 copies of the operands. Returns ``(B, H, T)``,
+    contiguous. ``zeroed``, a float32 tensor whose elements fill the memory they span (as
+    :func:`dense_rows`' and ``empty_like``'s do), is set to zeros in the same launch: the buffer the
+    next kernel adds into, without a launch of its own for it."""
+    a, b = (x if x.stride(-1) == 1 else x.contiguous() for x in (a, b))
+    B, H, T, d = a.shape
+    out = torch.empty(B, H, T, dtype=torch.float32, device=a.device)
+    n_rows = out.numel()
     dp = pow2(d)
     block = max(1, 8192 // dp)  # 8192 numbers of each operand per program
     programs = cdiv(n_rows, block)
     n_zeroed = 0 if zeroed is None else zeroed.numel()
-    launch(_row_dots_kernel, (programs,), a, b, out, out if zeroed is None else zeroed, n_rows, d, n_zeroed,
+    launch(_row_dots_kernel, (programs,), a, b, out, out if zeroed is None else zeroed, n_rows, H, T, d, n_zeroed,
+           *a.stride()[:3], *b.stride()[:3],
            BLOCK=block, DP=dp, ZBLOCK=pow2(cdiv(n_zeroed, programs)) if n_zeroed else 0)
     return out

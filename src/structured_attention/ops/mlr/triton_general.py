@@ -47,8 +47,8 @@ import triton.language as tl
 
 from ..._checks import require
 from .contract import attach_backward, check_mlr_arguments
-from .triton_common import (INTERPRETED, blocks_meet, cdiv, dense_rows, device_table, dot, launch, load_segment,
-                            pow2, row_dots, segments_of_documents, segments_of_rows)
+from .triton_common import (INTERPRETED, blocks_meet, cdiv, dense_rows, device_table, dot, empty_rows, launch,
+                            load_segment, pow2, row_dots, segments_of_documents, segments_of_rows)
 from .triton_prefix import PrefixCall, PrefixTiles, miscompiled_on_cuda, mlr_attention_prefix, square_tiles
 
 __all__ = ["mlr_attention_checked", "mlr_attention_route", "mlr_attention_triton"]
@@ -424,7 +424,7 @@ def _forward(q, k, v, segments, max_len: int, plan: _Plan, causal: bool, scale: 
     B, H, T, _ = q.shape
     segments = segments_of_rows(B, T, q.device) if segments is None else segments
     Hk = k.shape[1]
-    o = torch.empty(B, H, T, plan.DV, dtype=q.dtype, device=q.device)
+    o = empty_rows(q, plan.DV)
     lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
     grid = (cdiv(max_len, plan.block_m), segments.shape[0] * H)
     launch(_mlr_fwd_kernel, grid,
@@ -442,7 +442,7 @@ def _backward(q, k, v, o, lse, do, segments, max_len: int, plan: _Plan, causal: 
     segments = segments_of_rows(B, T, q.device) if segments is None else segments
     Hk = k.shape[1]
     G = H // Hk
-    do = do.contiguous()
+    do = dense_rows(do)
     delta = row_dots(do, o)  # (B, H, T)
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
@@ -481,7 +481,7 @@ _forward_op = torch.library.custom_op("sattn::mlr_triton_forward", _run_forward,
 @_forward_op.register_fake
 def _(q, k, v, segments, max_len, ranks, sizes, causal, scale, depth_normalize, block_m, block_n):
     B, H, T, _ = q.shape
-    return q.new_empty(B, H, T, v.shape[-1]), q.new_empty(B, H, T, dtype=torch.float32)
+    return empty_rows(q, v.shape[-1]), q.new_empty(B, H, T, dtype=torch.float32)
 
 
 def _run_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,

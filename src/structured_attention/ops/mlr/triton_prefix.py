@@ -56,8 +56,8 @@ import triton
 import triton.language as tl
 
 from .contract import attach_backward, eager_autograd
-from .triton_common import (INTERPRETED, blocks_meet, cdiv, dense_rows, device_table, dot, dot_acc, launch,
-                            load_segment, pow2, row_dots, segments_of_documents, segments_of_rows)
+from .triton_common import (INTERPRETED, blocks_meet, cdiv, dense_rows, device_table, dot, dot_acc,
+                            empty_rows, launch, load_segment, pow2, row_dots, segments_of_documents, segments_of_rows)
 
 __all__ = ["PrefixTiles", "miscompiled_on_cuda", "square_tiles", "mlr_attention_prefix"]
 
@@ -956,7 +956,7 @@ def _forward(q, k, v, segments, max_len: int, plan: PrefixPlan, causal: bool, sc
     B, H, T, _ = q.shape
     segments = segments_of_rows(B, T, q.device) if segments is None else segments
     tiles = plan.tiles
-    o = torch.empty(B, H, T, plan.DV, dtype=q.dtype, device=q.device)
+    o = empty_rows(q, plan.DV)
     lse = torch.empty(B, H, T, dtype=torch.float32, device=q.device)
     launch(_prefix_fwd_kernel, (cdiv(max_len, tiles.fwd_m), segments.shape[0] * H),
         q, k, v, o, lse, segments, *plan.tables(),
@@ -973,7 +973,7 @@ def _backward(q, k, v, o, lse, do, segments, max_len: int, plan: PrefixPlan, cau
     segments = segments_of_rows(B, T, q.device) if segments is None else segments
     Hk = k.shape[1]
     tiles = plan.tiles
-    do = do.contiguous()
+    do = dense_rows(do)
     # dQ: by default added into a float32 buffer by the dK/dV kernel as it goes (atomics, so the
     # order of the additions, and dQ's last bits, vary from run to run, as in flash attention's
     # backward), zeroed by the delta's kernel; under torch.use_deterministic_algorithms(True) the
@@ -1027,7 +1027,7 @@ _forward_op = torch.library.custom_op("sattn::mlr_triton_prefix_forward", _run_f
 @_forward_op.register_fake
 def _(q, k, v, segments, max_len, ranks, sizes, causal, scale, depth_normalize, tiles):
     B, H, T, _ = q.shape
-    return q.new_empty(B, H, T, v.shape[-1]), q.new_empty(B, H, T, dtype=torch.float32)
+    return empty_rows(q, v.shape[-1]), q.new_empty(B, H, T, dtype=torch.float32)
 
 
 def _run_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
