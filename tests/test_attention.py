@@ -484,3 +484,21 @@ def test_the_paper_authors_mup_logits_are_8_over_d(spec):
         out = naive_attention(q, k, v, 8 / (D // H), band(t, True, 5 if layer.kind == "swa" else None))
     with torch.no_grad():
         torch.testing.assert_close(layer(x), layer.out_proj(out.transpose(1, 2).reshape(1, t, D)), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("spec", ["mlr:2|2|2|2", "mlr:4|2|1|1"], ids=["equal_ranks", "unequal_ranks"])
+def test_mlr_level_scales_scale_each_levels_query_dims(spec):
+    """The learned per-level scales multiply each level's query dims (with equal ranks a broadcast
+    product over the levels, else a gather per dim): the queries and the scales' gradient against
+    each level scaled on its own."""
+    layer = make(spec, torch.float64)
+    with torch.no_grad():
+        layer.level_scale.copy_(torch.tensor([0.5, -1.5, 2.0, 3.0], dtype=torch.float64))
+    x = torch.randn(2, 9, D, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    q = layer.project(x)[0]
+    plain = heads(layer.q_proj(x), H)  # no qk_norm, no rotary in these specs
+    want = torch.cat([part * layer.level_scale[level] for level, part in enumerate(plain.split(layer.ranks, -1))], -1)
+    torch.testing.assert_close(q, want, rtol=1e-12, atol=1e-12)
+    g = torch.randn_like(q)
+    (got,), (expected,) = (torch.autograd.grad(y, layer.level_scale, g, retain_graph=True) for y in (q, want))
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)

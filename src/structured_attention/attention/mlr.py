@@ -102,7 +102,13 @@ class MLRAttention(Attention):
         k = self._per_level_norm(self.split_heads(self.k_proj(x), self.n_kv_heads), self.k_norms)
         if self.rotary is not None:
             q, k = self.rotary(q, positions), self.rotary(k, positions)
-        q = q * self.level_scale[self._level_index]  # per-level scales folded into the queries
+        # per-level scales folded into the queries; with equal ranks as a broadcast product, whose
+        # backward is a sum: the gather's is an accumulating index_put (on CUDA a sort and several
+        # kernels for a gradient of a few numbers)
+        if len(set(self.ranks)) == 1:
+            q = (q.unflatten(-1, (len(self.ranks), self.ranks[0])) * self.level_scale[:, None]).flatten(-2)
+        else:
+            q = q * self.level_scale[self._level_index]
         return q, k, self.values(x)
 
     def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
