@@ -61,6 +61,32 @@ def per_call_us(fn: Callable[[], object], calls: int, sync: Callable[[], None]) 
     return (time.perf_counter() - start) / calls * 1e6
 
 
+def no_op_kernels() -> None:
+    """Without a GPU: the prefix-rank kernels and the backward's delta kernel become no-ops that
+    note when they are launched (``launched``), and CPU tensors take the dispatcher's Triton route,
+    as CUDA ones do, so what runs is the host's part of a GPU call alone."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("no CUDA device: run with TRITON_INTERPRET=1 (the kernels become no-ops)")
+
+    class _NoLaunch:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def __getitem__(self, grid: object) -> Callable[..., None]:
+            return lambda *a, **k: launched.__setitem__(self.name, time.perf_counter())
+
+    for name in ("_prefix_fwd_kernel", "_prefix_dkdv_kernel", "_prefix_dq_kernel"):
+        setattr(tp, name, _NoLaunch(name))
+
+    def row_dots(a: torch.Tensor, b: torch.Tensor, zeroed: torch.Tensor | None = None) -> torch.Tensor:
+        launched["row_dots"] = time.perf_counter()  # the backward's delta kernel
+        return torch.empty(a.shape[:-1])
+
+    tp.row_dots = row_dots
+    dispatch.on_triton = lambda x: True
+    dispatch.cpu.available = lambda: False
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seq-len", type=int, default=1024)
@@ -69,26 +95,7 @@ def main() -> None:
     args = p.parse_args()
     on_gpu = torch.cuda.is_available()
     if not on_gpu:
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            raise SystemExit("no CUDA device: run with TRITON_INTERPRET=1 (the kernels become no-ops)")
-
-        class _NoLaunch:
-            def __init__(self, name: str) -> None:
-                self.name = name
-
-            def __getitem__(self, grid: object) -> Callable[..., None]:
-                return lambda *a, **k: launched.__setitem__(self.name, time.perf_counter())
-
-        for name in ("_prefix_fwd_kernel", "_prefix_dkdv_kernel", "_prefix_dq_kernel"):
-            setattr(tp, name, _NoLaunch(name))
-
-        def row_dots(a: torch.Tensor, b: torch.Tensor, zeroed: torch.Tensor | None = None) -> torch.Tensor:
-            launched["row_dots"] = time.perf_counter()  # the backward's delta kernel
-            return torch.empty(a.shape[:-1])
-
-        tp.row_dots = row_dots
-        dispatch.on_triton = lambda x: True  # CPU tensors take the Triton route, as CUDA ones do
-        dispatch.cpu.available = lambda: False
+        no_op_kernels()
     device = "cuda" if on_gpu else "cpu"
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     B, H, T, R, Dv = 1, 8, args.seq_len, sum(RANKS), 64
