@@ -39,12 +39,13 @@
 # one sub-tile level with four and eight warps).
 # subtile (about 8 minutes): tilings, then the Triton tests and the lengths below 4096 with 8 levels
 # timed against flash and cuDNN.
-# host [TREE] (about 2 minutes, 3 with TREE): where a whole call's time beyond its kernels goes: the test that a training
-# call makes no synchronising CUDA call, MLR against flash and cuDNN at T = 8192 (sattn bench mlr, each call
+# host [TREE] (about 3 minutes, 4 with TREE): where a whole call's time beyond its kernels goes: the tests that a training
+# call and a GPT's training step make no synchronising CUDA call, a GPT's training step at context 4096 per kind
+# (sattn bench lm with profiles, step_ops.py), MLR against flash and cuDNN at T = 8192 (sattn bench mlr, each call
 # alone and ten back to back, with each case's profiler timeline, its GPU's idle gaps by
 # trace_gaps.py), and profile_host.py's split of
 # the host's part at 1024 and 8192 (when each side of one call is done); with TREE (another version's
-# src/, prepared as for ab) the whole calls at 8192 again, that tree's package then this one's.
+# src/, prepared as for ab) the whole calls at 8192 and the GPT's step again, that tree's package then this one's.
 # graphs (about 3 minutes, most of it compiling): a GPT's training step at context 4096, MHA and MLR,
 # eager and under torch.compile(mode="reduce-overhead") (run.compile_mode: the step's kernels
 # replayed from CUDA graphs, no host work between them), each step alone and five back to back.
@@ -143,9 +144,16 @@ if [[ $step == subtile ]]; then
         --settings 64/w4/s2 --no-decode --out "$out/subtile.json" 2>&1 | tee "$out/subtile.log" || status=1
 fi
 if [[ $step == host ]]; then
-    # a synchronising call in a training call's forward+backward fails this test with its stack
-    timeout 180 python3 -m pytest -o addopts= -q -p no:cacheprovider tests/test_mlr_triton.py -k never_waits -rA 2>&1 \
-        | tee "$out/host-sync-test.log" | tail -n 5 || status=1
+    # a synchronising call in a training call's forward+backward, or in a GPT's training step, fails
+    # these tests with its stack
+    timeout 180 python3 -m pytest -o addopts= -q -p no:cacheprovider tests/test_mlr_triton.py tests/test_models.py \
+        -k never_waits -rA 2>&1 | tee "$out/host-sync-test.log" | tail -n 5 || status=1
+    # a GPT's training step at context 4096 (MLR's was 0.53x MHA's tokens/s), with each kind's
+    # profile, and the ATen operations and saved memory of its step
+    timeout 200 python3 -m structured_attention.cli.main bench lm --device cuda --dtype bfloat16 --seq-lens 4096 \
+        --kinds "mha,mlr:8|8|8|8|8|8|8|8,mlr:16|16|16|16" --repeats 5 --back-to-back 5 --profile \
+        --out "$out/host-lm" 2>&1 | tail -n 5 || status=1
+    timeout 60 python3 scripts/step_ops.py --seq-len 4096 2>&1 | tee "$out/host-step-ops.txt" || status=1
     sattn bench mlr --device cuda --dtype bfloat16 --seq-lens 8192 --paths sdpa_flash,sdpa,mlr --repeats 10 \
         --back-to-back 10 --no-memory --profile --out "$out/host-mlr" | tail -n 4 || status=1
     python3 scripts/trace_gaps.py "$out"/host-mlr/trace-*.json | tee "$out/host-gaps.txt" || status=1
@@ -159,6 +167,9 @@ if [[ $step == host ]]; then
             PYTHONPATH=$package timeout 90 python3 -m structured_attention.cli.main bench mlr --device cuda \
                 --dtype bfloat16 --seq-lens 8192 --paths sdpa_flash,mlr --repeats 10 --back-to-back 10 --no-memory \
                 --out "$out/host-ab-${package//\//_}" | tail -n 3 || status=1
+            PYTHONPATH=$package timeout 120 python3 -m structured_attention.cli.main bench lm --device cuda \
+                --dtype bfloat16 --seq-lens 4096 --kinds "mha,mlr:8|8|8|8|8|8|8|8" --repeats 5 --back-to-back 5 \
+                --out "$out/host-ab-lm-${package//\//_}" | tail -n 3 || status=1
         done
     fi
 fi

@@ -182,6 +182,28 @@ def test_every_kind_trains_and_decodes_inside_bfloat16_autocast(attention):
         torch.testing.assert_close(torch.stack(steps, 1).float(), whole[:, 7:], atol=0.05, rtol=0.05)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a host synchronisation is a CUDA device's")
+@pytest.mark.parametrize("attention", ["mha", "mlr:8|8|8|8|8|8|8|8", "mlr:16|16|16|16", "mlr:32|16|8|8"])
+def test_a_training_step_never_waits_for_the_gpu(attention):
+    """A GPT's forward and backward (sattn bench lm's model, smaller), once its plans and tables
+    exist, make no synchronising CUDA call (torch.cuda.set_sync_debug_mode raises on one): the host
+    queues every layer's kernels while the GPU runs, as it does for MHA. The layer's own work
+    beside the attention kernels (projections, per-level scales, heads) included."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=256, n_layers=2, d_model=256, n_heads=4, max_seq_len=1024,
+                          attention=attention)).to(device="cuda", dtype=torch.bfloat16)
+    idx = torch.randint(0, 256, (2, 1025), device="cuda")
+    model(idx[:, :-1], idx[:, 1:])[1].backward()  # plans, tables, compiles
+    torch.cuda.synchronize()
+    model.zero_grad(set_to_none=True)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        model(idx[:, :-1], idx[:, 1:])[1].backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(p.grad is not None for p in model.parameters())
+
+
 @pytest.mark.parametrize("attention", ["mha", "mlr:4|2|2:block_sizes=32|8|2"])
 def test_a_compiled_step_inside_autocast_generates_what_the_eager_one_does(attention):
     """A compiled graph runs its custom ops outside autocast: the static caches' reads compute in
