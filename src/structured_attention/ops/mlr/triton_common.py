@@ -170,21 +170,21 @@ def segments_of_documents(document_ids: torch.Tensor | None, T: int,
 
 
 @triton.jit
-def _row_dots_kernel(A, B, OUT, ZEROED, n_rows, H, T, D, n_zeroed, stride_ab, stride_ah, stride_at, stride_bb,
-                     stride_bh, stride_bt, BLOCK: tl.constexpr, DP: tl.constexpr, ZBLOCK: tl.constexpr):
-    program = tl.program_id(0).to(tl.int64)
-    rows = program * BLOCK + tl.arange(0, BLOCK)  # (batch, head, position), position fastest
-    t = rows % T
-    batch = rows // T // H
-    head = rows // T % H
+def _row_dots_kernel(A, B, OUT, ZEROED, H, T, D, n_zeroed, stride_ab, stride_ah, stride_at, stride_bb, stride_bh,
+                     stride_bt, BLOCK: tl.constexpr, DP: tl.constexpr, ZBLOCK: tl.constexpr):
+    bh = tl.program_id(1)  # one (batch, head) per column of programs, BLOCK positions per program
+    batch = (bh // H).to(tl.int64)
+    head = (bh % H).to(tl.int64)
+    t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     cols = tl.arange(0, DP)
-    ok = (rows < n_rows)[:, None] & (cols < D)[None, :]
-    x = tl.load(A + (batch * stride_ab + head * stride_ah + t * stride_at)[:, None] + cols[None, :], mask=ok,
-                other=0.0).to(tl.float32)
-    y = tl.load(B + (batch * stride_bb + head * stride_bh + t * stride_bt)[:, None] + cols[None, :], mask=ok,
-                other=0.0).to(tl.float32)
-    tl.store(OUT + rows, tl.sum(x * y, axis=1), mask=rows < n_rows)
+    ok = (t < T)[:, None] & (cols < D)[None, :]
+    x = tl.load(A + batch * stride_ab + head * stride_ah + t[:, None].to(tl.int64) * stride_at + cols[None, :],
+                mask=ok, other=0.0).to(tl.float32)
+    y = tl.load(B + batch * stride_bb + head * stride_bh + t[:, None].to(tl.int64) * stride_bt + cols[None, :],
+                mask=ok, other=0.0).to(tl.float32)
+    tl.store(OUT + bh.to(tl.int64) * T + t, tl.sum(x * y, axis=1), mask=t < T)
     if ZBLOCK > 0:  # this program's run of the zeroed buffer's memory
+        program = bh.to(tl.int64) * tl.num_programs(0) + tl.program_id(0)
         at = program * ZBLOCK + tl.arange(0, ZBLOCK)
         tl.store(ZEROED + at, tl.zeros([ZBLOCK], dtype=tl.float32), mask=at < n_zeroed)
 
@@ -200,12 +200,11 @@ def row_dots(a: torch.Tensor, b: torch.Tensor, zeroed: torch.Tensor | None = Non
     a, b = (x if x.stride(-1) == 1 else x.contiguous() for x in (a, b))
     B, H, T, d = a.shape
     out = torch.empty(B, H, T, dtype=torch.float32, device=a.device)
-    n_rows = out.numel()
     dp = pow2(d)
-    block = max(1, 8192 // dp)  # 8192 numbers of each operand per program
-    programs = cdiv(n_rows, block)
+    block = min(max(1, 8192 // dp), pow2(T))  # up to 8192 numbers of each operand per program
+    grid = (cdiv(T, block), B * H)
     n_zeroed = 0 if zeroed is None else zeroed.numel()
-    launch(_row_dots_kernel, (programs,), a, b, out, out if zeroed is None else zeroed, n_rows, H, T, d, n_zeroed,
+    launch(_row_dots_kernel, grid, a, b, out, out if zeroed is None else zeroed, H, T, d, n_zeroed,
            *a.stride()[:3], *b.stride()[:3],
-           BLOCK=block, DP=dp, ZBLOCK=pow2(cdiv(n_zeroed, programs)) if n_zeroed else 0)
+           BLOCK=block, DP=dp, ZBLOCK=pow2(cdiv(n_zeroed, grid[0] * grid[1])) if n_zeroed else 0)
     return out
