@@ -54,12 +54,12 @@ def use_tile_warps() -> None:
 
 def errors(tiles: PrefixTiles, ranks: tuple[int, ...], T: int, sizes: tuple[int, ...] | None = None,
            dtype: str = "bfloat16", deterministic: bool = False,
-           device: str = "cuda") -> tuple[dict[str, float], str] | None:
+           device: str = "cuda", dv: int = 64) -> tuple[dict[str, float], str] | None:
     """Relative error of the output and each gradient against the float64 reference (B=1, H=2,
-    Dv=64, causal) and the plan's layout, or None where ``tiles`` do not fit the block sizes."""
+    value dim ``dv``, causal) and the plan's layout, or None where ``tiles`` do not fit the block sizes."""
     gen = torch.Generator(device=device).manual_seed(1)
     q, k = (torch.randn(1, 2, T, sum(ranks), device=device, generator=gen) for _ in range(2))
-    v, do = (torch.randn(1, 2, T, 64, device=device, generator=gen) for _ in range(2))
+    v, do = (torch.randn(1, 2, T, dv, device=device, generator=gen) for _ in range(2))
     low = getattr(torch, dtype)
     ql, kl, vl = (x.to(low).requires_grad_() for x in (q, k, v))
     ranks_, sizes_, scale = check_mlr_arguments(ql, kl, vl, ranks, sizes, True, None, False)

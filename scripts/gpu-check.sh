@@ -15,7 +15,8 @@
 # minutes to 2.5. Where 1/1 is cut, 1/2 and 2/2 in two calls.
 # tests: the Triton and compile tests alone, on 14 workers (one worker had done 39 % of them after
 # 6 minutes on an H200, most of it compiling).
-# tune (about 4 minutes): the prefix-rank kernels' tile settings and the decoding kernel's.
+# tune (about 5 minutes): the prefix-rank kernels' tile settings and the decoding kernel's, then
+# the prefix-rank ones at head dim 128.
 # decode (about 5 minutes): the decoding kernel's timings and tests, the per-kernel profile of a
 # whole decoding step, and the layers' decoding benchmark.
 # layout (about a minute): the decoding kernel in its default setting against SDPA's, level 1 and
@@ -207,6 +208,12 @@ if [[ $step == ab ]]; then
 fi
 if [[ $step == tune ]]; then
     python3 scripts/tune_mlr_triton.py --out "$out/tune.json" 2>&1 | tee "$out/tune.log" || status=1
+    # head dim 128 (sattn bench mlr's second target: 4 levels of rank 32, Dv 128, B 4, H 16, T 4096),
+    # where the dK/dV kernel with 64-row tiles spills 632 bytes a thread compiled for sm_90 (296 at
+    # head dim 64): the tiles that hold fewer of its keys at once beside the default
+    timeout 200 python3 scripts/tune_mlr_triton.py --ranks "32|32|32|32" --v-dim 128 --batch 4 --heads 16 \
+        --seq-lens 4096 --settings 64/w4/s2,64/w8/s2,dkdv32/w4/s2,bwd32/w4/s2,bwd32/w8/s2 --no-decode --no-general \
+        --out "$out/tune-d128.json" 2>&1 | tee "$out/tune-d128.log" || status=1
 fi
 if [[ $step == decode ]]; then
     python3 scripts/tune_mlr_triton.py --decode-only --out "$out/decode.json" 2>&1 | tee "$out/decode.log" || status=1

@@ -1,7 +1,7 @@
 """The package's Triton kernels compiled for an NVIDIA GPU without one: each kernel's shared memory,
 registers, spill stack and compile time, the numbers that decide occupancy and local-memory traffic.
 
-    python3 scripts/triton_resources.py [--case general|prefix|sub-tile|one-sub-tile|decode|decode-static]
+    python3 scripts/triton_resources.py [--case general|prefix|prefix-d128|sub-tile|one-sub-tile|decode|decode-static]
                                         [--dtype bfloat16] [--arch 90]
                                         [--num-warps N] [--tile N] [--step N] [--recorder PYTHON]
 
@@ -25,6 +25,8 @@ step over the walked axis) for the prefix-rank ones):
   bidirectional with ``depth_normalize``: the general kernels;
 - ``prefix``: causal with the block sizes of T = 8192 (finest block 64, a tile; run on 1024 tokens):
   the prefix-rank kernels of ``sattn bench mlr``;
+- ``prefix-d128``: head dim 128, 4 levels of rank 32 and ``Dv = 128``, causal with the block sizes
+  of T = 4096 (run on 1024 tokens): the prefix-rank kernels of ``sattn bench mlr``'s head-dim-128 case;
 - ``sub-tile``: causal with the block sizes of T = 2048 (blocks of 32 and 16 finer than a tile; run
   on 1024 tokens): the prefix-rank kernels with sub-tile levels;
 - ``one-sub-tile``: the same with the block sizes of T = 4096 (one level, of 32-token blocks, finer
@@ -48,7 +50,7 @@ import sys
 import tempfile
 import time
 
-CASES = ("general", "prefix", "sub-tile", "one-sub-tile", "decode", "decode-static")
+CASES = ("general", "prefix", "prefix-d128", "sub-tile", "one-sub-tile", "decode", "decode-static")
 _TYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64", "int32": "i32",
           "int64": "i64", "bool": "i1", "int8": "i8", "uint8": "u8"}
 _OPTIONS = ("num_warps", "num_stages", "maxnreg")
@@ -119,12 +121,16 @@ def record(case: str, dtype: str, tile: int, step: int) -> list[dict]:
         from structured_attention.ops.mlr.triton_general import mlr_attention_triton
         from structured_attention.ops.mlr.triton_prefix import PrefixTiles, mlr_attention_prefix
 
-        q, k, v = (torch.randn(1, 2, 1024, 64, dtype=dt, requires_grad=True) for _ in range(3))
+        dim = 64
+        if case == "prefix-d128":
+            ranks, dim = (32,) * 4, 128
+        q, k, v = (torch.randn(1, 2, 1024, dim, dtype=dt, requires_grad=True) for _ in range(3))
         if case == "general":
             out = mlr_attention_triton(q[:, :, :640], k[:, :, :640], v[:, :, :640], ranks, causal=False,
                                        depth_normalize=True, block_m=64, block_n=64)
         else:  # the sizes of a longer T on a shorter sequence: the same kernels, the GPU's tiles
-            sizes = tuple({"prefix": 8192, "sub-tile": 2048, "one-sub-tile": 4096}[case] >> i for i in range(8))
+            context = {"prefix": 8192, "prefix-d128": 4096, "sub-tile": 2048, "one-sub-tile": 4096}[case]
+            sizes = tuple(context >> i for i in range(len(ranks)))
             tiles = PrefixTiles(tile, tile, tile, step, tile, step)
             out = mlr_attention_prefix(q, k, v, ranks, sizes, True, 0.125, False, tiles)
         out.sum().backward()

@@ -1,8 +1,9 @@
 """Check and time the Triton MLR kernels' tile settings against SDPA on one CUDA GPU.
 
     PYTHONPATH=src python3 scripts/tune_mlr_triton.py [--seq-lens 8192,16384] [--no-decode] [--out FILE.json]
+                                                      [--v-dim 64] [--batch 1] [--heads 8]
 
-Prints, for each T and rank split (B=1, H=8, Dv=64, bfloat16, causal): SDPA's default and flash
+Prints, for each T and rank split (B=1, H=8, Dv=64 unless given, bfloat16, causal): SDPA's default and flash
 backends, the general Triton kernel, and the prefix-rank kernels under several tile / warp / stage
 settings, each as forward and forward+backward medians (``triton.testing.do_bench``). Every
 setting is first checked against the exact reference at the shortest length. Below T = 4096 (8
@@ -97,10 +98,11 @@ def _case(fn, q, k, v):
     return fwd, fwd_bwd
 
 
-def check(tiles: PrefixTiles, ranks: tuple[int, ...], T: int) -> float:
+def check(tiles: PrefixTiles, ranks: tuple[int, ...], T: int, dv: int) -> float:
     """Largest relative error of output and gradients against the float64 reference (bfloat16
-    inputs, ``T`` tokens, the default block sizes); NaN where the tiles do not fit those blocks."""
-    checked = errors(tiles, ranks, T)
+    inputs, ``T`` tokens, value dim ``dv``, the default block sizes); NaN where the tiles do not fit
+    those blocks."""
+    checked = errors(tiles, ranks, T, dv=dv)
     return float("nan") if checked is None else max(checked[0].values())
 
 
@@ -110,6 +112,9 @@ def main() -> None:
     parser.add_argument("--ranks", default="8|8|8|8|8|8|8|8,16|16|16|16")
     parser.add_argument("--settings", default=",".join(SETTINGS))
     parser.add_argument("--out", default=None)
+    parser.add_argument("--v-dim", type=int, default=64, help="the prefill's value dim (default 64)")
+    parser.add_argument("--batch", type=int, default=1, help="the prefill's batch (default 1)")
+    parser.add_argument("--heads", type=int, default=8, help="the prefill's heads (default 8)")
     parser.add_argument("--decode-only", action="store_true", help="time only the decoding step")
     parser.add_argument("--no-decode", action="store_true", help="leave out the decoding step")
     parser.add_argument("--tile-warps", action="store_true",
@@ -128,16 +133,17 @@ def main() -> None:
     for spec in [] if args.decode_only else args.ranks.split(","):
         ranks = tuple(int(r) for r in spec.split("|"))
         for name in args.settings.split(","):
-            error = check(SETTINGS[name], ranks, seq_lens[0])
+            error = check(SETTINGS[name], ranks, seq_lens[0], args.v_dim)
             print(f"check {spec} {name} T={seq_lens[0]}: max relative error {error:.2e}", flush=True)
         for T in seq_lens:
             torch.manual_seed(0)
-            q, k = (torch.randn(1, 8, T, sum(ranks), device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            shape = (args.batch, args.heads, T)
+            q, k = (torch.randn(*shape, sum(ranks), device="cuda", dtype=torch.bfloat16, requires_grad=True)
                     for _ in range(2))
-            v = torch.randn(1, 8, T, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            v = torch.randn(*shape, args.v_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
             sizes = check_mlr_arguments(q, k, v, ranks, None, True, None, False)[1]
             scale = 1 / math.sqrt(sum(ranks))
-            pad = max(64 - sum(ranks), 0)
+            pad = max(args.v_dim - sum(ranks), 0)
 
             def sdpa(q, k, v):
                 return F.scaled_dot_product_attention(F.pad(q, (0, pad)), F.pad(k, (0, pad)), v, is_causal=True)
