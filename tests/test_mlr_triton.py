@@ -311,6 +311,33 @@ def test_a_training_call_never_waits_for_the_gpu(ranks, T):
     assert all(g.shape == x.shape for g, x in zip(grads, (q, k, v)))
 
 
+def test_a_dim_order_keeps_a_layers_layout_and_equals_the_gathered_call(monkeypatch):
+    """On the Triton route a dim_order gathers the head dims of a layer's (B, T, H, D) projections
+    in their layout, so the output is a view of (B, T, H, Dv) memory (the heads merge without a
+    copy); output and gradients equal the call on the gathered dims."""
+    from structured_attention.ops.mlr import dispatch, mlr_attention
+
+    if DEVICE == "cpu":
+        monkeypatch.setattr(dispatch, "on_triton", lambda x: True)
+        monkeypatch.setattr(dispatch.cpu, "available", lambda: False)
+    g = torch.Generator().manual_seed(5)
+    B, T, H, D = 1, 48, 2, 16
+    qp, kp, vp = (torch.randn(B, T, H, D, generator=g).to(DEVICE) for _ in range(3))
+    q, k, v = (x.transpose(1, 2).requires_grad_() for x in (qp, kp, vp))
+    order = [1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14]
+    do = torch.randn(B, H, T, D, generator=g).to(DEVICE)
+    out = mlr_attention(q, k, v, (8, 4, 4), (64, 16, 8), dim_order=order)
+    assert out.transpose(1, 2).is_contiguous()
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    gathered = [x.detach()[..., order].contiguous().requires_grad_() for x in (q, k)]
+    want = mlr_attention(*gathered, v.detach().contiguous().requires_grad_(), (8, 4, 4), (64, 16, 8))
+    want_q, want_k = torch.autograd.grad(want, gathered, do)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    inverse = [order.index(i) for i in range(D)]
+    torch.testing.assert_close(grads[0], want_q[..., inverse], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grads[1], want_k[..., inverse], atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="a host synchronisation is a CUDA device's")
 def test_a_call_with_a_dim_order_never_waits_for_the_gpu():
     """The head dims' order a Hugging Face model's MLR attention passes (rotary pairs): its index is

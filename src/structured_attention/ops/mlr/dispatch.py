@@ -92,6 +92,17 @@ def _signature(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ranks: object,
     return signature
 
 
+def _gather_dims(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x[..., index]`` in ``x``'s layout: a layer's ``(B, H, T, D)`` view of ``(B, T, H, D)``
+    memory (a Hugging Face model's queries and keys) stays one, so the Triton kernels' output takes
+    that layout too and the heads merge without a copy (``index_select`` makes a contiguous
+    result; indexing keeps the layout, but its backward is an accumulating ``index_put``, on CUDA a
+    sort)."""
+    if x.dim() == 4 and x.shape[1] > 1 and x.shape[2] > 1 and x.stride(1) < x.stride(2):
+        return x.transpose(1, 2).index_select(-1, index).transpose(1, 2)
+    return x.index_select(-1, index)
+
+
 def mlr_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -147,7 +158,7 @@ def mlr_attention(
         # GPU in every layer of a Hugging Face model's MLR attention
         index = (torch.tensor(order, device=q.device) if torch.compiler.is_compiling()
                  else device_table(order, torch.long, q.device))
-        q, k = q.index_select(-1, index), k.index_select(-1, index)
+        q, k = _gather_dims(q, index), _gather_dims(k, index)
     if document_ids is None:
         return _mlr_attention(q, k, v, ranks, sizes, causal, resolved_scale, depth_normalize)
     if on_triton(q):
