@@ -40,7 +40,7 @@
 # one sub-tile level with four and eight warps).
 # subtile (about 8 minutes): tilings, then the Triton tests and the lengths below 4096 with 8 levels
 # timed against flash and cuDNN.
-# host [TREE] (about 3 minutes, 4 with TREE): where a whole call's time beyond its kernels goes: the tests that a training
+# host [TREE] (about 5 minutes, 7 with TREE): where a whole call's time beyond its kernels goes: the tests that a training
 # call makes no synchronising CUDA call and an MLR GPT's training step no more than an MHA one's, a GPT's training
 # step at context 4096 per kind
 # (sattn bench lm with profiles, step_ops.py), MLR against flash and cuDNN at T = 8192 (sattn bench mlr, each call
