@@ -183,6 +183,34 @@ def test_static_kernel_matches_the_static_step_in_aten_ops(slot, dn, sizes, monk
     torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("backend", ["cpu_kernel", "aten", "triton"])
+def test_the_static_step_reads_level_1_and_the_values_interleaved_in_one_buffer(backend, monkeypatch):
+    """Level-1 keys and values as two views of one buffer (a token's key and value in one row: the
+    layout gpu-check.sh layout times against two buffers) give the step of two buffers on every
+    backend of the static step."""
+    from structured_attention.ops.mlr import cpu, static
+
+    if backend == "cpu_kernel" and not cpu.available():
+        pytest.skip("the C++ kernel is not built here")
+    if backend == "aten":
+        monkeypatch.setattr(cpu, "available", lambda: False)
+    device = DEVICE if backend == "triton" else "cpu"
+    if backend == "triton":
+        pytest.importorskip("triton", reason="triton is not installed")
+        monkeypatch.setattr(static, "on_triton", lambda v: True)
+    g = torch.Generator().manual_seed(2)
+    ranks, sizes, C = (8, 4, 2, 2), (96, 32, 8, 4), 96
+    keys = [torch.randn(2, 2, C if level == 0 else sizes[level], r, generator=g).to(device)
+            for level, r in enumerate(ranks)]
+    q, v = torch.randn(2, 4, 1, 16, generator=g).to(device), torch.randn(2, 2, C, 24, generator=g).to(device)
+    slot, offsets = torch.tensor(60).to(device), torch.tensor([0, 11]).to(device)
+    both = torch.cat([keys[0], v], dim=-1)
+    args = (slot, offsets, list(ranks), list(sizes), 0.3, True)
+    want = static.mlr_decode_static(q, keys, v, *args)
+    got = static.mlr_decode_static(q, [both[..., :8], *keys[1:]], both[..., 8:], *args)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
 @pytest.mark.parametrize("spec", ["mlr:8|4|2|2", "mlr:8|4|2|2:depth_normalize=true"])
 def test_layer_decodes_through_the_kernel_like_its_full_forward(spec, monkeypatch):
     import structured_attention.ops.mlr.dispatch as dispatch
