@@ -98,7 +98,7 @@ def _gather_dims(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     that layout too and the heads merge without a copy (``index_select`` makes a contiguous
     result; indexing keeps the layout, but its backward is an accumulating ``index_put``, on CUDA a
     sort)."""
-    if x.dim() == 4 and x.shape[1] > 1 and x.shape[2] > 1 and x.stride(1) < x.stride(2):
+    if x.shape[1] > 1 and x.shape[2] > 1 and x.stride(1) < x.stride(2):
         return x.transpose(1, 2).index_select(-1, index).transpose(1, 2)
     return x.index_select(-1, index)
 
