@@ -106,15 +106,13 @@ def record(case: str, dtype: str, tile: int, step: int) -> list[dict]:
                           torch.randn(B, Hk, n, 64, dtype=dt), ranks, 0.125)
     elif case == "decode-static":
         from structured_attention.ops.mlr.contract import mlr_block_sizes
+        from structured_attention.ops.mlr.static import one_allocation
         from structured_attention.ops.mlr.triton_decode import decode_static
 
         B, H, Hk, n = 2, 8, 2, 4096
         sizes = mlr_block_sizes(ranks, n)
-        flat = torch.randn(B * Hk * sum(r * s for r, s in zip(ranks[1:], sizes[1:])), dtype=dt)
-        keys, at = [torch.randn(B, Hk, n, ranks[0], dtype=dt)], 0
-        for r, s in zip(ranks[1:], sizes[1:]):
-            keys.append(flat[at:at + B * Hk * s * r].view(B, Hk, s, r))
-            at += B * Hk * s * r
+        keys = [torch.randn(B, Hk, n, ranks[0], dtype=dt),
+                *one_allocation([torch.randn(B, Hk, s, r, dtype=dt) for r, s in zip(ranks[1:], sizes[1:])])]
         decode_static(torch.randn(B, H, 1, sum(ranks), dtype=dt), keys, torch.randn(B, Hk, n, 64, dtype=dt),
                       torch.tensor(n - 5), torch.zeros(B, dtype=torch.long), ranks, sizes, 0.125, False)
     else:

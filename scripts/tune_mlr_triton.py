@@ -33,6 +33,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from check_prefix_tilings import errors, use_tile_warps  # scripts/ is on the path of a script run from it
 from structured_attention.functional import mlr_decode_reference
 from structured_attention.ops.mlr.contract import check_mlr_arguments, mlr_block_sizes
+from structured_attention.ops.mlr.static import one_allocation
 from structured_attention.ops.mlr.triton_decode import decode_static, mlr_decode_triton
 from structured_attention.ops.mlr.triton_general import mlr_attention_triton
 from structured_attention.ops.mlr.triton_prefix import PrefixTiles, mlr_attention_prefix
@@ -250,12 +251,8 @@ def main() -> None:
     slot = torch.tensor(T, device="cuda")
     offsets = torch.zeros(B, dtype=torch.long, device="cuda")
     sizes = mlr_block_sizes(ranks, CONTEXT)
-    # the rings share one allocation, as a static cache's do
-    flat = torch.zeros(B * H * sum(r * s for r, s in zip(ranks[1:], sizes[1:])), device="cuda", dtype=torch.bfloat16)
-    rings, at = [], 0
-    for r, s in zip(ranks[1:], sizes[1:]):
-        rings.append(flat[at:at + B * H * s * r].view(B, H, s, r))
-        at += B * H * s * r
+    rings = one_allocation([torch.zeros(B, H, s, r, device="cuda", dtype=torch.bfloat16)
+                            for r, s in zip(ranks[1:], sizes[1:])])
     for ring, held, start, s in zip(rings, keys[1:], starts[1:], sizes[1:]):
         ring[:, :, torch.arange(start, T + 1, device="cuda") % s] = held
     for name, width in (("static", None), ("static interleaved level 1 and values", ranks[0] + vals.shape[-1])):

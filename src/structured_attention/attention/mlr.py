@@ -16,7 +16,7 @@ from torch import nn
 
 from .._checks import require
 from ..ops.mlr import mlr_attention, mlr_block_sizes, mlr_prefill, mlr_prefill_reference, mlr_score_flops
-from ..ops.mlr.static import mlr_decode_static, prepare_static
+from ..ops.mlr.static import mlr_decode_static, one_allocation, prepare_static
 from .base import Attention, cached_segments
 from .cache import KVCache, StaticKVCache, TokenBuffer, append_all, full_slots, ring_slots, store
 from .config import AttentionConfig, default_scale, positional
@@ -179,13 +179,9 @@ class MLRAttention(Attention):
         # level 1 and the values for every slot; a finer level's keys in a ring of its block size,
         # which holds every row's current block whatever its padding
         buffers = {"k0": full_slots(cache["k0"], self.config.max_seq_len), "v": full_slots(cache["v"], self.config.max_seq_len)}
-        rings = [ring_slots(cache[f"k{level}"], s) for level, s in enumerate(self.block_sizes[1:], start=1)]
-        # The rings share one allocation: the decoding kernel addresses them from the first by
-        # offsets that then depend on their shapes alone (a copied cache reads the same tables).
-        flat, at = torch.cat([r.flatten() for r in rings]) if rings else None, 0
-        for level, ring in enumerate(rings, start=1):
-            buffers[f"k{level}"] = flat[at:at + ring.numel()].view_as(ring)
-            at += ring.numel()
+        rings = one_allocation([ring_slots(cache[f"k{level}"], s)
+                                for level, s in enumerate(self.block_sizes[1:], start=1)])
+        buffers.update({f"k{level}": ring for level, ring in enumerate(rings, start=1)})
         prepare_static([buffers[f"k{level}"] for level in range(len(self.ranks))], buffers["v"], list(self.ranks),
                        list(self.block_sizes))
         return buffers

@@ -57,6 +57,7 @@ __all__ = [
     "device_table",
     "expand_kv",
     "grouped_matmul",
+    "heads_inner",
     "mlr_block_sizes",
     "mlr_depth",
     "mlr_pair_counts",
@@ -211,6 +212,12 @@ def device_table(values: tuple[int, ...], dtype: torch.dtype, device: torch.devi
     if isinstance(made[0], BaseException):
         raise made[0]
     return made[0]
+
+
+def heads_inner(x: torch.Tensor) -> bool:
+    """Whether ``x`` ``(B, H, T, D)`` is laid out as ``(B, T, H, D)`` memory (a layer's transposed
+    view of its projection), where the Triton kernels write their output in the same layout."""
+    return x.shape[1] > 1 and x.shape[2] > 1 and x.stride(1) < x.stride(2)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

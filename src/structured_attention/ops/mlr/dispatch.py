@@ -34,7 +34,7 @@ import torch
 from ..._autocast import autocast_inputs
 from . import blocked, cpu
 from .contract import (check_dim_order, check_mlr_arguments, check_mlr_cache_arguments, device_table,
-                       document_bounds)
+                       document_bounds, heads_inner)
 from .reference import mlr_attention_reference, mlr_decode_reference, mlr_prefill_reference
 
 __all__ = ["has_triton", "mlr_attention", "mlr_decode", "mlr_prefill"]
@@ -98,7 +98,7 @@ def _gather_dims(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     that layout too and the heads merge without a copy (``index_select`` makes a contiguous
     result; indexing keeps the layout, but its backward is an accumulating ``index_put``, on CUDA a
     sort)."""
-    if x.shape[1] > 1 and x.shape[2] > 1 and x.stride(1) < x.stride(2):
+    if heads_inner(x):
         return x.transpose(1, 2).index_select(-1, index).transpose(1, 2)
     return x.index_select(-1, index)
 

@@ -19,7 +19,7 @@ from . import cpu
 from .contract import grouped_matmul, masked_mix
 from .dispatch import on_triton
 
-__all__ = ["mlr_decode_static", "prepare_static"]
+__all__ = ["mlr_decode_static", "one_allocation", "prepare_static"]
 
 
 @torch.library.custom_op("sattn::mlr_decode_static", mutates_args=())
@@ -58,6 +58,17 @@ def mlr_decode_static(q: torch.Tensor, keys: list[torch.Tensor], v: torch.Tensor
     slots = torch.arange(v.shape[2], device=v.device)
     real = (slots[None] >= offsets[:, None]) & (slots[None] <= slot)
     return masked_mix(scores, real, v)
+
+
+def one_allocation(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors``' contents copied into one allocation, as views of their shapes, in order: how a
+    static cache holds its finer levels' rings, which the Triton kernel then addresses from the
+    first by offsets that depend on their shapes alone (a copied cache reads the same tables)."""
+    flat, at, views = torch.cat([t.flatten() for t in tensors]) if tensors else None, 0, []
+    for t in tensors:
+        views.append(flat[at:at + t.numel()].view_as(t))
+        at += t.numel()
+    return views
 
 
 def prepare_static(keys: list[torch.Tensor], v: torch.Tensor, ranks: list[int], block_sizes: list[int]) -> None:

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .contract import device_table, document_bounds
+from .contract import device_table, document_bounds, heads_inner
 
 __all__ = ["INTERPRETED", "blocks_meet", "cdiv", "dense_rows", "device_table", "dot", "dot_acc", "empty_rows",
            "launch", "load_segment", "pow2", "row_dots", "segments_of_documents", "segments_of_rows"]
@@ -146,7 +146,7 @@ def empty_rows(q: torch.Tensor, dim: int) -> torch.Tensor:
     the output projection's input) without a copy, and its gradient arrives in the same layout;
     else contiguous."""
     B, H, T, _ = q.shape
-    if H > 1 and T > 1 and q.stride(1) < q.stride(2):
+    if heads_inner(q):
         return torch.empty(B, T, H, dim, dtype=q.dtype, device=q.device).transpose(1, 2)
     return torch.empty(B, H, T, dim, dtype=q.dtype, device=q.device)
 
