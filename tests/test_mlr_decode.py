@@ -160,6 +160,25 @@ def test_triton_kernel_reads_level_1_keys_and_values_interleaved_in_one_buffer(d
     torch.testing.assert_close(out.double().cpu(), ref, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_triton_kernel_at_the_benchmarks_shape_with_its_shallow_regions_a_stage_deeper(dtype):
+    # 8 levels of rank 8 and 64 value dims (sattn bench's decoding case): the first two regions
+    # (level 1 and the values; then level 2) loop with one pipeline stage more than the others,
+    # each over several tiles, as do the deeper ones; against the reference in float64.
+    from structured_attention.ops.mlr.triton_decode import _shallow_regions
+
+    ranks = (8,) * 8
+    assert _shallow_regions({"num_stages": 2, "R0P": 16, "DVP": 64, "N_FINE": 7}, 8) == 2
+    s = cache_step(1, 2, 1, 1000, ranks, (1024, 512, 256, 128, 64, 32, 16, 8), 64)
+    assert s.starts[1:3] == [512, 768]  # regions 1 and 2 span 512 and 256 keys: tiles of 16
+    q, keys, v = s.q_new.to(DEVICE, dtype), [k.to(DEVICE, dtype) for k in s.keys], s.v.to(DEVICE, dtype)
+    ref = mlr_decode_reference(q.double().cpu(), [k.double().cpu() for k in keys], s.starts, v.double().cpu(),
+                               ranks, 0.125)
+    out = mlr_decode_triton(q, keys, s.starts, v, ranks, 0.125, chunk=256, block_n=16)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double().cpu(), ref, atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("slot", [0, 37, 95])
 @pytest.mark.parametrize("dn", [False, True], ids=["no_dn", "dn"])
 @pytest.mark.parametrize("sizes", [(96, 32, 8, 4), (96, 24, 12, 6)], ids=["pow2_rings", "other_rings"])
