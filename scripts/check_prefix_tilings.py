@@ -9,7 +9,7 @@ one: the number of sub-tile levels, whether the coarse levels' prefix reaches th
 chunk (``NCC == NCH``), the length, the dtype, and the deterministic backward (the separate dQ
 kernel instead of the dK/dV kernel's atomics), so the failing ones name the trigger and the
 kernel (the output: forward; dK, dV: the dK/dV kernel; dQ: fused or the dQ kernel). The kernels are
-called with explicit tiles, past the dispatcher's choice. Since that run the near tiles' loops are
+called with explicit tiles, past the dispatcher's choice, with the pipeline stages it would give them. Since that run the near tiles' loops are
 no longer software-pipelined (triton_prefix.py's docstring): with every case ``ok`` the dispatcher's
 guard for a single sub-tile level (``miscompiled_on_cuda``) can go. On CUDA the kernels launch
 tilings with sub-tile levels with eight warps (``launch_warps``, for the same fault with four);
@@ -27,7 +27,7 @@ import torch
 from structured_attention.functional import mlr_attention_reference
 from structured_attention.ops.mlr import triton_prefix
 from structured_attention.ops.mlr.contract import check_mlr_arguments
-from structured_attention.ops.mlr.triton_prefix import PrefixTiles, mlr_attention_prefix, plan_of
+from structured_attention.ops.mlr.triton_prefix import PrefixTiles, mlr_attention_prefix, pipeline_stages, plan_of
 
 # (label, ranks, T, block sizes or None for the default halving ones, tile rows, dtype, deterministic)
 CASES = [
@@ -100,7 +100,9 @@ def main() -> None:
     for i in picked:
         label, ranks, T, sizes, tile, dtype, deterministic = CASES[i]
         start = time.perf_counter()
-        checked = errors(PrefixTiles(*(tile,) * 6), ranks, T, sizes, dtype, deterministic, device)
+        # the stages the dispatcher gives these tiles on CUDA
+        tiles = PrefixTiles(*(tile,) * 6, num_stages=pipeline_stages(getattr(torch, dtype), "cuda", 64))
+        checked = errors(tiles, ranks, T, sizes, dtype, deterministic, device)
         if checked is None:
             raise SystemExit(f"case {i}: tiles of {tile} rows do not fit its block sizes")
         found, layout = checked

@@ -55,10 +55,10 @@
 # version of the package prepared beforehand where git is (the device machine's copy has no history):
 #   mkdir -p runs/ab-before && git archive REV src | tar -x -C runs/ab-before
 # then, carrying runs/ab-before: the prefix-rank kernels at 4096, 8192 and 16384 (8 levels of rank 8;
-# the other tree with 32- and 64-row tiles, its dispatcher's choices; this one with 64-row tiles
-# with four and eight warps (at 4096 a sub-tile level, launched with eight either way), the 32-row
-# tiles the dispatcher picks there, and the backward stepping 32 rows at a time with four and eight
-# warps) and the decoding
+# the other tree with 32- and 64-row tiles, its dispatcher's choices; this one with its dispatcher's
+# tiles, 32 and 64 rows with three pipeline stages, the same with two, 64-row tiles with eight warps
+# (at 4096 a sub-tile level, launched with eight either way), and the backward stepping 32 rows at
+# a time) and the decoding
 # step (the kernel's default settings), the same tuning script over each tree, sattn bench mlr
 # (whole calls, the host's part included) at 4096 and 8192, and last graph-captured generation at
 # batch 16 (the static step), in one call.
@@ -184,9 +184,11 @@ if [[ $step == ab ]]; then
     tree=${3:?"ab: expected the other tree's folder (holding src/) as the third argument"}
     [[ -d $tree/src/structured_attention ]] || { echo "ab: expected $tree/src/structured_attention" >&2; exit 2; }
     for side in now before; do
-        package=src settings=32/w4/s2,64/w4/s2,64/w8/s2,bwd32/w4/s2,bwd32/w8/s2
-        # the other tree: the tiles its dispatcher picks (32 rows at 4096, 64 above), the reference
-        # point on the same machine
+        # this tree: the dispatcher's tiles (three stages) and the same with two, eight warps, and
+        # the backward stepping 32 rows
+        package=src settings=32/w4/s3,64/w4/s3,32/w4/s2,64/w4/s2,64/w8/s2,bwd32/w4/s2
+        # the other tree: the tiles its dispatcher picks (32 rows at 4096, 64 above, two stages), the
+        # reference point on the same machine
         [[ $side == before ]] && package=$tree/src settings=32/w4/s2,64/w4/s2
         PYTHONPATH=$package timeout 240 python3 scripts/tune_mlr_triton.py --seq-lens 4096,8192,16384 \
             --ranks "8|8|8|8|8|8|8|8" --settings "$settings" --no-decode --no-general \
@@ -213,7 +215,7 @@ if [[ $step == tune ]]; then
     # where the dK/dV kernel with 64-row tiles spills 632 bytes a thread compiled for sm_90 (296 at
     # head dim 64): the tiles that hold fewer of its keys at once beside the default
     timeout 200 python3 scripts/tune_mlr_triton.py --ranks "32|32|32|32" --v-dim 128 --batch 4 --heads 16 \
-        --seq-lens 4096 --settings 64/w4/s2,64/w8/s2,dkdv32/w4/s2,bwd32/w4/s2,bwd32/w8/s2 --no-decode --no-general \
+        --seq-lens 4096 --settings 64/w4/s2,64/w4/s3,64/w8/s2,dkdv32/w4/s2,bwd32/w4/s2,bwd32/w8/s2 --no-decode --no-general \
         --out "$out/tune-d128.json" 2>&1 | tee "$out/tune-d128.log" || status=1
 fi
 if [[ $step == decode ]]; then

@@ -3,7 +3,7 @@ registers, spill stack and compile time, the numbers that decide occupancy and l
 
     python3 scripts/triton_resources.py [--case general|prefix|prefix-d128|sub-tile|one-sub-tile|decode|decode-static]
                                         [--dtype bfloat16] [--arch 90]
-                                        [--num-warps N] [--tile N] [--step N] [--recorder PYTHON]
+                                        [--num-warps N] [--tile N] [--step N] [--stages N] [--recorder PYTHON]
 
 Step 1 runs one call of the case (forward and backward for ``general`` and ``prefix``, one decoding
 step for the decoding cases) on CPU tensors in a child process under ``TRITON_INTERPRET=1`` and
@@ -20,7 +20,8 @@ still has to be measured on one (``scripts/gpu-check.sh``).
 The compile time is a first compile's: a kernel in Triton's cache (``TRITON_CACHE_DIR``) reads 0.
 
 Cases (8 levels of rank 8, ``Dv = 64``, GPU tiles of 64, or ``--tile`` and ``--step`` (the backward's
-step over the walked axis) for the prefix-rank ones):
+step over the walked axis) for the prefix-rank ones, with the software-pipeline stages the CUDA
+dispatcher gives them (three in half precision up to head dim 64, else two) or ``--stages``):
 - ``general``: T = 640 with the default block sizes (finest block 5, not a multiple of a tile),
   bidirectional with ``depth_normalize``: the general kernels;
 - ``prefix``: causal with the block sizes of T = 8192 (finest block 64, a tile; run on 1024 tokens):
@@ -56,7 +57,7 @@ _TYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "
 _OPTIONS = ("num_warps", "num_stages", "maxnreg")
 
 
-def record(case: str, dtype: str, tile: int, step: int) -> list[dict]:
+def record(case: str, dtype: str, tile: int, step: int, stages: int) -> list[dict]:
     """Step 1 (TRITON_INTERPRET=1): run the case and return every distinct kernel launch."""
     import torch
     from triton.runtime.interpreter import InterpretedFunction
@@ -129,7 +130,7 @@ def record(case: str, dtype: str, tile: int, step: int) -> list[dict]:
         else:  # the sizes of a longer T on a shorter sequence: the same kernels, the GPU's tiles
             context = {"prefix": 8192, "prefix-d128": 4096, "sub-tile": 2048, "one-sub-tile": 4096}[case]
             sizes = tuple(context >> i for i in range(len(ranks)))
-            tiles = PrefixTiles(tile, tile, tile, step, tile, step)
+            tiles = PrefixTiles(tile, tile, tile, step, tile, step, num_stages=stages)
             out = mlr_attention_prefix(q, k, v, ranks, sizes, True, 0.125, False, tiles)
         out.sum().backward()
     return list(launches.values())
@@ -180,6 +181,9 @@ def main() -> None:
     p.add_argument("--arch", type=int, default=90, help="compute capability x 10 (default 90: H100/H200)")
     p.add_argument("--num-warps", type=int, default=None, help="compile with this many warps instead of the launch's")
     p.add_argument("--tile", type=int, default=64, help="the prefix-rank kernels' square tiles (default 64)")
+    p.add_argument("--stages", type=int, default=None,
+                   help="the prefix-rank kernels' software-pipeline stages (default the CUDA dispatcher's: 3 in half "
+                        "precision up to head dim 64, else 2)")
     p.add_argument("--step", type=int, default=None,
                    help="the backward's step over the walked axis (the dK/dV kernel's query rows, the dQ kernel's "
                         "keys; default the tile)")
@@ -188,11 +192,17 @@ def main() -> None:
                         "one's Triton interpreter cannot run the case (Triton 3.6's, with NumPy 2)")
     p.add_argument("--record", action="store_true", help=argparse.SUPPRESS)  # step 1, in the child
     args = p.parse_args()
+    if args.stages is None:
+        import torch
+
+        from structured_attention.ops.mlr.triton_prefix import pipeline_stages
+
+        args.stages = pipeline_stages(getattr(torch, args.dtype), "cuda", 128 if args.case == "prefix-d128" else 64)
     if args.record:
-        json.dump(record(args.case, args.dtype, args.tile, args.step or args.tile), sys.stdout)
+        json.dump(record(args.case, args.dtype, args.tile, args.step or args.tile, args.stages), sys.stdout)
         return
     child = subprocess.run([args.recorder, __file__, "--record", "--case", args.case, "--dtype", args.dtype,
-                            "--tile", str(args.tile), "--step", str(args.step or args.tile)],
+                            "--tile", str(args.tile), "--step", str(args.step or args.tile), "--stages", str(args.stages)],
                            env=os.environ | {"TRITON_INTERPRET": "1"}, capture_output=True, text=True)
     if child.returncode != 0:
         sys.exit(f"triton_resources.py: the recording run failed:\n{child.stderr}")

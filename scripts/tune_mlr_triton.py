@@ -43,7 +43,10 @@ SETTINGS = {
     # what the dispatcher takes where a 64-row tile would need sub-tile levels but 32 rows divide every
     # fine block (8 levels at T = 4096: the finest blocks are 32 tokens)
     "32/w4/s2": PrefixTiles(*(32,) * 6, num_warps=4, num_stages=2),
+    # three stages, the dispatcher's on CUDA in half precision up to head dim 64: the next tile's
+    # copies in flight while one is scored (with two, each is waited for before its own arithmetic)
     "64/w4/s3": PrefixTiles(num_warps=4, num_stages=3),
+    "32/w4/s3": PrefixTiles(*(32,) * 6, num_warps=4, num_stages=3),
     "64/w8/s2": PrefixTiles(num_warps=8, num_stages=2),
     "64/w4/s1": PrefixTiles(num_warps=4, num_stages=1),
     "128x64/w8/s2": PrefixTiles(128, 64, 128, 64, 128, 64, num_warps=8, num_stages=2),

@@ -59,7 +59,7 @@ from .contract import attach_backward, eager_autograd
 from .triton_common import (INTERPRETED, blocks_meet, cdiv, dense_rows, device_table, dot, dot_acc,
                             empty_rows, launch, load_segment, pow2, row_dots, segments_of_documents, segments_of_rows)
 
-__all__ = ["PrefixTiles", "miscompiled_on_cuda", "square_tiles", "mlr_attention_prefix"]
+__all__ = ["PrefixTiles", "miscompiled_on_cuda", "pipeline_stages", "square_tiles", "mlr_attention_prefix"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -852,17 +852,29 @@ class PrefixTiles:
 
 
 def square_tiles(fine_sizes: Sequence[int], largest: int, smallest: int, sub_tile: bool,
-                 num_warps: int = 4) -> PrefixTiles | None:
+                 num_warps: int = 4, num_stages: int = 2) -> PrefixTiles | None:
     """Square tiles for the prefix-rank kernels: the largest, from ``largest`` down to ``smallest``
     (both powers of two >= 16), that every fine block size is a multiple of; else, with
     ``sub_tile``, tiles of ``largest`` with sub-tile levels if they fit; else None."""
     tile = largest
     while tile >= max(smallest, 16):
         if all(s % tile == 0 for s in fine_sizes):
-            return PrefixTiles(*(tile,) * 6, num_warps=num_warps)
+            return PrefixTiles(*(tile,) * 6, num_warps=num_warps, num_stages=num_stages)
         tile //= 2
-    tiles = PrefixTiles(*(largest,) * 6, num_warps=num_warps)
+    tiles = PrefixTiles(*(largest,) * 6, num_warps=num_warps, num_stages=num_stages)
     return tiles if sub_tile and tiles.fits(fine_sizes) else None
+
+
+def pipeline_stages(dtype: torch.dtype, device_type: str, head_dim: int) -> int:
+    """The software-pipeline stages of the default tiles: three on CUDA in half precision with
+    query and value head dims (``head_dim``, the wider) up to 64, else two. With two, Triton issues
+    a walked tile's copies into shared memory after the previous tile's products and waits for them
+    at the top of the next iteration, so a program's loads never overlap its own arithmetic; with
+    three the next tile's copies are in flight while one is scored. Their buffers fit beside the
+    programs per multiprocessor the registers allow (forward three, dK/dV two); at head dim 128 the
+    dK/dV kernel's would take 133 KiB of shared memory and halve its programs; float32 kernels
+    are not a speed target and compile slowly (docs/benchmarks.md, compiled for sm_90)."""
+    return 3 if device_type == "cuda" and dtype != torch.float32 and head_dim <= 64 else 2
 
 
 def launch_warps(tiles: PrefixTiles, sizes: Sequence[int], device_type: str) -> int:
