@@ -359,7 +359,8 @@ def mlr_decode_triton(
     thread, which bound how many programs a multiprocessor holds. The defaults were the fastest on
     an H200 at a 16k cache (docs/benchmarks.md): uncapped, the kernel takes 230 registers, so a
     multiprocessor holds two programs and the grid runs in two waves; at 128 registers and two
-    stages it holds four, one wave."""
+    stages it holds four, one wave. ``num_stages`` is the deepest regions'; the first ones take one
+    more where their tiles fit in the same shared memory (:func:`_shallow_regions`)."""
     ranks = check_mlr_cache_arguments(q, keys, key_starts, v, ranks, scale, depth_normalize, one_query=True,
                                       row_starts=row_starts)
     return decode(q, keys, key_starts, v, ranks, scale, depth_normalize, row_starts=row_starts, chunk=chunk,
