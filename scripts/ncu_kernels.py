@@ -24,7 +24,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from structured_attention.ops.mlr.contract import check_mlr_arguments
 from structured_attention.ops.mlr.triton_decode import mlr_decode_triton
-from structured_attention.ops.mlr.triton_prefix import PrefixTiles, mlr_attention_prefix, pipeline_stages
+from structured_attention.ops.mlr.triton_prefix import PrefixTiles, mlr_attention_prefix
 from tune_mlr_triton import DECODE_RANKS, decode_case  # scripts/ is on the path when run as a script
 
 
@@ -41,7 +41,7 @@ def _prefill_cases() -> dict:
     v = torch.randn(1, 8, T, 64, device="cuda", dtype=torch.bfloat16)
     ranks, sizes, _ = check_mlr_arguments(q, k, v, ranks, None, True, None, False)
     scale = 1 / math.sqrt(sum(ranks))
-    tiles = PrefixTiles(num_stages=pipeline_stages(q.dtype, "cuda", 64))  # the dispatcher's tiles here
+    tiles = PrefixTiles(num_stages=0)  # the dispatcher's tiles here (the stages the launch picks)
     return {"mlr": lambda: mlr_attention_prefix(q, k, v, ranks, sizes, True, scale, False, tiles),
             "flash": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)}
 

@@ -103,7 +103,7 @@ def main() -> None:
     q, k, v = (torch.randn(B, H, T, d, device=device, dtype=torch.bfloat16, requires_grad=True) for d in (R, R, Dv))
     sizes = mlr_block_sizes(RANKS, T, None)
     scale = R ** -0.5
-    tiles = _prefix_tiles(tuple(sizes), q.dtype, "cuda", 64, 64, False, max(R, Dv))  # what mlr_attention takes on CUDA
+    tiles = _prefix_tiles(tuple(sizes), q.dtype, "cuda", 64, 64, False)  # the tiles mlr_attention takes on CUDA
     assert tiles is not None, f"block sizes {sizes} take the general kernels"
     plan = tp.plan_of(q, v, RANKS, sizes, tiles)
     tile_list = [int(x) for x in (tiles.fwd_m, tiles.fwd_n, tiles.dkdv_n, tiles.dkdv_m, tiles.dq_m, tiles.dq_n,

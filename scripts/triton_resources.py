@@ -197,7 +197,8 @@ def main() -> None:
 
         from structured_attention.ops.mlr.triton_prefix import pipeline_stages
 
-        args.stages = pipeline_stages(getattr(torch, args.dtype), "cuda", 128 if args.case == "prefix-d128" else 64)
+        args.stages = pipeline_stages(getattr(torch, args.dtype), "cuda", 128 if args.case == "prefix-d128" else 64,
+                                      args.arch // 10)
     if args.record:
         json.dump(record(args.case, args.dtype, args.tile, args.step or args.tile, args.stages), sys.stdout)
         return

@@ -224,30 +224,35 @@ def test_sub_tile_levels_launch_with_eight_warps_on_cuda():
     from structured_attention.ops.mlr.triton_prefix import launch_warps
 
     sizes = (4096, 2048, 32, 16)
-    sub_tile = _prefix_tiles(sizes, torch.bfloat16, "cuda", 64, 64, False, 64)
+    sub_tile = _prefix_tiles(sizes, torch.bfloat16, "cuda", 64, 64, False)
     assert sub_tile is not None and sub_tile.coarse_levels(sizes) == 2
     assert launch_warps(sub_tile, sizes, "cuda") == 8 and launch_warps(PrefixTiles(num_warps=4), sizes, "cuda") == 8
     assert launch_warps(PrefixTiles(num_warps=4), sizes, "cpu") == 4  # the interpreter: as given
-    coarse = _prefix_tiles((8192, 4096, 64), torch.bfloat16, "cuda", 64, 64, False, 64)
+    coarse = _prefix_tiles((8192, 4096, 64), torch.bfloat16, "cuda", 64, 64, False)
     assert launch_warps(coarse, (8192, 4096, 64), "cuda") == 4
     # float32: eight anyway
-    assert _prefix_tiles((4096, 2048, 16, 8), torch.float32, "cuda", 64, 64, False, 64).num_warps == 8
+    assert _prefix_tiles((4096, 2048, 16, 8), torch.float32, "cuda", 64, 64, False).num_warps == 8
 
 
-def test_cuda_half_precision_tiles_take_three_pipeline_stages_up_to_head_dim_64():
+def test_default_tiles_take_the_launchs_pipeline_stages_three_on_hopper_up_to_head_dim_64():
     # Two stages leave a program's loads waited for before its own arithmetic (docs/benchmarks.md);
-    # three fit at head dims up to 64 without fewer programs per multiprocessor, not at 128.
+    # three fit Hopper's shared memory at head dims up to 64 without fewer programs per
+    # multiprocessor, not at 128. The default tiles leave the choice to the launch (its device).
     from structured_attention.ops.mlr.triton_general import _prefix_tiles
-    from structured_attention.ops.mlr.triton_prefix import pipeline_stages
+    from structured_attention.ops.mlr.triton_prefix import pipeline_stages, plan_of
 
-    assert pipeline_stages(torch.bfloat16, "cuda", 64) == 3 and pipeline_stages(torch.bfloat16, "cpu", 64) == 2
-    sizes = (8192, 4096, 2048, 1024, 512, 256, 128, 64)
     for dtype in (torch.bfloat16, torch.float16):
-        assert _prefix_tiles(sizes, dtype, "cuda", 64, 64, False, 64).num_stages == 3
-        assert _prefix_tiles(sizes, dtype, "cuda", 64, 64, False, 128).num_stages == 2
-    assert _prefix_tiles(sizes, torch.float32, "cuda", 64, 64, False, 64).num_stages == 2
-    assert _prefix_tiles(sizes, torch.bfloat16, "cpu", 16, 16, False, 64).num_stages == 2  # the interpreter
-    assert _prefix_tiles(sizes, torch.bfloat16, "cuda", 64, 64, True, 64).num_stages == 2  # explicit tiles: as given
+        assert pipeline_stages(dtype, "cuda", 64, 9) == 3
+        assert pipeline_stages(dtype, "cuda", 128, 9) == 2
+        assert pipeline_stages(dtype, "cuda", 64, 8) == 2  # before Hopper: less shared memory
+    assert pipeline_stages(torch.float32, "cuda", 64, 9) == 2
+    assert pipeline_stages(torch.bfloat16, "cpu", 64, 0) == 2
+    sizes = (8192, 4096, 2048, 1024, 512, 256, 128, 64)
+    assert _prefix_tiles(sizes, torch.bfloat16, "cuda", 64, 64, False).num_stages == 0  # the launch's
+    assert _prefix_tiles(sizes, torch.bfloat16, "cuda", 64, 64, True).num_stages == 2  # explicit: as given
+    q, v = torch.empty(1, 1, 16, 64, dtype=torch.bfloat16), torch.empty(1, 1, 16, 64, dtype=torch.bfloat16)
+    assert plan_of(q, v, (8,) * 8, sizes, PrefixTiles(num_stages=0)).num_stages == 2  # the interpreter's
+    assert plan_of(q, v, (8,) * 8, sizes, PrefixTiles(num_stages=3)).num_stages == 3
 
 
 def test_cuda_calls_avoid_the_sub_tile_tilings_triton_compiled_wrong():
@@ -259,16 +264,16 @@ def test_cuda_calls_avoid_the_sub_tile_tilings_triton_compiled_wrong():
 
     eight = (8,) * 8
     # 8 levels at 4096, the failing case's blocks: 32-row tiles divide every one, no sub-tile level
-    assert _prefix_tiles(mlr_block_sizes(eight, 4096), torch.bfloat16, "cuda", 64, 64, False, 64).fwd_m == 32
+    assert _prefix_tiles(mlr_block_sizes(eight, 4096), torch.bfloat16, "cuda", 64, 64, False).fwd_m == 32
     one_level = (4096, 2048, 1024, 512, 256, 128, 64, 16)  # 64-row tiles, one sub-tile level (16)
     assert miscompiled_on_cuda(PrefixTiles(), one_level)
-    assert _prefix_tiles(one_level, torch.bfloat16, "cuda", 64, 64, False, 64) is None
-    assert _prefix_tiles(one_level, torch.bfloat16, "cpu", 64, 64, False, 64) == PrefixTiles()
+    assert _prefix_tiles(one_level, torch.bfloat16, "cuda", 64, 64, False) is None
+    assert _prefix_tiles(one_level, torch.bfloat16, "cpu", 64, 64, False) == PrefixTiles(num_stages=0)
     # two sub-tile levels (32 and 16), right on the H200: kept
-    assert _prefix_tiles(mlr_block_sizes(eight, 2048), torch.bfloat16, "cuda", 64, 64, False, 64) == PrefixTiles(
-        num_stages=3)
+    assert _prefix_tiles(mlr_block_sizes(eight, 2048), torch.bfloat16, "cuda", 64, 64, False) == PrefixTiles(
+        num_stages=0)
     # float32 takes 32-row tiles: 8 levels at 2048 have one sub-tile level (16)
-    assert _prefix_tiles(mlr_block_sizes(eight, 2048), torch.float32, "cuda", 64, 64, False, 64) is None
+    assert _prefix_tiles(mlr_block_sizes(eight, 2048), torch.float32, "cuda", 64, 64, False) is None
     assert not miscompiled_on_cuda(PrefixTiles(), mlr_block_sizes(eight, 8192))  # no sub-tile level
 
 

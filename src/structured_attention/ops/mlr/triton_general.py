@@ -49,8 +49,7 @@ from ..._checks import require
 from .contract import attach_backward, check_mlr_arguments
 from .triton_common import (INTERPRETED, blocks_meet, cdiv, dense_rows, device_table, dot, empty_rows, launch,
                             load_segment, pow2, row_dots, segments_of_documents, segments_of_rows)
-from .triton_prefix import (PrefixCall, PrefixTiles, miscompiled_on_cuda, mlr_attention_prefix, pipeline_stages,
-                            square_tiles)
+from .triton_prefix import PrefixCall, PrefixTiles, miscompiled_on_cuda, mlr_attention_prefix, square_tiles
 
 __all__ = ["mlr_attention_checked", "mlr_attention_route", "mlr_attention_triton"]
 
@@ -568,7 +567,7 @@ def mlr_attention_route(q: torch.Tensor, v: torch.Tensor, ranks: tuple[int, ...]
     checked): the prefix-rank kernels' :class:`~.triton_prefix.PrefixCall`, prepared, or else the
     general kernels' call with its configuration bound."""
     tile = _default_tile(q.device.type)
-    tiles = _prefix_tiles(tuple(sizes), q.dtype, q.device.type, tile, tile, False, _head_dim(q, v))
+    tiles = _prefix_tiles(tuple(sizes), q.dtype, q.device.type, tile, tile, False)
     if tiles is not None:
         return PrefixCall(q, v, ranks, sizes, causal, scale, depth_normalize, tiles)
     return functools.partial(mlr_attention_checked, ranks=ranks, sizes=sizes, causal=causal, scale=scale,
@@ -586,7 +585,7 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ranks: tuple[i
     default_tile = _default_tile(q.device.type)
     explicit = block_m is not None or block_n is not None
     block_m, block_n = block_m or default_tile, block_n or default_tile
-    tiles = _prefix_tiles(tuple(sizes), q.dtype, q.device.type, block_m, block_n, explicit, _head_dim(q, v))
+    tiles = _prefix_tiles(tuple(sizes), q.dtype, q.device.type, block_m, block_n, explicit)
     if tiles is not None:
         return mlr_attention_prefix(q, k, v, ranks, sizes, causal, float(scale), depth_normalize, tiles, document_ids)
 
@@ -597,14 +596,9 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ranks: tuple[i
     return out
 
 
-def _head_dim(q: torch.Tensor, v: torch.Tensor) -> int:
-    """The wider of the queries' and the values' head dims (what sizes the kernels' tiles)."""
-    return max(q.shape[-1], v.shape[-1])
-
-
 @functools.lru_cache(maxsize=256)
 def _prefix_tiles(sizes: tuple[int, ...], dtype: torch.dtype, device_type: str, block_m: int, block_n: int,
-                  explicit: bool, head_dim: int) -> PrefixTiles | None:
+                  explicit: bool) -> PrefixTiles | None:
     """The prefix-rank kernels' tiles for a call, or None for the general kernels (chosen once per
     signature: the host pays for it before the kernels can start)."""
     # The prefix-rank kernels take the call when a tile of 32 rows or more (any in the interpreter)
@@ -616,7 +610,8 @@ def _prefix_tiles(sizes: tuple[int, ...], dtype: torch.dtype, device_type: str, 
     if block_m != block_n:
         return None
     largest, smallest, warps = block_m, (block_m if explicit else min(block_m, 32)), 4
-    stages = 2 if explicit else pipeline_stages(dtype, device_type, head_dim)
+    # default tiles: the software-pipeline stages the launch picks for its device (pipeline_stages)
+    stages = 2 if explicit else 0
     if not explicit and dtype == torch.float32 and device_type == "cuda":
         # float32 products run on the FMA units, not the matrix units: with 64-row tiles the kernels
         # spill kilobytes per thread and take up to a minute each to compile for sm_90, with 32-row

@@ -824,7 +824,7 @@ class PrefixTiles:
     dq_m: int = 64  # dQ: own query tile
     dq_n: int = 64  # dQ: key step
     num_warps: int = 4
-    num_stages: int = 2
+    num_stages: int = 2  # software-pipeline stages of the walked tiles; 0: the launch's choice (pipeline_stages)
 
     @property
     def largest(self) -> int:
@@ -865,16 +865,24 @@ def square_tiles(fine_sizes: Sequence[int], largest: int, smallest: int, sub_til
     return tiles if sub_tile and tiles.fits(fine_sizes) else None
 
 
-def pipeline_stages(dtype: torch.dtype, device_type: str, head_dim: int) -> int:
-    """The software-pipeline stages of the default tiles: three on CUDA in half precision with
-    query and value head dims (``head_dim``, the wider) up to 64, else two. With two, Triton issues
+def pipeline_stages(dtype: torch.dtype, device_type: str, head_dim: int, sm_major: int) -> int:
+    """The software-pipeline stages of the default tiles: three on a CUDA GPU of compute capability
+    9 or later (``sm_major``: Hopper's 228 KiB of shared memory a multiprocessor, where this was
+    compiled and counted; on older GPUs less, down to 64 KiB a block) in half precision with query
+    and value head dims (``head_dim``, the wider) up to 64, else two. With two, Triton issues
     a walked tile's copies into shared memory after the previous tile's products and waits for them
     at the top of the next iteration, so a program's loads never overlap its own arithmetic; with
     three the next tile's copies are in flight while one is scored. Their buffers fit beside the
     programs per multiprocessor the registers allow (forward three, dK/dV two); at head dim 128 the
     dK/dV kernel's would take 133 KiB of shared memory and halve its programs; float32 kernels
     are not a speed target and compile slowly (docs/benchmarks.md, compiled for sm_90)."""
-    return 3 if device_type == "cuda" and dtype != torch.float32 and head_dim <= 64 else 2
+    return 3 if device_type == "cuda" and sm_major >= 9 and dtype != torch.float32 and head_dim <= 64 else 2
+
+
+@functools.lru_cache(maxsize=16)
+def _sm_major(device: torch.device) -> int:
+    """A CUDA device's major compute capability (0 elsewhere)."""
+    return torch.cuda.get_device_capability(device)[0] if device.type == "cuda" else 0
 
 
 def launch_warps(tiles: PrefixTiles, sizes: Sequence[int], device_type: str) -> int:
@@ -931,6 +939,7 @@ class PrefixPlan:
         self.DVP = pow2(self.DV, 16)
         self.tiles = tiles
         self.num_warps = launch_warps(tiles, sizes, device.type)
+        self.num_stages = tiles.num_stages or pipeline_stages(dtype, device.type, max(R, dv), _sm_major(device))
         self.prec = "ieee" if dtype == torch.float32 else "tf32"
         self.upcast = INTERPRETED and dtype == torch.bfloat16
         self._constexprs: dict[tuple[bool, bool, int, int], dict] = {}
@@ -947,7 +956,7 @@ class PrefixPlan:
             made = self._constexprs[key] = dict(
                 CAUSAL=causal, DEPTH_NORM=depth_normalize, BLOCK_M=block_m, BLOCK_N=block_n, CH=self.CH,
                 NCH=self.NCH, NCC=self.NCC, NSUB=self.NSUB, LP=self.LP, DVP=self.DVP, PREC=self.prec,
-                UPCAST=self.upcast, num_warps=self.num_warps, num_stages=self.tiles.num_stages)
+                UPCAST=self.upcast, num_warps=self.num_warps, num_stages=self.num_stages)
         return made
 
 
