@@ -124,7 +124,7 @@ def main() -> None:
     launch_args = (q, k, v, o, lse, triton_common.segments_of_rows(1, T, torch.device("cpu")), *plan.tables(),
                    *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
                    8, 1, T, plan.R, plan.R1, plan.RC, plan.SF, plan.DV, 0.125)
-    constexprs = plan.constexprs(True, False, 64, 64)
+    constexprs = plan.constexprs(True, False, 64, 64, plan.fwd_stages)
     grid = (triton_common.cdiv(T, 64), 8)
     fn = tp._prefix_fwd_kernel
     results = {

@@ -20,8 +20,8 @@ still has to be measured on one (``scripts/gpu-check.sh``).
 The compile time is a first compile's: a kernel in Triton's cache (``TRITON_CACHE_DIR``) reads 0.
 
 Cases (8 levels of rank 8, ``Dv = 64``, GPU tiles of 64, or ``--tile`` and ``--step`` (the backward's
-step over the walked axis) for the prefix-rank ones, with the software-pipeline stages the CUDA
-dispatcher gives them (three in half precision up to head dim 64, else two) or ``--stages``):
+step over the walked axis) for the prefix-rank ones, with the software-pipeline stages the
+dispatcher's tiles launch with on the target (``pipeline_stages``) or ``--stages``):
 - ``general``: T = 640 with the default block sizes (finest block 5, not a multiple of a tile),
   bidirectional with ``depth_normalize``: the general kernels;
 - ``prefix``: causal with the block sizes of T = 8192 (finest block 64, a tile; run on 1024 tokens):
@@ -182,8 +182,8 @@ def main() -> None:
     p.add_argument("--num-warps", type=int, default=None, help="compile with this many warps instead of the launch's")
     p.add_argument("--tile", type=int, default=64, help="the prefix-rank kernels' square tiles (default 64)")
     p.add_argument("--stages", type=int, default=None,
-                   help="the prefix-rank kernels' software-pipeline stages (default the CUDA dispatcher's: 3 in half "
-                        "precision up to head dim 64, else 2)")
+                   help="the prefix-rank kernels' software-pipeline stages (default the ones the dispatcher's tiles "
+                        "launch with on the target, kernel by kernel: pipeline_stages)")
     p.add_argument("--step", type=int, default=None,
                    help="the backward's step over the walked axis (the dK/dV kernel's query rows, the dQ kernel's "
                         "keys; default the tile)")
@@ -192,18 +192,12 @@ def main() -> None:
                         "one's Triton interpreter cannot run the case (Triton 3.6's, with NumPy 2)")
     p.add_argument("--record", action="store_true", help=argparse.SUPPRESS)  # step 1, in the child
     args = p.parse_args()
-    if args.stages is None:
-        import torch
-
-        from structured_attention.ops.mlr.triton_prefix import pipeline_stages
-
-        args.stages = pipeline_stages(getattr(torch, args.dtype), "cuda", 128 if args.case == "prefix-d128" else 64,
-                                      args.arch // 10)
     if args.record:
         json.dump(record(args.case, args.dtype, args.tile, args.step or args.tile, args.stages), sys.stdout)
         return
     child = subprocess.run([args.recorder, __file__, "--record", "--case", args.case, "--dtype", args.dtype,
-                            "--tile", str(args.tile), "--step", str(args.step or args.tile), "--stages", str(args.stages)],
+                            "--tile", str(args.tile), "--step", str(args.step or args.tile),
+                            "--stages", str(args.stages or 2)],
                            env=os.environ | {"TRITON_INTERPRET": "1"}, capture_output=True, text=True)
     if child.returncode != 0:
         sys.exit(f"triton_resources.py: the recording run failed:\n{child.stderr}")
@@ -212,9 +206,20 @@ def main() -> None:
     print(f"case {args.case}, {args.dtype}, sm_{args.arch} (Triton {triton.__version__}'s compiler, no GPU)")
     print(f"{'kernel':32s} {'shared B':>9s} {'regs':>5s} {'spill B':>8s} {'instrs':>7s} {'compile s':>9s} {'mma':>4s} "
           f"{'waited at once':>14s} {'async loads':>11s} {'warp-specialised':>16s}")
+    stages = {}
+    if args.stages is None:  # the stages the dispatcher's tiles launch with on this target, kernel by kernel
+        import torch
+
+        from structured_attention.ops.mlr.triton_prefix import pipeline_stages
+
+        fwd, bwd = pipeline_stages(getattr(torch, args.dtype), "cuda", 128 if args.case == "prefix-d128" else 64,
+                                   args.arch // 10)
+        stages = {"_prefix_fwd_kernel": fwd, "_prefix_dkdv_kernel": bwd, "_prefix_dq_kernel": bwd}
     for launch in json.loads(child.stdout):
         if args.num_warps is not None:
             launch["options"]["num_warps"] = args.num_warps
+        if launch["name"] in stages:
+            launch["options"]["num_stages"] = stages[launch["name"]]
         r = compile_launch(launch, args.arch)
         print(f"{r['kernel']:32s} {r['shared_bytes']:9d} {r['registers']:5d} {r['spill_stack_bytes']:8d} "
               f"{r['instructions']:7d} "

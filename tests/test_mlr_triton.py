@@ -234,25 +234,29 @@ def test_sub_tile_levels_launch_with_eight_warps_on_cuda():
     assert _prefix_tiles((4096, 2048, 16, 8), torch.float32, "cuda", 64, 64, False).num_warps == 8
 
 
-def test_default_tiles_take_the_launchs_pipeline_stages_three_on_hopper_up_to_head_dim_64():
+def test_default_tiles_take_the_launchs_pipeline_stages_three_on_hopper():
     # Two stages leave a program's loads waited for before its own arithmetic (docs/benchmarks.md);
-    # three fit Hopper's shared memory at head dims up to 64 without fewer programs per
-    # multiprocessor, not at 128. The default tiles leave the choice to the launch (its device).
+    # three fit Hopper's shared memory without fewer programs per multiprocessor for the forward up
+    # to head dim 128 and the backward up to 64. The default tiles leave the choice to the launch.
     from structured_attention.ops.mlr.triton_general import _prefix_tiles
     from structured_attention.ops.mlr.triton_prefix import pipeline_stages, plan_of
 
     for dtype in (torch.bfloat16, torch.float16):
-        assert pipeline_stages(dtype, "cuda", 64, 9) == 3
-        assert pipeline_stages(dtype, "cuda", 128, 9) == 2
-        assert pipeline_stages(dtype, "cuda", 64, 8) == 2  # before Hopper: less shared memory
-    assert pipeline_stages(torch.float32, "cuda", 64, 9) == 2
-    assert pipeline_stages(torch.bfloat16, "cpu", 64, 0) == 2
+        assert pipeline_stages(dtype, "cuda", 64, 9) == (3, 3)
+        assert pipeline_stages(dtype, "cuda", 128, 9) == (3, 2)
+        assert pipeline_stages(dtype, "cuda", 256, 9) == (2, 2)
+        assert pipeline_stages(dtype, "cuda", 64, 8) == (2, 2)  # before Hopper: less shared memory
+    assert pipeline_stages(torch.float32, "cuda", 64, 9) == (2, 2)
+    assert pipeline_stages(torch.bfloat16, "cpu", 64, 0) == (2, 2)
     sizes = (8192, 4096, 2048, 1024, 512, 256, 128, 64)
     assert _prefix_tiles(sizes, torch.bfloat16, "cuda", 64, 64, False).num_stages == 0  # the launch's
     assert _prefix_tiles(sizes, torch.bfloat16, "cuda", 64, 64, True).num_stages == 2  # explicit: as given
     q, v = torch.empty(1, 1, 16, 64, dtype=torch.bfloat16), torch.empty(1, 1, 16, 64, dtype=torch.bfloat16)
-    assert plan_of(q, v, (8,) * 8, sizes, PrefixTiles(num_stages=0)).num_stages == 2  # the interpreter's
-    assert plan_of(q, v, (8,) * 8, sizes, PrefixTiles(num_stages=3)).num_stages == 3
+    plan = plan_of(q, v, (8,) * 8, sizes, PrefixTiles(num_stages=0))
+    assert (plan.fwd_stages, plan.bwd_stages) == (2, 2)  # the interpreter's
+    plan = plan_of(q, v, (8,) * 8, sizes, PrefixTiles(num_stages=3))
+    assert (plan.fwd_stages, plan.bwd_stages) == (3, 3)
+    assert plan.constexprs(True, False, 64, 64, 3)["num_stages"] == 3
 
 
 def test_cuda_calls_avoid_the_sub_tile_tilings_triton_compiled_wrong():

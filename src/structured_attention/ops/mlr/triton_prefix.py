@@ -865,18 +865,22 @@ def square_tiles(fine_sizes: Sequence[int], largest: int, smallest: int, sub_til
     return tiles if sub_tile and tiles.fits(fine_sizes) else None
 
 
-def pipeline_stages(dtype: torch.dtype, device_type: str, head_dim: int, sm_major: int) -> int:
-    """The software-pipeline stages of the default tiles: three on a CUDA GPU of compute capability
-    9 or later (``sm_major``: Hopper's 228 KiB of shared memory a multiprocessor, where this was
-    compiled and counted; on older GPUs less, down to 64 KiB a block) in half precision with query
-    and value head dims (``head_dim``, the wider) up to 64, else two. With two, Triton issues
-    a walked tile's copies into shared memory after the previous tile's products and waits for them
-    at the top of the next iteration, so a program's loads never overlap its own arithmetic; with
-    three the next tile's copies are in flight while one is scored. Their buffers fit beside the
-    programs per multiprocessor the registers allow (forward three, dK/dV two); at head dim 128 the
-    dK/dV kernel's would take 133 KiB of shared memory and halve its programs; float32 kernels
-    are not a speed target and compile slowly (docs/benchmarks.md, compiled for sm_90)."""
-    return 3 if device_type == "cuda" and sm_major >= 9 and dtype != torch.float32 and head_dim <= 64 else 2
+def pipeline_stages(dtype: torch.dtype, device_type: str, head_dim: int, sm_major: int) -> tuple[int, int]:
+    """The software-pipeline stages of the default tiles, for the forward kernel and for the
+    backward's: three on a CUDA GPU of compute capability 9 or later (``sm_major``: Hopper's
+    228 KiB of shared memory a multiprocessor, where this was compiled and counted; older GPUs have
+    less, down to 64 KiB a block) in half precision, up to head dim 128 for the forward and 64 for
+    the backward (``head_dim``: the wider of the queries' and the values'); else two. With two,
+    Triton issues a walked tile's copies into shared memory after the previous tile's products and
+    waits for them at the top of the next iteration, so a program's loads never overlap its own
+    arithmetic; with three the next tile's copies are in flight while one is scored. Their buffers
+    fit beside the programs per multiprocessor the registers allow (at head dim 64: forward three,
+    dK/dV two; at 128 two and two), except the dK/dV kernel's at head dim 128, whose 133 KiB would
+    halve its programs; float32 kernels are not a speed target and compile slowly
+    (docs/benchmarks.md, compiled for sm_90)."""
+    if device_type != "cuda" or sm_major < 9 or dtype == torch.float32:
+        return 2, 2
+    return (3 if head_dim <= 128 else 2), (3 if head_dim <= 64 else 2)
 
 
 @functools.lru_cache(maxsize=16)
@@ -939,24 +943,26 @@ class PrefixPlan:
         self.DVP = pow2(self.DV, 16)
         self.tiles = tiles
         self.num_warps = launch_warps(tiles, sizes, device.type)
-        self.num_stages = tiles.num_stages or pipeline_stages(dtype, device.type, max(R, dv), _sm_major(device))
+        # the forward kernel's and the backward kernels' stages: the tiles' own, or the device's
+        self.fwd_stages, self.bwd_stages = ((tiles.num_stages,) * 2 if tiles.num_stages
+                                            else pipeline_stages(dtype, device.type, max(R, dv), _sm_major(device)))
         self.prec = "ieee" if dtype == torch.float32 else "tf32"
         self.upcast = INTERPRETED and dtype == torch.bfloat16
-        self._constexprs: dict[tuple[bool, bool, int, int], dict] = {}
+        self._constexprs: dict[tuple[bool, bool, int, int, int], dict] = {}
 
     def tables(self) -> tuple[torch.Tensor, ...]:
         return self.fsize, self.frank, self.tiers, self.sub
 
-    def constexprs(self, causal: bool, depth_normalize: bool, block_m: int, block_n: int) -> dict:
+    def constexprs(self, causal: bool, depth_normalize: bool, block_m: int, block_n: int, stages: int) -> dict:
         """A kernel's compile-time arguments and launch options (made once per combination: the
         host pays for a fresh dict of them on every launch otherwise). Never modify the result."""
-        key = (causal, depth_normalize, block_m, block_n)
+        key = (causal, depth_normalize, block_m, block_n, stages)
         made = self._constexprs.get(key)
         if made is None:
             made = self._constexprs[key] = dict(
                 CAUSAL=causal, DEPTH_NORM=depth_normalize, BLOCK_M=block_m, BLOCK_N=block_n, CH=self.CH,
                 NCH=self.NCH, NCC=self.NCC, NSUB=self.NSUB, LP=self.LP, DVP=self.DVP, PREC=self.prec,
-                UPCAST=self.upcast, num_warps=self.num_warps, num_stages=self.num_stages)
+                UPCAST=self.upcast, num_warps=self.num_warps, num_stages=stages)
         return made
 
 
@@ -983,7 +989,7 @@ def _forward(q, k, v, segments, max_len: int, plan: PrefixPlan, causal: bool, sc
         q, k, v, o, lse, segments, *plan.tables(),
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
         H, H // k.shape[1], T, plan.R, plan.R1, plan.RC, plan.SF, plan.DV, scale * _LOG2E,
-        **plan.constexprs(causal, depth_normalize, tiles.fwd_m, tiles.fwd_n),
+        **plan.constexprs(causal, depth_normalize, tiles.fwd_m, tiles.fwd_n, plan.fwd_stages),
     )
     return o, lse
 
@@ -1007,14 +1013,14 @@ def _backward(q, k, v, o, lse, do, segments, max_len: int, plan: PrefixPlan, cau
     launch(_prefix_dkdv_kernel, (cdiv(max_len, tiles.dkdv_n), segments.shape[0] * Hk),
         q, k, v, do, lse, delta, dk, dv, dq, segments, *plan.tables(), *strides,
         H, Hk, H // Hk, T, plan.R, plan.R1, plan.RC, plan.SF, plan.DV, scale, scale * _LOG2E,
-        **plan.constexprs(causal, depth_normalize, tiles.dkdv_m, tiles.dkdv_n), FUSED_DQ=fused,
+        **plan.constexprs(causal, depth_normalize, tiles.dkdv_m, tiles.dkdv_n, plan.bwd_stages), FUSED_DQ=fused,
     )
     if fused:
         return dq.to(q.dtype), dk, dv
     launch(_prefix_dq_kernel, (cdiv(max_len, tiles.dq_m), segments.shape[0] * H),
         q, k, v, do, lse, delta, dq, segments, *plan.tables(), *strides,
         H, H // Hk, T, plan.R, plan.R1, plan.RC, plan.SF, plan.DV, scale, scale * _LOG2E,
-        **plan.constexprs(causal, depth_normalize, tiles.dq_m, tiles.dq_n),
+        **plan.constexprs(causal, depth_normalize, tiles.dq_m, tiles.dq_n, plan.bwd_stages),
     )
     return dq, dk, dv
 
