@@ -215,7 +215,7 @@ if [[ $step == tune ]]; then
     # where the dK/dV kernel with 64-row tiles spills 632 bytes a thread compiled for sm_90 (296 at
     # head dim 64): the tiles that hold fewer of its keys at once beside the default
     timeout 200 python3 scripts/tune_mlr_triton.py --ranks "32|32|32|32" --v-dim 128 --batch 4 --heads 16 \
-        --seq-lens 4096 --settings 64/w4/s2,64/w4/s3,64/w8/s2,dkdv32/w4/s2,bwd32/w4/s2,bwd32/w8/s2 --no-decode --no-general \
+        --seq-lens 4096 --settings 64/w4/auto,64/w4/s2,64/w4/s3,64/w8/s2,dkdv32/w4/s2,bwd32/w4/s2 --no-decode --no-general \
         --out "$out/tune-d128.json" 2>&1 | tee "$out/tune-d128.log" || status=1
 fi
 if [[ $step == decode ]]; then

@@ -48,6 +48,9 @@ SETTINGS = {
     # copies in flight while one is scored (with two, each is waited for before its own arithmetic)
     "64/w4/s3": PrefixTiles(num_warps=4, num_stages=3),
     "32/w4/s3": PrefixTiles(*(32,) * 6, num_warps=4, num_stages=3),
+    # the stages the launch picks for this GPU, kernel by kernel (pipeline_stages: on Hopper at head
+    # dim 128 three for the forward, two for the backward)
+    "64/w4/auto": PrefixTiles(num_warps=4, num_stages=0),
     "64/w8/s2": PrefixTiles(num_warps=8, num_stages=2),
     "64/w4/s1": PrefixTiles(num_warps=4, num_stages=1),
     "128x64/w8/s2": PrefixTiles(128, 64, 128, 64, 128, 64, num_warps=8, num_stages=2),
