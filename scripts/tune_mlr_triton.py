@@ -13,7 +13,7 @@ step's attention (the kernel alone, no projections) at a 16k cache: SDPA's cuDNN
 memory-efficient kernels, and the MLR decoding kernel under several grid / tile / stage / register
 settings, each checked against the float32 reference, timed from a CUDA graph so that the host's
 launch cost does not count; then, in the default setting, level 1 and the values alone (also with
-three pipeline stages, as the full kernel's first regions loop), and both
+the tiles and stages of the default before), and both
 reads again from one buffer that holds a token's level-1 key and value in one row; last the same
 cache as a static cache holds it (what graph-captured generation reads: level 1 and the values in
 buffers as long as the context, each finer level in a ring of its block size), in two buffers and
@@ -207,13 +207,14 @@ def main() -> None:
         print(f"  sdpa {name}: {mha[name] * 1e3:.1f} us", flush=True)
     base = mha.get("flash") or min(mha.values())
     mlr_bytes = sum(k.numel() * k.element_size() for k in keys) + vals.numel() * vals.element_size()
-    # (programs per multiprocessor, keys per tile, warps, stages, register cap): around the default
-    # (4, 128, 4, 2, 128), the register caps that let more programs share a multiprocessor, and the
-    # best of the earlier sweeps (docs/results/bench/gpu-h200/decode-maxnreg.log).
-    settings = [(per_sm, 128, 4, 2, maxnreg) for per_sm in (4, 6, 8) for maxnreg in (None, 128, 96)]
-    # (4, 64, 4, 3, 128): half the keys a tile and one more stage, every region's loop with the next
-    # tile in flight in the shared memory of one 128-key tile
-    settings += [(4, 128, 4, 3, 128), (4, 64, 4, 3, 128), (8, 64, 4, 2, 96), (2, 256, 4, 2, 168)]
+    # (programs per multiprocessor, keys per tile, warps, stages, register cap): the default (4, 64,
+    # 4, 3, 128: every region's loop with the next tile in flight, in the shared memory of one
+    # 128-key tile) and the ones around it, the default before it (4, 128, 4, 2, 128), the register
+    # caps that let more programs share a multiprocessor, and the best of the earlier sweeps
+    # (docs/results/bench/gpu-h200/decode-maxnreg.log).
+    settings = [(per_sm, 64, 4, 3, maxnreg) for per_sm in (4, 6, 8) for maxnreg in (None, 128, 96)]
+    settings += [(4, 64, 4, 2, 128), (4, 128, 4, 2, 128), (4, 128, 4, 3, 128), (8, 64, 4, 2, 96),
+                 (2, 256, 4, 2, 168)]
     if args.decode_settings == "default":
         settings = [None]  # mlr_decode_triton's own defaults, whatever the version's are
     for setting in settings:
@@ -239,11 +240,12 @@ def main() -> None:
     floor = _graph_ms(lambda: mlr_decode_triton(q1[..., :8], keys[:1], starts[:1], vals, ranks[:1], 0.125))
     rows.append(dict(case="decode level 1 only", cache=T, batch=B, mlr_ms=floor))
     print(f"  level 1 and values only (default setting): {floor * 1e3:.1f} us", flush=True)
-    # and with three stages, as the full kernel's first regions loop now: what the overlap gives
-    floor3 = _graph_ms(lambda: mlr_decode_triton(q1[..., :8], keys[:1], starts[:1], vals, ranks[:1], 0.125,
-                                                 num_stages=3))
-    rows.append(dict(case="decode level 1 only, 3 stages", cache=T, batch=B, mlr_ms=floor3))
-    print(f"  level 1 and values only, three stages: {floor3 * 1e3:.1f} us", flush=True)
+    # and with 128-key tiles and two stages, the default before (each tile's loads waited for
+    # before its own arithmetic): what the overlap gives
+    floor2 = _graph_ms(lambda: mlr_decode_triton(q1[..., :8], keys[:1], starts[:1], vals, ranks[:1], 0.125,
+                                                 block_n=128, num_stages=2))
+    rows.append(dict(case="decode level 1 only, 128 keys, 2 stages", cache=T, batch=B, mlr_ms=floor2))
+    print(f"  level 1 and values only, 128-key tiles, two stages: {floor2 * 1e3:.1f} us", flush=True)
     # The same reads from one buffer that holds a token's level-1 key and value in one row (144
     # bytes, one run per tile instead of two): does that layout move the bytes faster?
     kv = torch.cat([keys[0], vals], dim=-1)

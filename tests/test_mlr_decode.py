@@ -103,7 +103,7 @@ def test_triton_kernel_default_chunking_and_bad_input():
     q_new, keys, starts, v = s.q_new, s.keys, s.starts, s.v
     ref = mlr_decode_reference(q_new, keys, starts, v, (8, 4, 4), 0.5)
     torch.testing.assert_close(mlr_decode_triton(q_new, keys, starts, v, (8, 4, 4), 0.5), ref, atol=1e-5, rtol=1e-5)
-    with pytest.raises(ValueError, match="^chunk: expected a positive multiple of block_n=128"):
+    with pytest.raises(ValueError, match="^chunk: expected a positive multiple of block_n=64"):
         mlr_decode_triton(q_new, keys, starts, v, (8, 4, 4), 0.5, chunk=100)
     with pytest.raises(ValueError, match=r"^v.dtype: expected float32, float16 or bfloat16"):
         mlr_decode_triton(q_new, [k.double() for k in keys], starts, v.double(), (8, 4, 4), 0.5)
@@ -169,6 +169,7 @@ def test_triton_kernel_at_the_benchmarks_shape_with_its_shallow_regions_a_stage_
 
     ranks = (8,) * 8
     assert _shallow_regions({"num_stages": 2, "R0P": 16, "DVP": 64, "N_FINE": 7}, 8) == 2
+    assert _shallow_regions({"num_stages": 3, "R0P": 16, "DVP": 64, "N_FINE": 7}, 8) == 4  # the default
     s = cache_step(1, 2, 1, 1000, ranks, (1024, 512, 256, 128, 64, 32, 16, 8), 64)
     assert s.starts[1:3] == [512, 768]  # regions 1 and 2 span 512 and 256 keys: tiles of 16
     q, keys, v = s.q_new.to(DEVICE, dtype), [k.to(DEVICE, dtype) for k in s.keys], s.v.to(DEVICE, dtype)

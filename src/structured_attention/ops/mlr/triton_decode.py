@@ -347,20 +347,22 @@ def mlr_decode_triton(
     row_starts: torch.Tensor | None = None,
     *,
     chunk: int | None = None,
-    block_n: int = 128,
+    block_n: int = 64,
     num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: int = 3,
     maxnreg: int | None = 128,
 ) -> torch.Tensor:
     """One new query against the compressed MLR cache in two kernel launches; same arguments and
     result as :func:`~.reference.mlr_decode_reference`. ``chunk`` (a multiple of ``block_n``) sets
     the number of programs per (row, key head), ``ceil(keys / chunk)``, each reading an equal share
     of the bytes; by default enough programs to fill the device. ``maxnreg`` caps the registers per
-    thread, which bound how many programs a multiprocessor holds. The defaults were the fastest on
-    an H200 at a 16k cache (docs/benchmarks.md): uncapped, the kernel takes 230 registers, so a
-    multiprocessor holds two programs and the grid runs in two waves; at 128 registers and two
-    stages it holds four, one wave. ``num_stages`` is the deepest regions'; the first ones take one
-    more where their tiles fit in the same shared memory (:func:`_shallow_regions`)."""
+    thread, which bound how many programs a multiprocessor holds: uncapped, the kernel took 230
+    registers on an H200, so a multiprocessor held two programs and the grid ran in two waves; at
+    128 four, one wave, the fastest there at a 16k cache (docs/benchmarks.md). ``num_stages`` is the
+    deepest regions'; the first ones take one more where their tiles fit in the same shared memory
+    (:func:`_shallow_regions`). Tiles of 64 keys with three stages hold the next tile in flight in
+    every region in the shared memory of one 128-key tile, with fewer instructions and no spill
+    (compiled for sm_90; to be timed against 128 keys and two stages, the default before)."""
     ranks = check_mlr_cache_arguments(q, keys, key_starts, v, ranks, scale, depth_normalize, one_query=True,
                                       row_starts=row_starts)
     return decode(q, keys, key_starts, v, ranks, scale, depth_normalize, row_starts=row_starts, chunk=chunk,
@@ -378,9 +380,9 @@ def decode(
     *,
     row_starts: torch.Tensor | None = None,
     chunk: int | None = None,
-    block_n: int = 128,
+    block_n: int = 64,
     num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: int = 3,
     maxnreg: int | None = 128,
 ) -> torch.Tensor:
     """:func:`mlr_decode_triton` on arguments already checked against the contract (the
@@ -406,7 +408,7 @@ def _decode_op(q: torch.Tensor, keys: list[torch.Tensor], key_starts: list[int],
 
 def decode_static(q: torch.Tensor, keys: Sequence[torch.Tensor], v: torch.Tensor, slot: torch.Tensor,
                   offsets: torch.Tensor, ranks: Sequence[int], block_sizes: Sequence[int], scale: float,
-                  depth_normalize: bool, *, chunk: int | None = None, block_n: int = 128) -> torch.Tensor:
+                  depth_normalize: bool, *, chunk: int | None = None, block_n: int = 64) -> torch.Tensor:
     """One decoding step against a static cache (see :mod:`.static`): the kernel above with the
     buffers spanning the context, the keys held ending at ``slot``, level ``l > 1``'s position
     ``p`` at ``p % block_sizes[l - 1]`` of its ring, and each row's block starts derived from its
@@ -416,7 +418,7 @@ def decode_static(q: torch.Tensor, keys: Sequence[torch.Tensor], v: torch.Tensor
     the context every program still has its part."""
     require(v.dtype in (torch.float32, torch.float16, torch.bfloat16), "v.dtype", "float32, float16 or bfloat16", v.dtype)
     return _launch(q.to(v.dtype).contiguous(), list(keys), [0] * len(keys), v, list(ranks), float(scale),
-                   depth_normalize, offsets, chunk, block_n, 4, 2, 128, slot=slot, rings=list(block_sizes[1:]))
+                   depth_normalize, offsets, chunk, block_n, 4, 3, 128, slot=slot, rings=list(block_sizes[1:]))
 
 
 def _launch(q: torch.Tensor, keys: list[torch.Tensor], key_starts: list[int], v: torch.Tensor, ranks: list[int],
