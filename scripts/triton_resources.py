@@ -212,8 +212,10 @@ def main() -> None:
 
         from structured_attention.ops.mlr.triton_prefix import pipeline_stages
 
+        # the shared memory a block may take on the target: Hopper and B200 227 KiB, A100 163, others 99
+        shared = {90: 227, 100: 227, 80: 163}.get(args.arch, 99) * 1024
         fwd, bwd = pipeline_stages(getattr(torch, args.dtype), "cuda", 128 if args.case == "prefix-d128" else 64,
-                                   args.arch // 10)
+                                   shared)
         stages = {"_prefix_fwd_kernel": fwd, "_prefix_dkdv_kernel": bwd, "_prefix_dq_kernel": bwd}
     for launch in json.loads(child.stdout):
         if args.num_warps is not None:

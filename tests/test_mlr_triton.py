@@ -239,14 +239,16 @@ def test_default_tiles_take_the_launchs_pipeline_stages_three_on_hopper():
     # three fit Hopper's shared memory without fewer programs per multiprocessor for the forward up
     # to head dim 128 and the backward up to 64. The default tiles leave the choice to the launch.
     from structured_attention.ops.mlr.triton_general import _prefix_tiles
-    from structured_attention.ops.mlr.triton_prefix import pipeline_stages, plan_of
+    from structured_attention.ops.mlr.triton_prefix import HOPPER_SHARED_PER_BLOCK, pipeline_stages, plan_of
 
+    hopper, a100, consumer = HOPPER_SHARED_PER_BLOCK, 163 * 1024, 99 * 1024
     for dtype in (torch.bfloat16, torch.float16):
-        assert pipeline_stages(dtype, "cuda", 64, 9) == (3, 3)
-        assert pipeline_stages(dtype, "cuda", 128, 9) == (3, 2)
-        assert pipeline_stages(dtype, "cuda", 256, 9) == (2, 2)
-        assert pipeline_stages(dtype, "cuda", 64, 8) == (2, 2)  # before Hopper: less shared memory
-    assert pipeline_stages(torch.float32, "cuda", 64, 9) == (2, 2)
+        assert pipeline_stages(dtype, "cuda", 64, hopper) == (3, 3)
+        assert pipeline_stages(dtype, "cuda", 128, hopper) == (3, 2)
+        assert pipeline_stages(dtype, "cuda", 256, hopper) == (2, 2)
+        for less in (a100, consumer):  # not counted there; the forward's 112 KiB at 128 would not fit 99
+            assert pipeline_stages(dtype, "cuda", 64, less) == pipeline_stages(dtype, "cuda", 128, less) == (2, 2)
+    assert pipeline_stages(torch.float32, "cuda", 64, hopper) == (2, 2)
     assert pipeline_stages(torch.bfloat16, "cpu", 64, 0) == (2, 2)
     sizes = (8192, 4096, 2048, 1024, 512, 256, 128, 64)
     assert _prefix_tiles(sizes, torch.bfloat16, "cuda", 64, 64, False).num_stages == 0  # the launch's

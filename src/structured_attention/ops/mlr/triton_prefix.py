@@ -59,7 +59,8 @@ from .contract import attach_backward, eager_autograd
 from .triton_common import (INTERPRETED, blocks_meet, cdiv, dense_rows, device_table, dot, dot_acc,
                             empty_rows, launch, load_segment, pow2, row_dots, segments_of_documents, segments_of_rows)
 
-__all__ = ["PrefixTiles", "miscompiled_on_cuda", "pipeline_stages", "square_tiles", "mlr_attention_prefix"]
+__all__ = ["HOPPER_SHARED_PER_BLOCK", "PrefixTiles", "miscompiled_on_cuda", "pipeline_stages", "square_tiles",
+           "mlr_attention_prefix"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -865,28 +866,36 @@ def square_tiles(fine_sizes: Sequence[int], largest: int, smallest: int, sub_til
     return tiles if sub_tile and tiles.fits(fine_sizes) else None
 
 
-def pipeline_stages(dtype: torch.dtype, device_type: str, head_dim: int, sm_major: int) -> tuple[int, int]:
+# The shared memory a block of a Hopper-class GPU may take (H100, H200, B200): what the stages
+# below were compiled and counted against. A100s allow 163 KiB, consumer GPUs 99.
+HOPPER_SHARED_PER_BLOCK = 227 * 1024
+
+
+def pipeline_stages(dtype: torch.dtype, device_type: str, head_dim: int, shared_per_block: int) -> tuple[int, int]:
     """The software-pipeline stages of the default tiles, for the forward kernel and for the
-    backward's: three on a CUDA GPU of compute capability 9 or later (``sm_major``: Hopper's
-    228 KiB of shared memory a multiprocessor, where this was compiled and counted; older GPUs have
-    less, down to 64 KiB a block) in half precision, up to head dim 128 for the forward and 64 for
-    the backward (``head_dim``: the wider of the queries' and the values'); else two. With two,
-    Triton issues a walked tile's copies into shared memory after the previous tile's products and
-    waits for them at the top of the next iteration, so a program's loads never overlap its own
-    arithmetic; with three the next tile's copies are in flight while one is scored. Their buffers
-    fit beside the programs per multiprocessor the registers allow (at head dim 64: forward three,
-    dK/dV two; at 128 two and two), except the dK/dV kernel's at head dim 128, whose 133 KiB would
-    halve its programs; float32 kernels are not a speed target and compile slowly
-    (docs/benchmarks.md, compiled for sm_90)."""
-    if device_type != "cuda" or sm_major < 9 or dtype == torch.float32:
+    backward's: three in half precision on a CUDA GPU whose blocks may take Hopper's shared memory
+    (``shared_per_block``, bytes: at least ``HOPPER_SHARED_PER_BLOCK``), up to head dim 128 for the
+    forward and 64 for the backward (``head_dim``: the wider of the queries' and the values');
+    else two. With two, Triton issues a walked tile's copies into shared memory after the previous
+    tile's products and waits for them at the top of the next iteration, so a program's loads never
+    overlap its own arithmetic; with three the next tile's copies are in flight while one is
+    scored. On Hopper their buffers fit beside the programs per multiprocessor the registers allow
+    (at head dim 64: forward three, dK/dV two; at 128 two and two), except the dK/dV kernel's at
+    head dim 128, whose 133 KiB would halve its programs; on GPUs with less shared memory the
+    forward's 112 KiB at head dim 128 would not fit a block at all. float32 kernels are not a speed
+    target and compile slowly (docs/benchmarks.md, compiled for sm_90)."""
+    if device_type != "cuda" or shared_per_block < HOPPER_SHARED_PER_BLOCK or dtype == torch.float32:
         return 2, 2
     return (3 if head_dim <= 128 else 2), (3 if head_dim <= 64 else 2)
 
 
 @functools.lru_cache(maxsize=16)
-def _sm_major(device: torch.device) -> int:
-    """A CUDA device's major compute capability (0 elsewhere)."""
-    return torch.cuda.get_device_capability(device)[0] if device.type == "cuda" else 0
+def _shared_per_block(device: torch.device) -> int:
+    """The shared memory a block may take on a CUDA device, in bytes, opted in (0 elsewhere)."""
+    if device.type != "cuda":
+        return 0
+    props = torch.cuda.get_device_properties(device)
+    return getattr(props, "shared_memory_per_block_optin", props.shared_memory_per_block)
 
 
 def launch_warps(tiles: PrefixTiles, sizes: Sequence[int], device_type: str) -> int:
@@ -945,7 +954,8 @@ class PrefixPlan:
         self.num_warps = launch_warps(tiles, sizes, device.type)
         # the forward kernel's and the backward kernels' stages: the tiles' own, or the device's
         self.fwd_stages, self.bwd_stages = ((tiles.num_stages,) * 2 if tiles.num_stages
-                                            else pipeline_stages(dtype, device.type, max(R, dv), _sm_major(device)))
+                                            else pipeline_stages(dtype, device.type, max(R, dv),
+                                                                 _shared_per_block(device)))
         self.prec = "ieee" if dtype == torch.float32 else "tf32"
         self.upcast = INTERPRETED and dtype == torch.bfloat16
         self._constexprs: dict[tuple[bool, bool, int, int, int], dict] = {}
