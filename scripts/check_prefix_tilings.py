@@ -9,8 +9,8 @@ one: the number of sub-tile levels, whether the coarse levels' prefix reaches th
 chunk (``NCC == NCH``), the length, the dtype, and the deterministic backward (the separate dQ
 kernel instead of the dK/dV kernel's atomics), so the failing ones name the trigger and the
 kernel (the output: forward; dK, dV: the dK/dV kernel; dQ: fused or the dQ kernel). The kernels are
-called with explicit tiles, past the dispatcher's choice, with the pipeline stages it would give them. Since that run the near tiles' loops are
-no longer software-pipelined (triton_prefix.py's docstring): with every case ``ok`` the dispatcher's
+called with explicit tiles, past the dispatcher's choice, with the pipeline stages it would give
+them. Since that run the near tiles' loops are no longer software-pipelined (triton_prefix.py's docstring): with every case ``ok`` the dispatcher's
 guard for a single sub-tile level (``miscompiled_on_cuda``) can go. On CUDA the kernels launch
 tilings with sub-tile levels with eight warps (``launch_warps``, for the same fault with four);
 ``--tile-warps`` launches them with the tiles' own four, to tell whether that guard can go too. On

@@ -210,10 +210,10 @@ def main() -> None:
     if args.stages is None:  # the stages the dispatcher's tiles launch with on this target, kernel by kernel
         import torch
 
-        from structured_attention.ops.mlr.triton_prefix import pipeline_stages
+        from structured_attention.ops.mlr.triton_prefix import HOPPER_SHARED_PER_BLOCK, pipeline_stages
 
         # the shared memory a block may take on the target: Hopper and B200 227 KiB, A100 163, others 99
-        shared = {90: 227, 100: 227, 80: 163}.get(args.arch, 99) * 1024
+        shared = HOPPER_SHARED_PER_BLOCK if args.arch in (90, 100) else (163 if args.arch == 80 else 99) * 1024
         fwd, bwd = pipeline_stages(getattr(torch, args.dtype), "cuda", 128 if args.case == "prefix-d128" else 64,
                                    shared)
         stages = {"_prefix_fwd_kernel": fwd, "_prefix_dkdv_kernel": bwd, "_prefix_dq_kernel": bwd}

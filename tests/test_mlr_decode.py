@@ -168,8 +168,8 @@ def test_triton_kernel_at_the_benchmarks_shape_with_its_shallow_regions_a_stage_
     from structured_attention.ops.mlr.triton_decode import _shallow_regions
 
     ranks = (8,) * 8
-    assert _shallow_regions({"num_stages": 2, "R0P": 16, "DVP": 64, "N_FINE": 7}, 8) == 2
-    assert _shallow_regions({"num_stages": 3, "R0P": 16, "DVP": 64, "N_FINE": 7}, 8) == 4  # the default
+    assert _shallow_regions(2, 16, 64, 7, 8) == 2
+    assert _shallow_regions(3, 16, 64, 7, 8) == 4  # the default
     s = cache_step(1, 2, 1, 1000, ranks, (1024, 512, 256, 128, 64, 32, 16, 8), 64)
     assert s.starts[1:3] == [512, 768]  # regions 1 and 2 span 512 and 256 keys: tiles of 16
     q, keys, v = s.q_new.to(DEVICE, dtype), [k.to(DEVICE, dtype) for k in s.keys], s.v.to(DEVICE, dtype)

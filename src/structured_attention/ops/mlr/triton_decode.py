@@ -263,22 +263,27 @@ def _mlr_decode_merge_kernel(ACC, M, L, OUT, N_SPLITS, SP: tl.constexpr, DV: tl.
     tl.store(OUT + bh * DV + dv, out.to(OUT.dtype.element_ty), mask=dv < DV)
 
 
-def _shallow_regions(constexprs: dict, rf_staged: int) -> int:
+# The split kernel's launch defaults (mlr_decode_triton's docstring says why), for growing and
+# static caches alike.
+_DEFAULT_BLOCK_N, _DEFAULT_WARPS, _DEFAULT_STAGES, _DEFAULT_MAXNREG = 64, 4, 3, 128
+
+
+@functools.lru_cache(maxsize=64)
+def _shallow_regions(num_stages: int, r0p: int, dvp: int, n_fine: int, rf_staged: int) -> int:
     """How many leading regions (depth 1, 2, ...) loop with one pipeline stage more than the
     kernel's ``num_stages``: those whose tiles, held ``num_stages`` times in shared memory, take no
     more of it than the deepest region's, held ``num_stages - 1`` times. Each region's loop has
     buffers of its own and the kernel's shared memory is that of its largest, so these regions
-    load a further tile ahead (their copies stay in flight while a tile is scored) at no cost in
-    shared memory or programs per multiprocessor. With 8 levels of rank 8 and 64 value dims, two
-    regions: level 1 and the values alone, and with level 2; at the end of a 16k cache they hold
-    70 % of the bytes a step reads. ``rf_staged``: the finer levels' rank where their tiles are
-    staged in shared memory (all equal: ``RF``), else 0."""
-    stages = constexprs["num_stages"]
-    r0, dv, n_fine = constexprs["R0P"], constexprs["DVP"], constexprs["N_FINE"]
+    load a further tile ahead at no cost in shared memory or programs per multiprocessor. With 8
+    levels of rank 8 and 64 value dims: four regions at the default three stages, two at two
+    (level 1 and the values alone, and with level 2: 70 % of the bytes a step reads at the end of a
+    16k cache). ``r0p``, ``dvp``: level 1's and the values' padded widths; ``rf_staged``: the finer
+    levels' rank where their tiles are staged in shared memory (all equal: ``RF``), else 0. Worked
+    out once per combination: a decoding step launches the kernel in every layer."""
     rf = pow2(rf_staged, 16) if rf_staged else 0
-    deepest = r0 + n_fine * rf + dv
+    deepest = r0p + n_fine * rf + dvp
     shallow = 0
-    while shallow < n_fine and stages * (r0 + shallow * rf + dv) <= (stages - 1) * deepest:
+    while shallow < n_fine and num_stages * (r0p + shallow * rf + dvp) <= (num_stages - 1) * deepest:
         shallow += 1
     return shallow
 
@@ -347,10 +352,10 @@ def mlr_decode_triton(
     row_starts: torch.Tensor | None = None,
     *,
     chunk: int | None = None,
-    block_n: int = 64,
-    num_warps: int = 4,
-    num_stages: int = 3,
-    maxnreg: int | None = 128,
+    block_n: int = _DEFAULT_BLOCK_N,
+    num_warps: int = _DEFAULT_WARPS,
+    num_stages: int = _DEFAULT_STAGES,
+    maxnreg: int | None = _DEFAULT_MAXNREG,
 ) -> torch.Tensor:
     """One new query against the compressed MLR cache in two kernel launches; same arguments and
     result as :func:`~.reference.mlr_decode_reference`. ``chunk`` (a multiple of ``block_n``) sets
@@ -380,10 +385,10 @@ def decode(
     *,
     row_starts: torch.Tensor | None = None,
     chunk: int | None = None,
-    block_n: int = 64,
-    num_warps: int = 4,
-    num_stages: int = 3,
-    maxnreg: int | None = 128,
+    block_n: int = _DEFAULT_BLOCK_N,
+    num_warps: int = _DEFAULT_WARPS,
+    num_stages: int = _DEFAULT_STAGES,
+    maxnreg: int | None = _DEFAULT_MAXNREG,
 ) -> torch.Tensor:
     """:func:`mlr_decode_triton` on arguments already checked against the contract (the
     dispatcher's entry: a decoding step is checked once); the kernel's own requirements are
@@ -408,7 +413,7 @@ def _decode_op(q: torch.Tensor, keys: list[torch.Tensor], key_starts: list[int],
 
 def decode_static(q: torch.Tensor, keys: Sequence[torch.Tensor], v: torch.Tensor, slot: torch.Tensor,
                   offsets: torch.Tensor, ranks: Sequence[int], block_sizes: Sequence[int], scale: float,
-                  depth_normalize: bool, *, chunk: int | None = None, block_n: int = 64) -> torch.Tensor:
+                  depth_normalize: bool, *, chunk: int | None = None, block_n: int = _DEFAULT_BLOCK_N) -> torch.Tensor:
     """One decoding step against a static cache (see :mod:`.static`): the kernel above with the
     buffers spanning the context, the keys held ending at ``slot``, level ``l > 1``'s position
     ``p`` at ``p % block_sizes[l - 1]`` of its ring, and each row's block starts derived from its
@@ -418,7 +423,8 @@ def decode_static(q: torch.Tensor, keys: Sequence[torch.Tensor], v: torch.Tensor
     the context every program still has its part."""
     require(v.dtype in (torch.float32, torch.float16, torch.bfloat16), "v.dtype", "float32, float16 or bfloat16", v.dtype)
     return _launch(q.to(v.dtype).contiguous(), list(keys), [0] * len(keys), v, list(ranks), float(scale),
-                   depth_normalize, offsets, chunk, block_n, 4, 3, 128, slot=slot, rings=list(block_sizes[1:]))
+                   depth_normalize, offsets, chunk, block_n, _DEFAULT_WARPS, _DEFAULT_STAGES, _DEFAULT_MAXNREG,
+                   slot=slot, rings=list(block_sizes[1:]))
 
 
 def _launch(q: torch.Tensor, keys: list[torch.Tensor], key_starts: list[int], v: torch.Tensor, ranks: list[int],
@@ -454,7 +460,8 @@ def _launch(q: torch.Tensor, keys: list[torch.Tensor], key_starts: list[int], v:
         RF=equal_rank, RFP=pow2(max(ranks[1:], default=1), 16), ALIGN=t.align, KV_ALIGN=kv_align,
         HAS_ROW_STARTS=row_starts is not None, RINGS=slot is not None,
         POW2_RINGS=rings is not None and all(r & (r - 1) == 0 for r in rings),
-        SHALLOW=_shallow_regions(common, equal_rank), SHALLOW_STAGES=num_stages + 1, **common,
+        SHALLOW=_shallow_regions(num_stages, common["R0P"], common["DVP"], common["N_FINE"], equal_rank),
+        SHALLOW_STAGES=num_stages + 1, **common,
     )
     out = torch.empty(B, H, 1, Dv, dtype=v.dtype, device=device)
     launch(_mlr_decode_merge_kernel, (B * H,), part_acc, part_m, part_l, out, n_splits, SP=pow2(n_splits), DV=Dv,
