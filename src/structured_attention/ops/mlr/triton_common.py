@@ -10,8 +10,8 @@ import triton.language as tl
 
 from .contract import device_table, document_bounds, heads_inner
 
-__all__ = ["INTERPRETED", "blocks_meet", "cdiv", "dense_rows", "device_table", "dot", "dot_acc", "empty_rows",
-           "launch", "load_segment", "pow2", "row_dots", "segments_of_documents", "segments_of_rows"]
+__all__ = ["INTERPRETED", "blocks_meet", "cdiv", "cuda_properties", "dense_rows", "device_table", "dot", "dot_acc",
+           "empty_rows", "launch", "load_segment", "pow2", "row_dots", "segments_of_documents", "segments_of_rows"]
 
 
 @triton.jit
@@ -114,6 +114,13 @@ def launch(kernel: triton.runtime.JITFunction, grid: tuple[int, ...], *args: obj
     defaults = {p.name: p.default for p in kernel.params}
     compile_time = tuple(constexprs[n] if n in constexprs else defaults[n] for n in names)
     kept[key] = (compiled[(*grid, 1, 1)[:3]], compile_time)
+
+
+@functools.lru_cache(maxsize=16)
+def cuda_properties(device: torch.device) -> torch._C._CudaDeviceProperties | None:
+    """``torch.cuda.get_device_properties(device)``, read once per device (the launches size their
+    grids and pipelines by it on every call); None for a device that is not a CUDA one."""
+    return torch.cuda.get_device_properties(device) if device.type == "cuda" else None
 
 
 # Host-side arithmetic in plain Python: Triton's own cdiv and next_power_of_2 are constexpr

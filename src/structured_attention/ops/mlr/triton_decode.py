@@ -36,7 +36,7 @@ import triton.language as tl
 
 from ..._checks import require
 from .contract import check_mlr_cache_arguments, compiled_or_eager
-from .triton_common import INTERPRETED, cdiv, device_table, dot, dot_acc, launch, pow2
+from .triton_common import INTERPRETED, cdiv, cuda_properties, device_table, dot, dot_acc, launch, pow2
 
 __all__ = ["decode", "decode_static", "mlr_decode_triton", "prepare_static"]
 
@@ -288,9 +288,9 @@ def _shallow_regions(num_stages: int, r0p: int, dvp: int, n_fine: int, rf_staged
     return shallow
 
 
-@functools.lru_cache(maxsize=8)
 def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    props = cuda_properties(device)
+    return 4 if props is None else props.multi_processor_count  # the interpreter's: any small count
 
 
 class _Tables(NamedTuple):

@@ -56,7 +56,7 @@ import triton
 import triton.language as tl
 
 from .contract import attach_backward, eager_autograd
-from .triton_common import (INTERPRETED, blocks_meet, cdiv, dense_rows, device_table, dot, dot_acc,
+from .triton_common import (INTERPRETED, blocks_meet, cdiv, cuda_properties, dense_rows, device_table, dot, dot_acc,
                             empty_rows, launch, load_segment, pow2, row_dots, segments_of_documents, segments_of_rows)
 
 __all__ = ["HOPPER_SHARED_PER_BLOCK", "PrefixTiles", "miscompiled_on_cuda", "pipeline_stages", "square_tiles",
@@ -889,12 +889,11 @@ def pipeline_stages(dtype: torch.dtype, device_type: str, head_dim: int, shared_
     return (3 if head_dim <= 128 else 2), (3 if head_dim <= 64 else 2)
 
 
-@functools.lru_cache(maxsize=16)
 def _shared_per_block(device: torch.device) -> int:
     """The shared memory a block may take on a CUDA device, in bytes, opted in (0 elsewhere)."""
-    if device.type != "cuda":
+    props = cuda_properties(device)
+    if props is None:
         return 0
-    props = torch.cuda.get_device_properties(device)
     return getattr(props, "shared_memory_per_block_optin", props.shared_memory_per_block)
 
 
