@@ -469,6 +469,27 @@ def test_attention(backend, case, causal, depth_normalize, dtype):
         assert_matches(got, exp, dtype, name, b.rounded_once)
 
 
+@pytest.mark.parametrize("backend", [name for name in ATTENTION_BACKENDS if name != "reference"])
+def test_second_order_gradients_raise_instead_of_vanishing(backend):
+    """The kernels' gradients are first-order. Taken with ``create_graph=True`` (a gradient
+    penalty) they equal the reference's, and differentiating them again raises one line: counted
+    as constants, they would make the penalty's gradient silently zero where the reference's is not."""
+    b = ATTENTION_BACKENDS[backend]
+    b.require()
+    dtype = torch.float32
+    case = next(c for c in CASES if all(x.hole(c, dtype) is None for x in ATTENTION_BACKENDS.values()))
+    with intra_op_threads(1):
+        inputs, want = _attention_truth(case, True, False, dtype)
+    q, k, v = (x.detach().to(b.where).requires_grad_() for x in inputs[:3])
+    with b.threads(case):
+        out = b.run(q, k, v, case, True, False)
+        grads = torch.autograd.grad(out, (q, k, v), inputs[3].to(b.where), create_graph=True)
+    for name, got, exp in zip(("dq", "dk", "dv"), grads, want[1:]):
+        assert_matches(got.detach(), exp, dtype, name, b.rounded_once)
+    with pytest.raises(RuntimeError, match="^mlr_attention: second-order gradients"):
+        grads[0].square().sum().backward()
+
+
 @pytest.mark.parametrize("backend,case,depth_normalize,dtype", CACHE_GRID)
 def test_cached_attention(backend, case, depth_normalize, dtype):
     """``t`` new queries against the compressed cache (built as the layer builds it, in ``dtype``)

@@ -447,7 +447,7 @@ def attach_backward(forward_op: torch.library.CustomOpDef, backward_op: torch.li
         _save(ctx, *inputs[:3], inputs[3:], output)
 
     def gradients(ctx, gout, *_aux):  # noqa: ANN001, ANN202
-        grads = (None,) * 3 if gout is None else backward_op(gout, *ctx.saved_tensors, *ctx.config)
+        grads = (None,) * 3 if gout is None else first_order(backward_op, gout, ctx.saved_tensors, ctx.config)
         return (*grads, *([None] * len(ctx.config)))
 
     forward_op.register_autograd(gradients, setup_context=save)
@@ -469,6 +469,35 @@ def _save(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: S
         ctx.mark_non_differentiable(*outputs[1:])
 
 
+class _SecondOrder(torch.autograd.Function):
+    """The identity on a backward's gradients, whose own backward raises: what a kernel's gradients
+    are wrapped in when autograd records the backward (``create_graph=True``), so that
+    differentiating them again fails with one line instead of silently counting them constant."""
+
+    @staticmethod
+    def forward(ctx, *grads):  # noqa: ANN001, ANN205
+        return tuple(g.view_as(g) for g in grads)
+
+    @staticmethod
+    def backward(ctx, *_):  # noqa: ANN001, ANN205
+        raise RuntimeError("mlr_attention: second-order gradients (differentiating a gradient taken with "
+                           "create_graph=True) are not implemented by its kernels; mlr_attention_reference "
+                           "computes them")
+
+
+def first_order(backward: Callable[..., Any], gout: torch.Tensor, saved: Sequence[torch.Tensor],
+                config: Sequence[Any]) -> tuple[torch.Tensor, ...]:
+    """``backward(gout, *saved, *config)``: a kernel's ``(dq, dk, dv)``. Kernels' gradients are
+    first-order only; where autograd records this backward (``create_graph=True``) and the gradients
+    depend on tensors that need gradients, they come wrapped in :class:`_SecondOrder`, so that
+    differentiating them raises where it would otherwise give zero."""
+    with torch.no_grad():
+        grads = backward(gout, *saved, *config)
+    if not torch.is_grad_enabled() or not any(t.requires_grad for t in (gout, *saved[:3])):
+        return grads
+    return _SecondOrder.apply(*(g.detach().requires_grad_() for g in grads))
+
+
 def eager_autograd(forward_fn: Callable[..., Any], backward_fn: Callable[..., Any]) -> Callable[..., Any]:
     """``forward_fn(q, k, v, *config)`` (returning ``out`` or ``(out, *aux)``, aux not
     differentiable) made differentiable in ``q``, ``k`` and ``v`` by ``backward_fn(gout, q, k, v,
@@ -488,7 +517,7 @@ def eager_autograd(forward_fn: Callable[..., Any], backward_fn: Callable[..., An
         def backward(ctx, gout, *_aux):  # noqa: ANN001, ANN205
             if gout is None:
                 return None, None, None, None
-            return (*backward_fn(gout, *ctx.saved_tensors, *ctx.config), None)
+            return (*first_order(backward_fn, gout, ctx.saved_tensors, ctx.config), None)
 
     def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *config: Any) -> Any:
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
