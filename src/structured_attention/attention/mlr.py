@@ -30,7 +30,7 @@ class MLRAttention(Attention):
     """Multi-level low-rank attention over positions, with GQA, per-level scales and KV cache."""
 
     kind = "mlr"
-    examples = {"mlr": "mlr:4|2|1|1", "mlr_gqa": "mlr:5|3:n_kv_heads=2:block_sizes=64|8",
+    examples = {"mlr": "mlr:4|2|1|1", "mlr_one_level": "mlr:8", "mlr_gqa": "mlr:5|3:n_kv_heads=2:block_sizes=64|8",
                 "mlr_depth_norm": "mlr:2|2|2|2:depth_normalize=true:block_sizes=64|16|8|4",
                 "mlr_qk_norm_mup": "mlr:4|4:qk_norm=true:attn_scale=mup",
                 "mlr_rotary": "mlr:4|2|2:rotary=true:block_sizes=64|16|4",

@@ -36,7 +36,7 @@ def mlr_decode_static(q: torch.Tensor, keys: list[torch.Tensor], v: torch.Tensor
         return triton_decode.decode_static(q, keys, v, slot, offsets, ranks, block_sizes, scale, depth_normalize)
     if q.device.type == "cpu" and v.dtype in (torch.float32, torch.float64) and q.dtype == v.dtype and cpu.available():
         # each row's first slot per level: its padding for level 1, its current block's start after
-        blocks = torch.tensor(block_sizes[1:], device=slot.device)
+        blocks = torch.tensor(block_sizes[1:], dtype=torch.long, device=slot.device)  # empty with one level
         starts = offsets[:, None] + torch.div(slot - offsets[:, None], blocks, rounding_mode="floor") * blocks
         return cpu.decode_static(q, keys, v, slot, torch.cat([offsets[:, None], starts], dim=1), [0, *block_sizes[1:]],
                                  scale, depth_normalize)
