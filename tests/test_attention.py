@@ -198,6 +198,25 @@ def test_decoding_token_by_token_matches_full_forward(name):
     assert cache.length == CTX
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["growing", "static"])
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_a_cache_in_another_dtype_decodes_under_autocast_and_is_refused_outside(name, static):
+    """A bfloat16 cache for a float32 layer: outside autocast one line naming the cache (not an
+    error of mismatched dtypes from inside an attention op); inside CPU autocast, whose projections
+    give the step bfloat16 keys and values, the steps decode as the layer without a cache does."""
+    layer = make(SPECS[name])
+    x = torch.randn(1, 20, D, generator=torch.Generator().manual_seed(4))
+    with pytest.raises(ValueError, match=r"^cache: expected a cache in the layer's dtype torch.float32 .*"
+                                         r"got torch.bfloat16$"):
+        layer(x[:, :12], layer.new_cache(batch_size=1, dtype=torch.bfloat16, static=static))
+    cache = layer.new_cache(batch_size=1, dtype=torch.bfloat16, static=static)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        steps = [layer(x[:, :12], cache)] + [layer(x[:, i:i + 1], cache) for i in range(12, 20)]
+        full = layer(x)
+    assert cache.dtype == torch.bfloat16
+    torch.testing.assert_close(torch.cat(steps, 1).float(), full.float(), atol=0.1, rtol=0.05)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="checks which CUDA kernel SDPA picks")
 def test_decoding_on_cuda_avoids_cudnn_attention():
     # cuDNN's attention builds a plan per key length, so each decoding step would build one.

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .._checks import require
+from .._checks import fail, require
 from ..functional import scaled_dot_product_attention, sliding_window_attention
 from ..functional.decode import decode_full_slots
 from .cache import KVCache, StaticKVCache, TokenBuffer, append_all, full_slots, store
@@ -134,6 +134,14 @@ def bind_padding(caches: list[KVCache], attention_mask: torch.Tensor, batch: int
         cache.padding = padding
 
 
+def _check_cache_dtype(cache: KVCache | StaticKVCache, x: torch.Tensor) -> None:
+    """One-line ``ValueError`` unless the cache's dtype is ``x``'s or autocast is on for its device
+    (where the new keys and values come out in autocast's dtype and are stored in the cache's)."""
+    if cache.dtype != x.dtype and not torch.is_autocast_enabled(x.device.type):  # no message built per step
+        fail("cache", f"a cache in the layer's dtype {x.dtype} (a cache of another dtype is read inside "
+                      "torch.autocast)", cache.dtype)
+
+
 class Attention(nn.Module):
     """Base class: ``(B, T, D) -> (B, T, D)`` for any ``T <= max_seq_len``.
 
@@ -221,6 +229,7 @@ class Attention(nn.Module):
         require(x.device == weight.device, "x.device", f"{weight.device} (the device of the layer's parameters)", x.device)
         if isinstance(cache, StaticKVCache):
             cache.check_use(self, x.shape[0])
+            _check_cache_dtype(cache, x)
             if not cache.prefilled:  # the prompt, into the growing cache; then into the static buffers
                 out = self.forward(x, cache.growing, attention_mask)
                 self.fill_static(cache)
@@ -234,6 +243,7 @@ class Attention(nn.Module):
         if cache is not None:
             require(isinstance(cache, KVCache), "cache", "a KVCache from new_cache() or None", type(cache).__name__)
             cache.check_use(self, x.shape[0])
+            _check_cache_dtype(cache, x)
         start = 0 if cache is None else cache.length
         require(x.shape[1] >= 1 and start + x.shape[1] <= self.config.max_seq_len, "seq_len",
                 f"1 <= cached + new tokens <= max_seq_len={self.config.max_seq_len}", start + x.shape[1])
@@ -256,6 +266,8 @@ class Attention(nn.Module):
     def new_cache(self, batch_size: int, dtype: torch.dtype | None = None, device: Any = None,
                   static: bool = False) -> KVCache | StaticKVCache:
         """An empty cache for this layer; dtype and device default to the layer's parameters'.
+        A cache in another dtype (bfloat16 keys and values for a float32 model, half the memory)
+        is read inside ``torch.autocast``, which gives the step's projections that dtype.
         ``static``: a :class:`StaticKVCache` (fixed shapes for compiled decoding steps) instead of
         the growing one (fewer slots touched per step: faster eagerly, on the CPU especially)."""
         dtype = dtype or self.out_proj.weight.dtype

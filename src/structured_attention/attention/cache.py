@@ -139,6 +139,10 @@ class KVCache:
                 batch)
 
     @property
+    def dtype(self) -> torch.dtype:
+        return next(iter(self.buffers.values())).data.dtype
+
+    @property
     def lengths(self) -> list[int]:
         """Tokens of each row's own sequence held so far (``length`` minus its padding)."""
         if self.padding is None:
@@ -218,6 +222,10 @@ class StaticKVCache:
         require(self._owner is not None and self._owner() is layer, "cache",
                 "the cache this layer's new_cache() made (a model's new_caches() for a model)", "another layer's")
         require(batch == self._batch, "cache", f"a batch of {self._batch} rows (the batch it was made for)", batch)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.growing.dtype if self.growing is not None else next(iter(self.buffers.values())).dtype
 
     def ring_positions(self, size: int) -> torch.Tensor:
         """The position each slot of a ring of ``size`` holds once the token at ``slot`` is written
