@@ -257,6 +257,18 @@ def test_a_built_kernel_loads_in_a_new_process_without_a_word(built):
     assert proc.stderr == ""
 
 
+@pytest.mark.parametrize("context", ["torch.autocast('cpu', dtype=torch.bfloat16)", "torch.device('meta')"])
+def test_a_first_load_inside_autocast_or_a_default_device_keeps_the_kernel(built, context):
+    """The kernel's self-check computes in float32 on the CPU whatever the context of the first MLR
+    call: inside a training step's CPU autocast (or under a default device) it failed, and the
+    kernel was built again and then left unused for the whole process, with a warning."""
+    code = ("import torch\nfrom structured_attention.ops.mlr import cpu_build\n"
+            f"with {context}:\n    assert cpu_build.load() is not None")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""
+
+
 def test_torchs_lock_left_by_a_killed_build_does_not_hang_the_next_load(built):
     """The real torch build path (ninja finds everything up to date) with the lock files a killed
     build leaves, in the suite's own build folder (a copy elsewhere would change ninja's command

@@ -270,11 +270,16 @@ def _build_lock(directory: Path) -> Iterator[None]:
 def _self_check(module: ModuleType) -> None:
     """One tiny forward against plain softmax attention (one level: MLR is then ordinary causal
     attention): a kernel that cannot run here (the GEMM library refusing this CPU) or computes
-    wrongly is never used."""
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, 2, 24, 4, generator=g) for _ in range(3))
-    out, _ = module.forward(q, k, v, torch.empty(0, 3, dtype=torch.long), [32], [0, 4], [], 1.0, True, False, BLOCK_Q,
-                            BLOCK_K)
-    scores = (q @ k.transpose(-1, -2)).masked_fill(torch.ones(24, 24, dtype=torch.bool).triu(1), float("-inf"))
-    if not torch.allclose(out, torch.softmax(scores, -1) @ v, atol=1e-4, rtol=1e-4):
-        raise RuntimeError("self-check: the kernel's output differs from plain attention")
+    wrongly is never used. It runs in float32 on the CPU whatever the caller's context: the first
+    MLR call may come inside ``torch.autocast`` or under a default device, where a check computed
+    as the context says failed, and the kernel was built again and then left unused for the whole
+    process."""
+    with torch.autocast("cpu", enabled=False), torch.no_grad():
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(1, 2, 24, 4, generator=g, dtype=torch.float32, device="cpu") for _ in range(3))
+        causal = torch.ones(24, 24, dtype=torch.bool, device="cpu").triu(1)
+        out, _ = module.forward(q, k, v, torch.empty(0, 3, dtype=torch.long, device="cpu"), [32], [0, 4], [], 1.0,
+                                True, False, BLOCK_Q, BLOCK_K)
+        scores = (q @ k.transpose(-1, -2)).masked_fill(causal, float("-inf"))
+        if not torch.allclose(out, torch.softmax(scores, -1) @ v, atol=1e-4, rtol=1e-4):
+            raise RuntimeError("self-check: the kernel's output differs from plain attention")
