@@ -93,6 +93,37 @@ def test_keeps_two_and_falls_back_on_corruption(tmp_path):
         load_checkpoint(tmp_path / "nowhere")
 
 
+def test_a_save_deletes_only_what_this_package_wrote(tmp_path):
+    """A killed save's folder goes; a user's .tmp-* files and folders and a step-* folder this
+    package did not write stay, and saving over the latter is refused in one line."""
+    model, opt = trained()
+    root = tmp_path / "ckpt"
+    (root / ".tmp-step-00000001-x1y2").mkdir(parents=True)  # a save killed midway
+    (root / ".tmp-keepme").mkdir()
+    (root / ".tmp-keepme" / "notes.txt").write_text("mine")
+    (root / ".tmp-notes.txt").write_text("mine")
+    (root / "step-00000002").mkdir()
+    (root / "step-00000002" / "readme.txt").write_text("mine")
+    save(model, opt, root, 1)
+    assert not (root / ".tmp-step-00000001-x1y2").exists()
+    assert (root / ".tmp-keepme" / "notes.txt").read_text() == "mine" and (root / ".tmp-notes.txt").is_file()
+    with pytest.raises(ValueError, match=r"^run\.out_dir: expected no folder .*step-00000002 other than"):
+        save(model, opt, root, 2)
+    assert (root / "step-00000002" / "readme.txt").read_text() == "mine"
+    assert [p.name for p in find_checkpoints(root)] == ["step-00000001"]
+
+
+def test_saving_a_step_again_replaces_it_whole(tmp_path):
+    """Re-saving a step (a resumed run that saves where it stopped): the old checkpoint moves aside
+    whole until the new one is in place, then goes; nothing of either is left beside them."""
+    model, opt = trained()
+    root = tmp_path / "ckpt"
+    save(model, opt, root, 1, marker="old")
+    save(model, opt, root, 1, marker="new")
+    assert load_checkpoint(root).state["marker"] == "new"
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000001"]
+
+
 def test_incomplete_checkpoint_is_ignored(tmp_path):
     model, opt = trained()
     root = tmp_path / "ckpt"

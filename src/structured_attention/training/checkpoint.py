@@ -33,6 +33,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import tempfile
 import warnings
@@ -44,7 +45,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from .._checks import quote
+from .._checks import fail, quote
 from .._files import atomic_write, file_sha256, with_umask
 
 __all__ = [
@@ -202,10 +203,13 @@ def save_checkpoint(
     model_tensors = {k: v.detach().cpu().contiguous() for k, v in model_state.items() if k not in aliases}
     optim_tensors, groups = flatten_optimizer_state(optim_state)
 
-    for stale in root.glob(".tmp-*"):  # left behind by a writer that was killed mid-save
-        shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
+    for stale in _killed_saves(root):
+        shutil.rmtree(stale, ignore_errors=True)
     final = root / f"step-{step:08d}"
-    tmp_dir = Path(tempfile.mkdtemp(dir=root, prefix=f".tmp-step-{step:08d}-"))
+    if final.exists() and not _ours(final):
+        fail("run.out_dir", f"no folder {final} other than this package's checkpoints (it would be replaced by "
+                            f"step {step}'s checkpoint)", "a folder this package did not write")
+    tmp_dir = Path(tempfile.mkdtemp(dir=root, prefix=f"{_SAVE_PREFIX}{step:08d}-"))
     with_umask(tmp_dir, 0o777)
     try:
         atomic_write(tmp_dir / MODEL_FILE, lambda p: save_file(model_tensors, p, metadata={"format": CHECKPOINT_FORMAT}))
@@ -227,13 +231,17 @@ def save_checkpoint(
 
         atomic_write(tmp_dir / STATE_FILE, write_json)
         _fsync_dir(tmp_dir)
-        if final.exists():  # re-saving the same step: move the old one aside first
-            shutil.rmtree(final)
+        old = None
+        if final.exists():  # re-saving the same step: the old one moves aside, whole, until the new is in
+            old = Path(tempfile.mkdtemp(dir=root, prefix=f"{_SAVE_PREFIX}{step:08d}-old-"))
+            os.replace(final, old / final.name)
         os.replace(tmp_dir, final)
         _fsync_dir(root)
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
     # Keep the new checkpoint and the newest ones before it that verify, ``keep`` in all; the rest
     # (older, or corrupt) go, but only folders this package wrote.
     kept = 0
@@ -293,9 +301,19 @@ def remove_checkpoints(root: str | Path) -> int:
         if _ours(folder):
             shutil.rmtree(folder)
             removed += 1
-    for stale in root.glob(".tmp-step-*"):
+    for stale in _killed_saves(root):
         shutil.rmtree(stale, ignore_errors=True)
     return removed
+
+
+_SAVE_PREFIX = ".tmp-step-"  # a save's folder until it is complete: .tmp-step-<8 digits>-<random>
+
+
+def _killed_saves(root: Path) -> list[Path]:
+    """The folders of saves killed before they completed (this package's names alone: a user's
+    ``.tmp-*`` files and folders there stay)."""
+    return [p for p in root.glob(f"{_SAVE_PREFIX}*") if p.is_dir() and re.fullmatch(
+        rf"{re.escape(_SAVE_PREFIX)}\d{{8}}-.+", p.name)]
 
 
 def find_checkpoints(path: str | Path, complete_only: bool = True) -> list[Path]:
