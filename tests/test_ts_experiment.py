@@ -131,14 +131,17 @@ def run_cli(capsys, *argv: str) -> tuple[int, str]:
     return code, capsys.readouterr().err.strip()
 
 
-@pytest.mark.parametrize("problem", ["missing", "text", "short", "target", "blocks"])
+@pytest.mark.parametrize("problem", ["missing", "text", "short", "target", "blocks", "model-horizon", "model-channels"])
 def test_bad_inputs_end_with_one_line_and_status_2(tmp_path, capsys, problem):
     path = sinusoid_csv(tmp_path / "in.csv", n=400)
     lines = path.read_text().splitlines()
     args = [f"data.source={path}", "data.lookback=48", "data.horizon=24", f"run.out_dir={tmp_path / 'r'}"]
     expected = {"missing": "missing value in column 'a' at line 11", "text": "non-numeric value 'n/k'",
                 "short": "too few for lookback 48 + horizon 24", "target": "target: expected one of the columns",
-                "blocks": "model.attention='mlr:4|2|1|1': block_sizes"}[problem]
+                "blocks": "model.attention='mlr:4|2|1|1': block_sizes",
+                # the data decides these: a model.* value of its own was silently replaced
+                "model-horizon": "model.horizon: expected data.horizon's value, 24",
+                "model-channels": "model.n_channels: expected the file's channel count, 2"}[problem]
     if problem in ("missing", "text"):
         lines[10] = lines[10].split(",")[0] + ("," if problem == "missing" else ",n/k") + "," + lines[10].split(",")[2]
         path.write_text("\n".join(lines) + "\n")
@@ -146,6 +149,8 @@ def test_bad_inputs_end_with_one_line_and_status_2(tmp_path, capsys, problem):
         path.write_text("\n".join(lines[:150]) + "\n")
     elif problem == "target":
         args.append("data.target=load")
+    elif problem.startswith("model-"):
+        args.append("model.horizon=12" if problem == "model-horizon" else "model.n_channels=5")
     else:  # 48-step lookback, patches of 8 every 8 steps: 7 patches, not divisible by 2^3
         args += ["model.family=patch", "model.d_model=16", "model.n_heads=2", "model.patch_len=8", "model.stride=8",
                  "model.attention=mlr:4|2|1|1"]

@@ -130,7 +130,8 @@ def split_borders(dataset: str, n_rows: int, lookback: int) -> dict[str, tuple[i
         train, val, test = 12 * month, 4 * month, 4 * month
         need = train + val + test
         if n_rows < need:
-            raise ValueError(f"source: {dataset} borders need {need} rows (12 + 4 + 4 thirty-day months), the file has {n_rows}")
+            raise ValueError(f"source: {dataset} borders need {need} rows (12 + 4 + 4 thirty-day months), the file has "
+                             f"{n_rows} (data.dataset=custom splits a file of one's own 70/10/20)")
     else:
         train, test = int(0.7 * n_rows), int(0.2 * n_rows)
         val = n_rows - train - test

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..._checks import require
+from ..._checks import fail, require
 from ...data.timeseries import Scaler, SeriesData, load_series
 from ...models.forecasting import ForecasterConfig, build_forecaster
 from ...models.protocol import TrainableModel
@@ -98,6 +98,14 @@ class TSConfig:
     run: TSRunConfig = field(default_factory=TSRunConfig)
 
     def __post_init__(self) -> None:
+        # The data decides a forecaster's lookback and horizon (and its channels, the file's): a
+        # model.* value of its own would otherwise be silently replaced by the data section's.
+        defaults = ForecasterConfig()
+        for name in ("lookback", "horizon"):
+            value, data = getattr(self.model, name), getattr(self.data, name)
+            if value not in (getattr(defaults, name), data):
+                fail(f"model.{name}", f"data.{name}'s value, {data} (the data section sets a forecaster's {name}: "
+                                      f"set data.{name})", value)
         # An unknown kind, bad ranks or MLR block sizes that do not divide the token count
         # (the context) fail here with the layer's one-line message.
         self.model_for_data().backbone_config().check_attention()
@@ -183,6 +191,10 @@ class ForecastTask(Task):
     def resolve(self) -> TSConfig:
         """The model's lookback and horizon are the data section's, its channels the file's."""
         assert self.data is not None
+        channels, default = self.requested.model.n_channels, ForecasterConfig().n_channels
+        if channels not in (default, self.data.n_channels):
+            fail("model.n_channels", f"the file's channel count, {self.data.n_channels} (data.features and the "
+                                     f"file set it)", channels)
         return dataclasses.replace(self.requested, model=self.requested.model_for_data(self.data.n_channels))
 
     def describe(self) -> str:
