@@ -33,6 +33,13 @@ def test_describe_prints_a_row_per_kind_from_the_layers_costs(capsys):
         (["describe", "--kinds", "unknown"], "kind"),
         (["describe", "--n-heads", "7"], "n_heads"),
         (["describe", "--context", "1000", "--kinds", "mlr:8|8|8|8|8|8|8|8"], "block_sizes"),
+        # checked before any work (these ended in a traceback: a division by zero, a negative
+        # tensor size after the timings, dynamo's InvalidBackend at the first compiled call)
+        (["sweep", "lm", "--head-dim", "0", "--dry-run"], "--head-dim: expected a positive integer"),
+        (["bench", "attention", "--seq-lens", "8", "--decode-steps", "16", "--kinds", "mha", "--no-memory"],
+         "--decode-steps: expected fewer than the longest --seq-lens"),
+        (["bench", "lm", "--compile", "--backend", "bogus"], "--backend: expected a torch.compile backend"),
+        (["bench", "generate", "--modes", "compiled", "--backend", "bogus"], "--backend: expected a torch.compile"),
     ],
 )
 def test_bad_input_exits_nonzero_with_one_line(args, needle):

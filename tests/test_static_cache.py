@@ -358,6 +358,9 @@ def test_bad_use_is_one_line():
         model.generate(idx, 3, cuda_graph=True)
     with pytest.raises(ValueError, match="^compile: expected a mode other than reduce-overhead or max-autotune"):
         model.generate(idx, 3, cache="static", compile="reduce-overhead", cuda_graph=True)
+    with pytest.raises(ValueError, match=r"^compile: expected a torch.compile mode \(default, .*\) or backend "
+                                         r"\(inductor, eager, aot_eager, .*got 'inductr'$"):
+        model.generate(idx, 3, cache="static", compile="inductr")
     if DEVICE == "cpu":
         with pytest.raises(ValueError, match="^cuda_graph: expected False for a model on the CPU"):
             model.generate(idx, 3, cache="static", cuda_graph=True)

@@ -43,7 +43,7 @@ from ..attention import build_attention
 from ..ops.mlr import mlr_attention, mlr_attention_reference
 from ..ops.mlr.blocked import mlr_attention_blocked
 from ..models import GPT, GPTConfig
-from ..models.gpt import COMPILE_MODES
+from ..models.gpt import COMPILE_MODES, check_compile_backend
 from . import bench_batches, bench_generate, bench_hf
 from .._cli import parse_device, pyplot
 from .common import add_timing_options, bench_environment, check_bench_memory, parse_ranks, time_ms
@@ -352,6 +352,8 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.what == "lm" and args.compile_mode != "default" and not args.compile:
         raise ValueError(f"--compile-mode: expected default without --compile (the mode of the --compile cases), "
                          f"got {args.compile_mode}")
+    if args.what == "lm" and args.compile:
+        check_compile_backend(args.backend, "--backend")
     try:
         seq_lens = [int(t) for t in args.seq_lens.split(",")]
     except ValueError:
@@ -369,8 +371,11 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.what == "lm" and args.n_layers <= 0:
         raise ValueError(f"--n-layers: expected a positive integer, got {args.n_layers}")
     if args.what == "attention":
+        limit = max(seq_lens) - args.decode_steps
+        if limit <= 0:  # the decoding steps follow a cache within the longest length
+            raise ValueError(f"--decode-steps: expected fewer than the longest --seq-lens, {max(seq_lens)}, "
+                             f"got {args.decode_steps}")
         if args.decode_cache is not None:
-            limit = max(seq_lens) - args.decode_steps
             if not 0 < args.decode_cache <= limit:
                 raise ValueError(f"--decode-cache: expected 1..{limit} (longest seq-len minus decode steps), got {args.decode_cache}")
     if args.what == "mlr":

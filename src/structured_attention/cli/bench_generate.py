@@ -32,7 +32,7 @@ import torch
 
 from ..models import GPT, GPTConfig
 from ..models.decoding import CapturedDecoding
-from ..models.gpt import COMPILE_MODES
+from ..models.gpt import COMPILE_MODES, check_compile_backend
 from .._cli import number_list, parse_device, pyplot
 from .common import (add_timing_options, bench_environment, check_bench_memory, check_positive_options, records_table,
                      time_ms)
@@ -74,6 +74,8 @@ def _check(args: argparse.Namespace) -> tuple[list[int], list[int], list[str]]:
         raise ValueError(f"--modes: expected names among {', '.join(MODES)}, got {args.modes!r}")
     if "graph" in modes and not cuda:
         raise ValueError(f"--modes: expected no graph on device {args.device} (CUDA graphs need a CUDA device)")
+    if "compiled" in modes or "graph" in modes:
+        check_compile_backend(args.backend, "--backend")
     # the prefill's queries, keys and values in every layer, for the largest case
     check_bench_memory("--cache-lens", max(lens),
                        4 * max(batches) * (max(lens) + args.new_tokens) * args.d_model * args.n_layers, args)

@@ -188,6 +188,8 @@ def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
     kinds = [k.strip() for k in args.kinds.split(";") if k.strip()]
     widths = number_list(args.widths, "--widths")
     lrs = number_list(args.lrs, "--lrs", float, minimum=1e-12)
+    if args.head_dim <= 0:
+        raise ValueError(f"--head-dim: expected a positive integer, got {args.head_dim}")
     for w in widths:
         if w <= 0 or w % args.head_dim:
             raise ValueError(f"--widths: expected multiples of --head-dim={args.head_dim}, got {w}")
