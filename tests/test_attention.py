@@ -355,6 +355,10 @@ def test_cost_counts_parameters_and_flops():
         (dict(spec="mha:colour=red"), "attention spec key"),
         (dict(spec="bilinear_btt:rotary=true"), "rotary"),
         (dict(spec="mlr:3|5:rotary=true"), "rotary"),
+        # flags given as Python values are bools, not truthy values: causal="false" ran causal
+        (dict(spec="mha", causal="false"), "^causal: expected True or False, got 'false'$"),
+        (dict(spec="mlr:4|4", qk_norm=1), "^qk_norm: expected True or False"),
+        (dict(spec="mha", d_model=True), "^d_model: expected a positive integer"),
     ],
 )
 def test_bad_configuration_names_the_parameter(kwargs, param):
@@ -363,6 +367,15 @@ def test_bad_configuration_names_the_parameter(kwargs, param):
     base.update(kwargs)
     with pytest.raises(ValueError, match=param):
         build_attention(spec, **base)
+
+
+def test_a_kinds_own_flag_is_a_bool():
+    from structured_attention.attention.config import AttentionConfig
+    from structured_attention.attention.mlr import MLRAttention
+
+    options = MLRAttention.Config(ranks=(4, 4), depth_normalize="yes")
+    with pytest.raises(ValueError, match="^depth_normalize: expected True or False, got 'yes'$"):
+        MLRAttention(AttentionConfig(d_model=D, n_heads=H, max_seq_len=CTX, kind="mlr", options=options))
 
 
 def test_bad_inputs_name_the_parameter():

@@ -15,7 +15,7 @@ from .._checks import fail, require
 from ..functional import scaled_dot_product_attention, sliding_window_attention
 from ..functional.decode import decode_full_slots
 from .cache import KVCache, StaticKVCache, TokenBuffer, append_all, full_slots, store
-from .config import AttentionConfig
+from .config import AttentionConfig, check_flags
 from .rotary import Rotary
 from .segments import CachePadding, Segments, build_segments, left_padding, position_mask
 
@@ -165,6 +165,7 @@ class Attention(nn.Module):
         options = config.options if config.options is not None else type(self).Config()
         require(isinstance(options, type(self).Config), "options", f"a {type(self).__name__}.Config",
                 type(options).__name__)
+        check_flags(options)
         self.config = config
         self.options = options
         self.d_model = config.d_model

@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from .._checks import require
+from .._checks import fail, require
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,9 @@ class AttentionConfig:
     def __post_init__(self) -> None:
         for name in ("d_model", "n_heads", "max_seq_len"):
             value = getattr(self, name)
-            require(isinstance(value, int) and value > 0, name, "a positive integer", value)
+            require(isinstance(value, int) and not isinstance(value, bool) and value > 0, name, "a positive integer",
+                    value)
+        check_flags(self)
         require(self.attn_scale in ("sp", "mup", "mup8"), "attn_scale", "'sp' (1/sqrt(d)), 'mup' (1/d) or 'mup8' (8/d)",
                 self.attn_scale)
         require(0.0 <= self.dropout < 1.0, "dropout", "a probability in [0, 1)", self.dropout)
@@ -64,6 +66,15 @@ class AttentionConfig:
 
     def replace(self, **changes: Any) -> AttentionConfig:
         return dataclasses.replace(self, **changes)
+
+
+def check_flags(config: Any) -> None:
+    """One-line ``ValueError`` naming the first field of dataclass ``config`` declared ``bool`` whose
+    value is not a bool: ``causal="false"`` is a true string, and a layer would silently run causal."""
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if f.type in ("bool", bool) and not isinstance(value, bool):
+            fail(f.name, "True or False", value)
 
 
 def positional(default: Any, aliases: tuple[str, ...] = ()) -> Any:
