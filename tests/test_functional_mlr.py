@@ -259,6 +259,8 @@ BAD = [
     ("v-T", dict(v=_t(2, 2, 9, 3)), "v"),
     ("v-heads", dict(v=_t(2, 4, 8, 3)), "v"),
     ("q-empty", dict(q=_t(2, 4, 0, 4), k=_t(2, 2, 0, 4), v=_t(2, 2, 0, 3)), "q"),
+    ("q-no-heads", dict(q=_t(2, 0, 8, 4), k=_t(2, 0, 8, 4), v=_t(2, 0, 8, 3)), "q"),
+    ("v-no-dims", dict(v=_t(2, 2, 8, 0)), "v"),  # the C++ kernel failed to allocate (std::bad_alloc)
     # ranks
     ("ranks-sum", dict(ranks=(2, 1)), "ranks"),
     ("ranks-zero", dict(ranks=(4, 0)), "ranks"),

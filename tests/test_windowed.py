@@ -87,3 +87,27 @@ def test_bad_window_names_the_parameter():
     q = torch.randn(1, 1, 4, 2)
     with pytest.raises(ValueError, match="window"):
         sliding_window_attention(q, q, q, -1)
+
+
+_Q, _K, _V = torch.randn(2, 4, 10, 6), torch.randn(2, 2, 10, 6), torch.randn(2, 2, 10, 3)
+
+
+@pytest.mark.parametrize("call, message", [
+    # accepted before, with a result: one value head for two key heads, a string as causal (run
+    # causal), a negative scale, float document ids (truncated)
+    (lambda: sliding_window_attention(_Q, _K, _V[:, :1], 3), "^v: expected shape"),
+    (lambda: sliding_window_attention(_Q, _K, _V, 3, causal="no"), "^causal: expected a bool"),
+    (lambda: sliding_window_attention(_Q, _K, _V, 3, scale=-1.0), "^scale: expected a finite positive number"),
+    (lambda: sliding_window_attention(_Q, _K, _V, 3, document_ids=torch.rand(2, 10)),
+     "^document_ids: expected an integer dtype"),
+    # errors from deep inside: a reshape, a batched product, a division by zero, a bool subtraction
+    (lambda: sliding_window_attention(_Q, _K[:1], _V[:1], 3), "^k: expected shape"),
+    (lambda: sliding_window_attention(_Q, _K[..., :4], _V, 3), "^k: expected shape"),
+    (lambda: sliding_window_attention(_Q[:, :, :0], _K[:, :, :0], _V[:, :, :0], 3), "^q: expected a non-empty"),
+    (lambda: sliding_window_attention(_Q, _K, _V, True), "^window: expected a non-negative integer"),
+    (lambda: sliding_window_attention(_Q.long(), _K.long(), _V.long(), 3), "^q.dtype: expected a floating-point"),
+    (lambda: sliding_window_attention(_Q, _K, _V, 3, dropout_p=1.0), "^dropout_p: expected a probability"),
+])
+def test_bad_arguments_are_one_line_naming_the_parameter(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()

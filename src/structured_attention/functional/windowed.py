@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from .._autocast import autocast_inputs
-from .._checks import check_same_dtype_device, check_tensor, require
+from .._checks import check_tensor, require
+from ..ops.mlr.contract import check_attention_inputs, check_bool, check_document_ids, check_scale
 from .sdpa import scaled_dot_product_attention
 
 
@@ -34,20 +35,22 @@ def sliding_window_attention(
 ) -> torch.Tensor:
     """Banded softmax attention. ``q: (B, H, T, E)``, ``k: (B, Hk, T, E)``, ``v: (B, Hk, T, Dv)``,
     ``Hk`` dividing ``H`` (GQA); returns ``(B, H, T, Dv)``. With ``document_ids`` ``(B, T)``
-    (non-decreasing), a query sees only keys with its own id. Inside ``torch.autocast`` the
+    (integers), a query sees only keys with its own id. Inside ``torch.autocast`` the
     inputs are cast to autocast's dtype first, as PyTorch's own attention's are."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(t, name, 4)
     q, k, v = autocast_inputs(q, k, v)
-    check_same_dtype_device([("q", q), ("k", k), ("v", v)])
-    require(k.shape[2] == q.shape[2] == v.shape[2], "k", f"the same sequence length as q ({q.shape[2]})", tuple(k.shape))
-    require(q.shape[1] % k.shape[1] == 0, "k", f"a head count dividing q's {q.shape[1]}", tuple(k.shape))
-    require(isinstance(window, int) and window >= 0, "window", "a non-negative integer", window)
-    require(isinstance(tile, int) and tile > 0, "tile", "a positive integer", tile)
-    if document_ids is not None:
-        require(isinstance(document_ids, torch.Tensor) and tuple(document_ids.shape) == (q.shape[0], q.shape[2]),
-                "document_ids", f"a (B={q.shape[0]}, T={q.shape[2]}) tensor", getattr(document_ids, "shape", document_ids))
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    B, _, T, E = check_attention_inputs(q, k, v)
+    require(isinstance(window, int) and not isinstance(window, bool) and window >= 0, "window",
+            "a non-negative integer", window)
+    require(isinstance(tile, int) and not isinstance(tile, bool) and tile > 0, "tile", "a positive integer", tile)
+    check_bool(causal, "causal")
+    require(isinstance(dropout_p, (int, float)) and 0.0 <= dropout_p < 1.0, "dropout_p", "a probability in [0, 1)",
+            dropout_p)
+    if scale is not None:
+        check_scale(scale, "a finite positive number or None")
+    check_document_ids(document_ids, B, T, q.device, order=False)  # masked by equal ids: no host read
+    scale = 1.0 / math.sqrt(E) if scale is None else scale
     if q.is_cuda and dropout_p == 0.0 and _flex_fits(q, v):
         return _flex_window(q, k, v, window, causal, scale, document_ids)
     return _tiled_window(q, k, v, window, causal, scale, dropout_p, tile, document_ids)

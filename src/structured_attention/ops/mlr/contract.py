@@ -49,10 +49,13 @@ __all__ = [
     "attach_backward",
     "compiled_or_eager",
     "eager_autograd",
+    "check_attention_inputs",
+    "check_bool",
     "check_dim_order",
     "check_document_ids",
     "check_mlr_arguments",
     "check_mlr_cache_arguments",
+    "check_scale",
     "compute_dtype",
     "device_table",
     "expand_kv",
@@ -140,14 +143,14 @@ def mlr_depth(T: int, block_sizes: Sequence[int], device: torch.device | str | N
     return depth
 
 
-def _check_scale(scale: object, expected: str) -> None:
+def check_scale(scale: object, expected: str) -> None:
     # Comparisons rather than math.isfinite: under torch.compile a float argument can be symbolic,
     # and the comparisons (NaN fails both) trace as guards where isfinite would break the graph.
     require(isinstance(scale, (int, float)) and not isinstance(scale, bool) and 0 < scale < math.inf,
             "scale", expected, scale)
 
 
-def _check_bool(value: object, name: str) -> bool:
+def check_bool(value: object, name: str) -> bool:
     require(isinstance(value, bool), name, "a bool (True or False)", value)
     return value  # type: ignore[return-value]
 
@@ -161,7 +164,7 @@ def mlr_pair_counts(T: int, block_sizes: Sequence[int], causal: bool) -> tuple[i
     """
     T = check_positive_int(T, "T")
     sizes = _check_block_sizes(block_sizes, T)
-    causal = _check_bool(causal, "causal")
+    causal = check_bool(causal, "causal")
 
     def pairs(n: int) -> int:
         return n * (n + 1) // 2 if causal else n * n
@@ -246,6 +249,35 @@ def masked_mix(scores: torch.Tensor, real: torch.Tensor, v: torch.Tensor) -> tor
     return grouped_matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
 
 
+def check_attention_inputs(q: object, k: object, v: object) -> tuple[int, int, int, int]:
+    """The shapes every attention op here takes: ``q (B, H, T, R)``, ``k (B, Hk, T, R)`` and ``v
+    (B, Hk, T, Dv)`` of one floating dtype and device, ``Hk`` dividing ``H`` and every dim at least
+    1; returns ``(B, H, T, R)``. One-line ``ValueError`` naming the tensor otherwise."""
+    # Every message is built only on failure (``if not ...: fail``): this runs on every call, on
+    # the host, before the kernels can start.
+    q = check_tensor(q, "q", 4)
+    k = check_tensor(k, "k", 4)
+    v = check_tensor(v, "v", 4)
+    check_same_dtype_device([("q", q), ("k", k), ("v", v)])
+    if not q.is_floating_point():
+        fail("q.dtype", "a floating-point dtype", q.dtype)
+    B, H, T, R = q.shape
+    Bk, Hk, Tk, Rk = k.shape
+    if T <= 0:
+        fail("q", "a non-empty sequence (T >= 1) in shape (B, H, T, R)", tuple(q.shape))
+    if R <= 0:
+        fail("q", "a non-empty head dim (R >= 1) in shape (B, H, T, R)", tuple(q.shape))
+    if H <= 0:
+        fail("q", "at least one head (H >= 1) in shape (B, H, T, R)", tuple(q.shape))
+    if not (Bk == B and Tk == T and Rk == R):
+        fail("k", f"shape (B={B}, Hk, T={T}, R={R}) matching q", tuple(k.shape))
+    if not (Hk > 0 and H % Hk == 0):
+        fail("k", f"a head count Hk (dim 1) dividing q's H={H}", tuple(k.shape))
+    if not (v.shape[0] == B and v.shape[1] == Hk and v.shape[2] == T and v.shape[3] > 0):
+        fail("v", f"shape (B={B}, Hk={Hk}, T={T}, Dv >= 1) matching k", tuple(v.shape))
+    return B, H, T, R
+
+
 def check_mlr_arguments(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -260,40 +292,19 @@ def check_mlr_arguments(
     """Validate the arguments of the MLR attention contract (shared by every path); return the
     ranks, the block sizes and the scale (default ``1/sqrt(R)``). ``document_ids`` (optional) is
     checked by :func:`check_document_ids`."""
-    # Every message is built only on failure (``if not ...: fail``): this runs on every call, on
-    # the host, before the kernels can start.
-    q = check_tensor(q, "q", 4)
-    k = check_tensor(k, "k", 4)
-    v = check_tensor(v, "v", 4)
-    check_same_dtype_device([("q", q), ("k", k), ("v", v)])
-    if not q.is_floating_point():
-        fail("q.dtype", "a floating-point dtype", q.dtype)
-
-    B, H, T, R = q.shape
-    Bk, Hk, Tk, Rk = k.shape
-    if T <= 0:
-        fail("q", "a non-empty sequence (T >= 1) in shape (B, H, T, R)", tuple(q.shape))
-    if R <= 0:
-        fail("q", "a non-empty head dim (R >= 1) in shape (B, H, T, R)", tuple(q.shape))
-    if not (Bk == B and Tk == T and Rk == R):
-        fail("k", f"shape (B={B}, Hk, T={T}, R={R}) matching q", tuple(k.shape))
-    if not (Hk > 0 and H % Hk == 0):
-        fail("k", f"a head count Hk (dim 1) dividing q's H={H}", tuple(k.shape))
-    if not (v.shape[0] == B and v.shape[1] == Hk and v.shape[2] == T):
-        fail("v", f"shape (B={B}, Hk={Hk}, T={T}, Dv) matching k", tuple(v.shape))
-
+    B, H, T, R = check_attention_inputs(q, k, v)
     ranks = check_int_list(ranks, "ranks")
     if sum(ranks) != R:
         raise ValueError(f"ranks: expected values summing to R={R} (the last dim of q and k), "
                          f"got {ranks!r} (sum {sum(ranks)})")
     sizes = _default_block_sizes(len(ranks), T) if block_sizes is None else _check_block_sizes(
         block_sizes, T, len(ranks))
-    _check_bool(causal, "causal")
-    _check_bool(depth_normalize, "depth_normalize")
+    check_bool(causal, "causal")
+    check_bool(depth_normalize, "depth_normalize")
     if scale is None:
         scale = 1.0 / math.sqrt(R)
     else:
-        _check_scale(scale, "a finite positive number or None")
+        check_scale(scale, "a finite positive number or None")
     check_document_ids(document_ids, B, T, q.device)
 
     return ranks, sizes, float(scale)
@@ -322,11 +333,12 @@ def check_dim_order(dim_order: object, R: int) -> tuple[int, ...] | None:
 
 
 def check_document_ids(
-    document_ids: object, B: int, T: int, device: torch.device | str | None = None
+    document_ids: object, B: int, T: int, device: torch.device | str | None = None, order: bool = True
 ) -> torch.Tensor | None:
     """Validate packed-document ids: ``None``, or an integer (not bool) tensor of shape ``(B, T)``,
-    non-decreasing along ``T`` in every row (so each document is one contiguous segment), on
-    ``device`` when given (the device of ``q``). Returns the tensor (or ``None``).
+    non-decreasing along ``T`` in every row (so each document is one contiguous segment; with
+    ``order=False`` not checked, for ops that mask by equal ids alone), on ``device`` when given
+    (the device of ``q``). Returns the tensor (or ``None``).
 
     Checking the order reads the ids on the host (a device synchronisation when they live on an
     accelerator); under ``torch.compile`` only shape, dtype and device are checked.
@@ -344,7 +356,7 @@ def check_document_ids(
     if device is not None:
         require(document_ids.device == torch.device(device), "document_ids",
                 f"a tensor on {device} (the device of q)", document_ids.device)
-    if T > 1 and not torch.compiler.is_compiling():
+    if order and T > 1 and not torch.compiler.is_compiling():
         steps = document_ids[:, 1:] < document_ids[:, :-1]
         if bool(steps.any()):
             row, col = (int(x) for x in steps.nonzero()[0])
@@ -400,8 +412,8 @@ def check_mlr_cache_arguments(
     for level, (k, r, start) in enumerate(zip(keys, ranks, key_starts)):
         require(tuple(k.shape) == (B, Hk, end - start, r), f"keys[{level}]",
                 f"shape {(B, Hk, end - start, r)}", tuple(k.shape))
-    _check_scale(scale, "a finite positive number")
-    _check_bool(depth_normalize, "depth_normalize")
+    check_scale(scale, "a finite positive number")
+    check_bool(depth_normalize, "depth_normalize")
     check_row_starts(row_starts, B, len(ranks), end, one_query, v.device)
     return ranks
 
