@@ -88,3 +88,15 @@ def test_resume_is_asked_for_exactly_when_the_run_holds_a_complete_checkpoint(tm
 
     run_grid(tmp_path, "lm", [{"name": n} for n in ("fresh", "partial", "saved")], train_one)
     assert asked == {"fresh": False, "partial": False, "saved": True}
+
+
+def test_a_sweep_folder_takes_no_other_experiments_sweep(tmp_path):
+    """Another experiment's sweep into the same --out would have replaced sweep.json, and the
+    folder's plots would then read its results as the other experiment's (a KeyError)."""
+    run_grid(tmp_path, "lm", [{"name": "a"}], _train([]))
+    trained: list[str] = []
+    with pytest.raises(ValueError, match=r"^--out: expected a new folder or one of a icl sweep; .*sweep.json' "
+                                         r"names 'lm'$"):
+        run_grid(tmp_path, "icl", [{"name": "b"}], _train(trained))
+    assert trained == [] and json.loads((tmp_path / "sweep.json").read_text()) == {"experiment": "lm"}
+    assert [r["name"] for r in run_grid(tmp_path, "lm", [{"name": "a"}], _train(trained))] == ["a"]

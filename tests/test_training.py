@@ -587,3 +587,13 @@ def test_sweep_matches_flops_and_plots(tmp_path, capsys):
 def test_plot_of_an_empty_folder_is_one_clear_error(tmp_path, capsys):
     assert sattn(["plot", str(tmp_path)]) == 2
     assert "no finished runs" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text, needle", [("{}", "has no 'kind'"), ("{oops", "result.json' is not JSON"),
+                                          ("[1]", "holds list, expected a JSON object")])
+def test_plot_of_a_malformed_result_is_one_line_naming_it(tmp_path, capsys, text, needle):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "result.json").write_text(text)
+    assert sattn(["plot", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("sattn plot: error: sweep_dir:") and needle in err

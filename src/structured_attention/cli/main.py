@@ -67,14 +67,29 @@ def run_plot(args: argparse.Namespace) -> int:
     sweep = Path(args.sweep_dir)
     if not sweep.is_dir():
         raise FileNotFoundError(f"sweep_dir: no such folder: {str(sweep)!r}")
-    results = [{**json.loads(p.read_text()), "run_dir": str(p.parent)} for p in sorted(sweep.glob("*/result.json"))]
+    results = [{**_read_json(p), "run_dir": str(p.parent)} for p in sorted(sweep.glob("*/result.json"))]
     if not results:
         raise ValueError(f"sweep_dir: no finished runs (*/result.json) in {str(sweep)!r}")
     manifest = sweep / "sweep.json"
-    experiment = json.loads(manifest.read_text()).get("experiment") if manifest.is_file() else "lm"
+    experiment = _read_json(manifest).get("experiment") if manifest.is_file() else "lm"
     if experiment not in EXPERIMENTS:
         raise ValueError(f"sweep_dir: {str(manifest)!r} names experiment {experiment!r}; expected one of {sorted(EXPERIMENTS)}")
-    return EXPERIMENTS[experiment].plot(results, Path(args.out) if args.out else sweep)
+    try:
+        return EXPERIMENTS[experiment].plot(results, Path(args.out) if args.out else sweep)
+    except KeyError as err:
+        raise ValueError(f"sweep_dir: a result.json in {str(sweep)!r} has no {err} (expected finished runs of "
+                         f"'sattn sweep {experiment}')") from None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from ``path``, or one line naming the file."""
+    try:
+        value = json.loads(path.read_text())
+    except ValueError as err:
+        raise ValueError(f"sweep_dir: {str(path)!r} is not JSON ({err})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"sweep_dir: {str(path)!r} holds {type(value).__name__}, expected a JSON object")
+    return value
 
 
 def _eval_flags() -> dict[str, list[tuple[ModuleType, dict[str, Any]]]]:

@@ -103,7 +103,17 @@ def run_grid(
     grid between them. ``out/sweep.json`` names the experiment (for ``sattn plot``). Returns the
     results of every finished run."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "sweep.json").write_text(json.dumps({"experiment": experiment}) + "\n")
+    manifest = out / "sweep.json"
+    if manifest.is_file():  # a sweep's folder takes that sweep's runs again, no other experiment's
+        try:
+            recorded = json.loads(manifest.read_text()).get("experiment")
+        except (ValueError, AttributeError):
+            recorded = None
+        if recorded != experiment:
+            raise ValueError(f"--out: expected a new folder or one of a {experiment} sweep; {str(manifest)!r} names "
+                             f"{recorded!r}")
+    else:
+        atomic_write(manifest, lambda tmp: Path(tmp).write_text(json.dumps({"experiment": experiment}) + "\n"))
     results = []
     for r in runs:
         done = out / r["name"] / "result.json"
