@@ -104,7 +104,7 @@ def test_bench_generate_times_every_kind_and_mode_and_reports_its_cache(tmp_path
 @pytest.mark.parametrize(
     "extra, needle",
     [
-        (["attention", "--kinds", "mha", "--decode-cache", "40", "--d-model", "16"], "--decode-cache"),
+        (["attention", "--kinds", "mha", "--decode-cache", "40", "--d-model", "16", "--seq-lens", "32"], "--decode-cache"),
         (["mlr", "--ranks", "4|x"], "--ranks"),
         (["mlr", "--paths", "sdpa,flash9"], "--paths"),
         (["attention", "--seq-lens", "16,a"], "--seq-lens"),

@@ -83,3 +83,22 @@ def test_eval_help_lists_each_experiments_flags_under_its_checkpoints(capsys):
         for flag in module.EVAL_FLAGS:
             owners = [m.NOUN for m in EXPERIMENTS.values() if flag in m.EVAL_FLAGS]
             assert any(s.startswith(" or ".join(owners) + ":") and re.search(rf" {flag}[ ,]", s) for s in sections), flag
+
+
+@pytest.mark.parametrize("args", [["bench", "mlr", "--seq-lens", "16", "--repeats", "1", "--out", "{file}/sub"],
+                                  ["coordcheck", "--kinds", "mha", "--widths", "32,64", "--base-width", "32",
+                                   "--steps", "1", "--seeds", "1", "--out", "{file}"],
+                                  ["train", "lm", "run.steps=1", "run.out_dir={file}"]],
+                         ids=["bench", "coordcheck", "train"])
+def test_an_output_folder_that_cannot_be_made_is_refused_before_the_work(tmp_path, args):
+    """Checked first, naming the option: the timings or the training were done, then lost on an
+    error that named neither (\"Not a directory\", \"File exists\")."""
+    (tmp_path / "taken").write_text("a file")
+    argv = [a.replace("{file}", str(tmp_path / "taken")) for a in args]
+    proc = subprocess.run([sys.executable, "-m", "structured_attention.cli.main", *argv], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    option = "run.out_dir" if args[0] == "train" else "--out"
+    assert len(lines) == 1 and f"error: {option}: expected a folder, got" in lines[0] and "is a file" in lines[0]
+    assert "fwd" not in proc.stdout and (tmp_path / "taken").read_text() == "a file"

@@ -51,9 +51,9 @@ def test_a_full_disk_while_saving_keeps_the_previous_checkpoint(tmp_path, capsys
 
 def test_an_out_dir_that_cannot_be_made_is_one_line(tmp_path, capsys):
     (tmp_path / "file").write_text("not a folder")
-    assert main(_args(tmp_path, "file/run", 2)) == 1
+    assert main(_args(tmp_path, "file/run", 2)) == 2
     line = _one_line(capsys)
-    assert line.startswith("sattn train: error: Not a directory: ") and str(tmp_path / "file") in line
+    assert line.startswith("sattn train: error: run.out_dir: expected a folder, got ") and str(tmp_path / "file") in line
 
 
 @pytest.mark.skipif(sys.platform == "win32" or os.geteuid() == 0, reason="root writes into read-only folders")

@@ -11,7 +11,36 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["atomic_write", "claim", "file_sha256", "release", "with_umask"]
+__all__ = ["atomic_write", "check_folder", "claim", "file_sha256", "make_folder", "release", "with_umask"]
+
+
+def check_folder(path: str | os.PathLike, name: str) -> Path:
+    """``path`` as a folder that can be made or written, checked without making it, or a one-line
+    ``ValueError`` naming the option ``name``: a command checks its output folder before its work
+    (a benchmark's timings, a sweep's training), which would otherwise be done and then lost."""
+    p = Path(path)
+    for at in (p, *p.parents):
+        if not at.exists():
+            continue
+        if not at.is_dir():
+            raise ValueError(f"{name}: expected a folder, got {str(p)!r} ({str(at)!r} is a file)")
+        if not os.access(at, os.W_OK | os.X_OK):
+            raise ValueError(f"{name}: expected a folder this user can write, got {str(p)!r} ({str(at)!r} is not "
+                             f"writable)")
+        break
+    return p
+
+
+def make_folder(path: str | os.PathLike, name: str) -> Path:
+    """``path`` made with its parents (kept if it is a folder already), or a one-line ``ValueError``
+    naming the option ``name`` with the system's reason."""
+    p = check_folder(path, name)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"{name}: expected a folder that can be made, got {str(p)!r} "
+                         f"({err.strerror or type(err).__name__})") from None
+    return p
 
 
 def with_umask(path: str | os.PathLike, mode: int) -> None:

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from .._files import check_folder, make_folder
 from ..attention import build_attention
 from ..ops.mlr import mlr_attention, mlr_attention_reference
 from ..ops.mlr.blocked import mlr_attention_blocked
@@ -422,11 +423,11 @@ def profile(args: argparse.Namespace, path: Path) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _check_args(args)
+    check_folder(args.out, "--out")
     env = bench_environment(args)
     print(f"sattn bench {args.what} on {env['device']} ({env['threads']} threads), torch {env['torch']}, {args.dtype}")
     records = measure(args)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = make_folder(args.out, "--out")
     (out / f"{args.what}.json").write_text(json.dumps({"environment": env, "results": records}, indent=2))
     print(f"wrote {out / f'{args.what}.json'}")
     if plot(records, out / f"{args.what}.png", f"sattn bench {args.what}"):

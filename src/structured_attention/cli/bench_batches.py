@@ -15,12 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from .._cli import parse_device
+from .._files import check_folder, make_folder
 from ..models import GPT, GPTConfig
 from ..ops.mlr import mlr_attention
 from .common import (add_timing_options, bench_environment, check_bench_memory, check_positive_options, parse_ranks,
@@ -223,11 +223,11 @@ def measure_ragged(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def run(args: argparse.Namespace) -> int:
     _check(args)
+    check_folder(args.out, "--out")
     env = bench_environment(args)
     print(f"sattn bench {args.what} on {env['device']} ({env['threads']} threads), torch {env['torch']}, {args.dtype}")
     records = measure_varlen(args) if args.what == "varlen" else measure_ragged(args)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = make_folder(args.out, "--out")
     (out / f"{args.what}.json").write_text(json.dumps({"environment": env, "results": records}, indent=2))
     print(f"wrote {out / f'{args.what}.json'}")
     print(records_table(records, skip=("prompt_lengths",)))

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from .._files import check_folder, make_folder
 from ..models import GPT, GPTConfig
 from ..models.decoding import CapturedDecoding
 from ..models.gpt import COMPILE_MODES, check_compile_backend
@@ -192,11 +193,11 @@ def plot(records: list[dict[str, Any]], path: Path, title: str) -> bool:
 
 def run(args: argparse.Namespace) -> int:
     batches, lens, modes = _check(args)
+    check_folder(args.out, "--out")
     env = bench_environment(args)
     print(f"sattn bench generate on {env['device']} ({env['threads']} threads), torch {env['torch']}, {args.dtype}")
     records = measure(args, batches, lens, modes)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = make_folder(args.out, "--out")
     (out / "generate.json").write_text(json.dumps({"environment": env, "results": records}, indent=2))
     print(f"wrote {out / 'generate.json'}")
     if plot(records, out / "generate.png", f"sattn bench generate ({env['device']}, {args.dtype})"):

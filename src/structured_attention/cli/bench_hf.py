@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from .._cli import parse_device
+from .._files import make_folder
 from .common import (add_timing_options, bench_environment, check_bench_memory, check_positive_options, parse_ranks,
                      records_table, time_ms)
 
@@ -144,8 +145,7 @@ def run(args: argparse.Namespace) -> int:
     ranks = _check(args)
     env = bench_environment(args)
     print(f"sattn bench hf on {env['device']} ({env['threads']} threads), torch {env['torch']}, {args.dtype}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = make_folder(args.out, "--out")
     records = measure(args, ranks, out / "hf-profile.txt" if args.profile else None)
     if args.profile:
         print(f"wrote {out / 'hf-profile.txt'}")

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._files import check_folder, make_folder
 from ..models.gpt import GPT, GPTConfig
 from ..training.config import OptimConfig
 from ..training.optim import build_optimizer
@@ -122,10 +123,10 @@ def run(args: argparse.Namespace) -> int:
     bad = [w for w in [*widths, args.base_width] if w % args.head_dim]
     if bad:
         raise ValueError(f"--widths: expected multiples of --head-dim={args.head_dim}, got {bad[0]}")
+    check_folder(args.out, "--out")
     with one_line_warnings("coordcheck"):
         rows = coord_check(kinds, widths, args.head_dim, args.base_width, args.steps, args.lr, args.seeds)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = make_folder(args.out, "--out")
     (out / "coordcheck.json").write_text(json.dumps({"widths": widths, "steps": args.steps, "lr": args.lr,
                                                       "base_width": args.base_width, "rows": rows}, indent=1) + "\n")
     print(f"| kind | parametrisation | largest spread across widths {widths[0]}..{widths[-1]} (layer) | logits' spread |")

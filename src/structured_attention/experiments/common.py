@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .._files import atomic_write, claim, release
+from .._files import atomic_write, claim, make_folder, release
 from ..training.checkpoint import find_checkpoints
 
 __all__ = ["add_sweep_parser", "add_train_parser", "best_per_kind_width", "print_plan", "run_grid", "run_sweep", "slug"]
@@ -102,7 +102,7 @@ def run_grid(
     started in several processes (one per core, or per node on a shared file system) splits the
     grid between them. ``out/sweep.json`` names the experiment (for ``sattn plot``). Returns the
     results of every finished run."""
-    out.mkdir(parents=True, exist_ok=True)
+    make_folder(out, "--out")
     manifest = out / "sweep.json"
     if manifest.is_file():  # a sweep's folder takes that sweep's runs again, no other experiment's
         try:

@@ -55,7 +55,7 @@ import torch
 from torch import nn
 
 from .._checks import require
-from .._files import claim, release
+from .._files import claim, make_folder, release
 from ..models.protocol import TrainableModel
 from .checkpoint import (
     check_compatible,
@@ -440,7 +440,7 @@ def fit(task: Task, *, resume: bool = False, stream: TextIO | None = None) -> Fi
     lock = Path(task.config.run.out_dir) / RUN_LOCK
     try:
         if info.is_main:  # before anything in out_dir is touched
-            lock.parent.mkdir(parents=True, exist_ok=True)
+            make_folder(lock.parent, "run.out_dir")
             holder = claim(lock)
             if holder is not None:
                 raise ValueError(f"run.out_dir: expected a folder no other run is using, got "
