@@ -40,6 +40,9 @@ def test_describe_prints_a_row_per_kind_from_the_layers_costs(capsys):
          "--decode-steps: expected fewer than the longest --seq-lens"),
         (["bench", "lm", "--compile", "--backend", "bogus"], "--backend: expected a torch.compile backend"),
         (["bench", "generate", "--modes", "compiled", "--backend", "bogus"], "--backend: expected a torch.compile"),
+        # accepted and ignored before
+        (["bench", "generate", "--modes", "eager", "--compile-mode", "reduce-overhead"], "--compile-mode: expected"),
+        (["sweep", "lm", "--lrs", "1e-3,0.001", "--dry-run"], "--lrs: expected distinct values"),
     ],
 )
 def test_bad_input_exits_nonzero_with_one_line(args, needle):

@@ -373,6 +373,14 @@ def test_half_then_resume_constant_lr(tmp_path):
     assert resumed.losses == full
 
 
+def test_a_resumed_run_with_nothing_left_to_train_reports_its_checkpoint(tmp_path):
+    """It reported checkpoint None: the run's checkpoint is the one it resumed from."""
+    base = tiny_overrides(tmp_path, steps=2)
+    first = train_lm(load_lm_config(None, base))
+    again = train_lm(load_lm_config(None, base), resume=True)
+    assert again.checkpoint == first.checkpoint and again.checkpoint.endswith("step-00000002")
+
+
 def test_resume_other_architecture(tmp_path):
     base = tiny_overrides(tmp_path, steps=2)
     train_lm(load_lm_config(None, base))

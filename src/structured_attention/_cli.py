@@ -57,7 +57,8 @@ def parse_device(text: str) -> Any:
 
 def number_list(text: str, flag: str, cast: Callable[[str], Any] = int, *, minimum: float = 1) -> list[Any]:
     """``"64,128"`` -> ``[64, 128]``; a value that does not parse, is below ``minimum`` or is not
-    finite, or an empty list, is a ``ValueError`` naming ``flag``."""
+    finite, a value given twice (``1e-3,0.001``: two runs of one name), or an empty list, is a
+    ``ValueError`` naming ``flag``."""
     what = "integers" if cast is int else "numbers"
     try:
         values = [cast(v) for v in text.split(",")]
@@ -65,6 +66,8 @@ def number_list(text: str, flag: str, cast: Callable[[str], Any] = int, *, minim
         raise ValueError(f"{flag}: expected comma-separated {what} >= {minimum:g}, got {text!r}") from None
     if not values or not all(minimum <= v < float("inf") for v in values):
         raise ValueError(f"{flag}: expected comma-separated {what} >= {minimum:g}, got {text!r}")
+    if len(set(values)) < len(values):
+        raise ValueError(f"{flag}: expected distinct values, got {text!r}")
     return values
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import itertools
 import json
 import multiprocessing
 import re
@@ -363,10 +364,13 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--seq-lens: expected comma-separated positive integers, got {args.seq_lens!r}")
     parse_device(args.device)
     if args.what in ("attention", "lm"):
-        with torch.device("meta"):  # a malformed spec or one that does not fit the width fails here
-            for kind in _case_names(args):
-                build_attention(kind.removesuffix(COMPILED), d_model=args.d_model, n_heads=args.n_heads,
-                                max_seq_len=max(seq_lens))
+        with torch.device("meta"):  # a malformed spec, or one that does not fit the width or a length, fails here
+            for kind, seq_len in itertools.product(_case_names(args), seq_lens):
+                try:
+                    build_attention(kind.removesuffix(COMPILED), d_model=args.d_model, n_heads=args.n_heads,
+                                    max_seq_len=seq_len)
+                except ValueError as err:
+                    raise ValueError(f"--kinds: {kind.removesuffix(COMPILED)!r} at --seq-lens {seq_len}: {err}") from None
         # the input, queries, keys and values of the longest length
         check_bench_memory("--seq-lens", args.seq_lens, 4 * args.batch * max(seq_lens) * args.d_model, args)
     if args.what == "lm" and args.n_layers <= 0:

@@ -77,6 +77,9 @@ def _check(args: argparse.Namespace) -> tuple[list[int], list[int], list[str]]:
         raise ValueError(f"--modes: expected no graph on device {args.device} (CUDA graphs need a CUDA device)")
     if "compiled" in modes or "graph" in modes:
         check_compile_backend(args.backend, "--backend")
+    if args.compile_mode != "default" and "compiled" not in modes:
+        raise ValueError(f"--compile-mode: expected default without the compiled mode in --modes (the mode of "
+                         f"the compiled steps), got {args.compile_mode}")
     # the prefill's queries, keys and values in every layer, for the largest case
     check_bench_memory("--cache-lens", max(lens),
                        4 * max(batches) * (max(lens) + args.new_tokens) * args.d_model * args.n_layers, args)

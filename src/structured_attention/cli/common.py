@@ -9,6 +9,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from .._cli import markdown_cell
+
 __all__ = ["add_timing_options", "bench_environment", "check_bench_memory", "check_positive_options", "parse_ranks",
            "records_table", "time_ms"]
 
@@ -57,11 +59,15 @@ def check_positive_options(args: argparse.Namespace, *names: str) -> None:
 
 
 def records_table(records: list[dict[str, Any]], skip: tuple[str, ...] = ()) -> str:
-    """A markdown table of benchmark records, one column per key of the first (floats to 3 places)."""
+    """A markdown table of benchmark records, one column per key of the first (floats to 3 places;
+    the ``|`` of attention specs such as ``mlr:8|8`` escaped, which would otherwise split cells)."""
+    def cell(value: Any) -> str:
+        return f"{value:.3f}" if isinstance(value, float) else markdown_cell(str(value))
+
     keys = [k for k in records[0] if k not in skip]
-    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines = ["| " + " | ".join(map(cell, keys)) + " |", "|" + "---|" * len(keys)]
     for r in records:
-        lines.append("| " + " | ".join(f"{r[k]:.3f}" if isinstance(r[k], float) else str(r[k]) for k in keys) + " |")
+        lines.append("| " + " | ".join(cell(r[k]) for k in keys) + " |")
     return "\n".join(lines)
 
 

@@ -598,6 +598,7 @@ class _Training:
                                       if k in saved})
         self.wandb_id = ckpt.state.get("wandb_id")
         self.untried = ckpt.path
+        self.last_ckpt = ckpt.path  # the run's checkpoint until it saves one (none, with nothing left to train)
         self.final = next((dict(r) for r in reversed(self.history) if "val_loss" in r), {})
         self.say(f"resumed from {ckpt.path} at step {self.start_step}")
         if self.start_step >= self.run.steps:
