@@ -501,6 +501,14 @@ def test_cli_train_eval_generate(tmp_path, capsys):
     assert "--cuda-graph: expected a CUDA --device" in capsys.readouterr().err
     assert sattn([*greedy, "--device", "tpu"]) == 2
     assert "--device: expected 'cpu' or an available CUDA device" in capsys.readouterr().err
+    # named by their flags, before the prompt is echoed (generate's own names came after it)
+    for extra, message in ((["--max-new-tokens", "-1"], "--max-new-tokens: expected a non-negative integer"),
+                           (["--temperature", "nan"], "--temperature: expected a non-negative number"),
+                           (["--compile", "inductr"], "--compile: expected a torch.compile mode"),
+                           (["--prompt", "x" * 300], "--prompt: expected fewer tokens than the model's")):
+        assert sattn([*greedy, *extra]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and message in captured.err and len(captured.err.strip().splitlines()) == 1
 
 
 def test_cli_char_tokenizer(tmp_path, capsys):

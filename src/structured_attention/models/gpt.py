@@ -41,7 +41,7 @@ def check_compile_backend(backend: str, name: str) -> None:
         # named: the usual ones; accepted: any registered, the debugging and testing ones too
         usual = ", ".join(["inductor", "eager", "aot_eager", *sorted(set(torch._dynamo.list_backends()) - {"inductor"})])
         fail(name, f"a torch.compile mode ({', '.join(COMPILE_MODES)}) or backend ({usual}, ...)"
-                   if name == "compile" else f"a torch.compile backend ({usual}, ...)", backend)
+                   if name.lstrip("-") == "compile" else f"a torch.compile backend ({usual}, ...)", backend)
 # the modes whose compiled code replays CUDA graphs of its own (inductor's triton.cudagraphs)
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 

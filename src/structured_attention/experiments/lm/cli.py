@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from . import LMConfig, LMTask
-from ...models.gpt import GPT
+from ...models.gpt import COMPILE_MODES, GPT, check_compile_backend
 from ...training.budget import steps_for_flops
 from ...training.checkpoint import LoadedCheckpoint
 from ..._cli import markdown_cell, number_list, one_line_warnings, parse_device, pyplot
@@ -133,6 +133,14 @@ def run_generate(args: argparse.Namespace) -> int:
 
     if not args.prompt:
         raise ValueError("--prompt: expected at least one character, got ''")
+    # the flags' own checks before the model loads and the prompt is echoed (generate's would name
+    # its parameters, not the flags, after the prompt had been printed)
+    if args.max_new_tokens < 0:
+        raise ValueError(f"--max-new-tokens: expected a non-negative integer, got {args.max_new_tokens}")
+    if args.top_k is not None and args.top_k <= 0:
+        raise ValueError(f"--top-k: expected a positive integer, got {args.top_k}")
+    if not args.temperature >= 0:  # NaN too
+        raise ValueError(f"--temperature: expected a non-negative number, got {args.temperature}")
     device = parse_device(args.device)
     cache = args.cache or ("static" if args.compile or args.cuda_graph else "growing")
     if (args.compile or args.cuda_graph) and cache != "static":
@@ -144,15 +152,16 @@ def run_generate(args: argparse.Namespace) -> int:
         model, tokenizer, _, _ = load_lm(args.checkpoint, device=device)
     ids = tokenizer.encode(args.prompt)
     room = model.config.max_seq_len - len(ids)
+    if room < 1:
+        raise ValueError(f"--prompt: expected fewer tokens than the model's {model.config.max_seq_len} positions "
+                         f"(room for one new token at least), got {len(ids)} tokens")
     if room < args.max_new_tokens:
         raise ValueError(
             f"--max-new-tokens: the prompt takes {len(ids)} of the model's {model.config.max_seq_len} positions, "
-            f"so at most {max(room, 0)} new tokens fit, got {args.max_new_tokens}"
+            f"so at most {room} new tokens fit, got {args.max_new_tokens}"
         )
-    if args.top_k is not None and args.top_k <= 0:
-        raise ValueError(f"--top-k: expected a positive integer, got {args.top_k}")
-    if args.temperature < 0:
-        raise ValueError(f"--temperature: expected a non-negative number, got {args.temperature}")
+    if args.compile and isinstance(args.compile, str) and args.compile not in COMPILE_MODES:
+        check_compile_backend(args.compile, "--compile")
     out = sys.stdout
     out.write(args.prompt)
     out.flush()
