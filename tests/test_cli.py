@@ -43,6 +43,9 @@ def test_describe_prints_a_row_per_kind_from_the_layers_costs(capsys):
         # accepted and ignored before
         (["bench", "generate", "--modes", "eager", "--compile-mode", "reduce-overhead"], "--compile-mode: expected"),
         (["sweep", "lm", "--lrs", "1e-3,0.001", "--dry-run"], "--lrs: expected distinct values"),
+        # before any model trains (mha's trained first), and before coordcheck.json was written
+        (["coordcheck", "--kinds", "mha;foo", "--out", "runs/never-made"], "--kinds: 'foo' at width"),
+        (["coordcheck", "--kinds", "", "--out", "runs/never-made"], "--kinds: expected attention specs"),
     ],
 )
 def test_bad_input_exits_nonzero_with_one_line(args, needle):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -123,6 +124,13 @@ def run(args: argparse.Namespace) -> int:
     bad = [w for w in [*widths, args.base_width] if w % args.head_dim]
     if bad:
         raise ValueError(f"--widths: expected multiples of --head-dim={args.head_dim}, got {bad[0]}")
+    if not kinds:
+        raise ValueError(f"--kinds: expected attention specs separated by ';', got {args.kinds!r}")
+    for spec, width in itertools.product(kinds, widths):  # every model, before any trains
+        try:
+            model_config(spec, width, args.head_dim, "mup", args.base_width).check_attention()
+        except ValueError as err:
+            raise ValueError(f"--kinds: {spec!r} at width {width}: {err}") from None
     check_folder(args.out, "--out")
     with one_line_warnings("coordcheck"):
         rows = coord_check(kinds, widths, args.head_dim, args.base_width, args.steps, args.lr, args.seeds)
