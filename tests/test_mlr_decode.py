@@ -27,6 +27,8 @@ def test_bad_arguments_name_the_parameter():
         mlr_decode_reference(q_new, [keys[0], keys[1][:, :, 1:]], starts, v, (4, 4), 1.0)
     with pytest.raises(ValueError, match="^q: expected"):
         mlr_decode_reference(q_new.expand(1, 2, 2, 8), keys, starts, v, (4, 4), 1.0)
+    with pytest.raises(ValueError, match="^q.dtype: expected a floating-point dtype"):  # it blamed v
+        mlr_decode_reference(q_new.long(), keys, starts, v, (4, 4), 1.0)
 
 
 def test_dispatch_takes_the_reference_when_gradients_are_needed():

@@ -397,7 +397,8 @@ def check_mlr_cache_arguments(
     # every path casts it to the cache's dtype.
     check_same_dtype_device([("v", v), *((f"keys[{i}]", k) for i, k in enumerate(keys))])
     require(q.device == v.device, "q.device", f"{v.device} (the device of v)", q.device)
-    require(v.is_floating_point() and q.is_floating_point(), "v.dtype", "a floating-point dtype", v.dtype)
+    require(q.is_floating_point(), "q.dtype", "a floating-point dtype", q.dtype)
+    require(v.is_floating_point(), "v.dtype", "a floating-point dtype", v.dtype)
     B, Hk, end, _ = v.shape
     t = q.shape[2]
     require(q.shape[0] == B and 1 <= t <= end and q.shape[-1] == sum(ranks), "q",
