@@ -46,6 +46,9 @@ def test_describe_prints_a_row_per_kind_from_the_layers_costs(capsys):
         # before any model trains (mha's trained first), and before coordcheck.json was written
         (["coordcheck", "--kinds", "mha;foo", "--out", "runs/never-made"], "--kinds: 'foo' at width"),
         (["coordcheck", "--kinds", "", "--out", "runs/never-made"], "--kinds: expected attention specs"),
+        # the subcommand's help, which lists what it takes (it pointed at sattn --help)
+        (["train", "lm", "--bogus-flag"], "sattn train lm: error: unrecognized arguments: --bogus-flag "
+                                          "(see sattn train lm --help)"),
     ],
 )
 def test_bad_input_exits_nonzero_with_one_line(args, needle):

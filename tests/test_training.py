@@ -544,8 +544,10 @@ def test_cli_bad_checkpoint(tmp_path, capsys):
     assert "no checkpoint" in capsys.readouterr().err
     assert sattn(["train", "lm", *tiny_overrides(tmp_path, steps=1)]) == 0
     capsys.readouterr()
+    assert sattn(["generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "x" * 30, "--max-new-tokens", "5"]) == 2
+    assert "--max-new-tokens: the prompt takes 30 of the model's 32 positions" in capsys.readouterr().err
     assert sattn(["generate", "--checkpoint", str(tmp_path / "run"), "--prompt", "x" * 40, "--max-new-tokens", "5"]) == 2
-    assert "max-new-tokens" in capsys.readouterr().err
+    assert "--prompt: expected fewer tokens than the model's 32 positions" in capsys.readouterr().err
     assert sattn(["eval", "--checkpoint", str(tmp_path / "run"), "--examples", "4"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--examples" in err[0] and "in-context regression" in err[0]

@@ -125,7 +125,12 @@ def run_eval(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     from ..training.loop import TrainingStopped
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extras = parser.parse_known_args(argv)
+    if extras:  # named by the command they were given to, whose --help lists what it takes
+        prog = " ".join(["sattn", args.command, *(v for v in (getattr(args, "experiment", None),
+                                                              getattr(args, "what", None)) if isinstance(v, str))])
+        parser.exit(2, f"{prog}: error: unrecognized arguments: {' '.join(extras)} (see {prog} --help)\n")
     try:
         return args.run(args)
     except (ValueError, FileNotFoundError, ImportError) as err:  # what the user gave
