@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from .._autocast import autocast_inputs
-from .._checks import check_tensor, require
+from .._checks import require
 from ..ops.mlr.contract import check_attention_inputs, check_bool, check_document_ids, check_scale
 from .sdpa import scaled_dot_product_attention
 
@@ -37,9 +37,7 @@ def sliding_window_attention(
     ``Hk`` dividing ``H`` (GQA); returns ``(B, H, T, Dv)``. With ``document_ids`` ``(B, T)``
     (integers), a query sees only keys with its own id. Inside ``torch.autocast`` the
     inputs are cast to autocast's dtype first, as PyTorch's own attention's are."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        check_tensor(t, name, 4)
-    q, k, v = autocast_inputs(q, k, v)
+    q, k, v = autocast_inputs(q, k, v)  # returns non-tensors as given, for the checks to name
     B, _, T, E = check_attention_inputs(q, k, v)
     require(isinstance(window, int) and not isinstance(window, bool) and window >= 0, "window",
             "a non-negative integer", window)

@@ -32,18 +32,20 @@ __all__ = ["GPT", "GPTConfig"]
 # torch.compile's modes (of inductor); any other string given as generate(compile=...) is a backend
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
-
-def check_compile_backend(backend: str, name: str) -> None:
-    """One-line ``ValueError`` naming ``name`` unless ``backend`` is one of torch.compile's
-    registered backends (else the first compiled call fails deep inside dynamo, after the prompt's
-    work is done)."""
-    if backend not in torch._dynamo.list_backends(exclude_tags=()):
-        # named: the usual ones; accepted: any registered, the debugging and testing ones too
-        usual = ", ".join(["inductor", "eager", "aot_eager", *sorted(set(torch._dynamo.list_backends()) - {"inductor"})])
-        fail(name, f"a torch.compile mode ({', '.join(COMPILE_MODES)}) or backend ({usual}, ...)"
-                   if name.lstrip("-") == "compile" else f"a torch.compile backend ({usual}, ...)", backend)
 # the modes whose compiled code replays CUDA graphs of its own (inductor's triton.cudagraphs)
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
+def check_compile_backend(value: str, name: str, modes: bool = False) -> None:
+    """One-line ``ValueError`` naming ``name`` unless ``value`` is one of torch.compile's
+    registered backends (or, with ``modes``, one of its modes): else the first compiled call fails
+    deep inside dynamo, after the work before it is done."""
+    if (modes and value in COMPILE_MODES) or value in torch._dynamo.list_backends(exclude_tags=()):
+        return
+    # named: the usual ones; accepted: any registered, the debugging and testing ones too
+    usual = ", ".join(["inductor", "eager", "aot_eager", *sorted(set(torch._dynamo.list_backends()) - {"inductor"})])
+    fail(name, (f"a torch.compile mode ({', '.join(COMPILE_MODES)}) or backend ({usual}, ...)" if modes
+                else f"a torch.compile backend ({usual}, ...)"), value)
 
 # Hugging Face's file names and this model's type in its config.json (GPT.save_pretrained)
 HF_CONFIG, HF_WEIGHTS, HF_MODEL_TYPE = "config.json", "model.safetensors", "sattn_gpt"
@@ -195,8 +197,8 @@ class GPT(nn.Module):
         require(cache in ("growing", "static"), "cache", "'growing' or 'static'", cache)
         require(not compile or cache == "static", "compile", "False with cache='growing' (a compiled step takes "
                 "static caches, whose shapes do not change from one token to the next)", compile)
-        if isinstance(compile, str) and compile not in COMPILE_MODES:
-            check_compile_backend(compile, "compile")
+        if isinstance(compile, str):
+            check_compile_backend(compile, "compile", modes=True)
         if cuda_graph:
             require(cache == "static", "cuda_graph", "False with cache='growing' (a captured step takes static caches)",
                     cuda_graph)

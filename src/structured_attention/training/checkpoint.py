@@ -69,6 +69,7 @@ MODEL_FILE = "model.safetensors"
 OPTIM_FILE = "optimizer.safetensors"
 STATE_FILE = "state.json"
 _SEP = "/"
+_SAVE_PREFIX = ".tmp-step-"  # a save's folder until it is complete: .tmp-step-<8 digits>-<random>
 
 
 # -- small helpers ---------------------------------------------------------------------------------
@@ -304,9 +305,6 @@ def remove_checkpoints(root: str | Path) -> int:
     for stale in _killed_saves(root):
         shutil.rmtree(stale, ignore_errors=True)
     return removed
-
-
-_SAVE_PREFIX = ".tmp-step-"  # a save's folder until it is complete: .tmp-step-<8 digits>-<random>
 
 
 def _killed_saves(root: Path) -> list[Path]:

@@ -56,6 +56,10 @@ __all__ = [
 PUBLISHED_TEST_BATCH = 128
 
 
+# a forecaster's defaults: its lookback, horizon and channels are the data's unless set otherwise
+_MODEL_DEFAULTS = ForecasterConfig()
+
+
 @dataclass(frozen=True)
 class TSDataConfig:
     source: str | None = None  # a CSV path; None: the ETT file `dataset` from the cache
@@ -100,10 +104,9 @@ class TSConfig:
     def __post_init__(self) -> None:
         # The data decides a forecaster's lookback and horizon (and its channels, the file's): a
         # model.* value of its own would otherwise be silently replaced by the data section's.
-        defaults = ForecasterConfig()
         for name in ("lookback", "horizon"):
             value, data = getattr(self.model, name), getattr(self.data, name)
-            if value not in (getattr(defaults, name), data):
+            if value not in (getattr(_MODEL_DEFAULTS, name), data):
                 fail(f"model.{name}", f"data.{name}'s value, {data} (the data section sets a forecaster's {name}: "
                                       f"set data.{name})", value)
         # An unknown kind, bad ranks or MLR block sizes that do not divide the token count
@@ -191,8 +194,8 @@ class ForecastTask(Task):
     def resolve(self) -> TSConfig:
         """The model's lookback and horizon are the data section's, its channels the file's."""
         assert self.data is not None
-        channels, default = self.requested.model.n_channels, ForecasterConfig().n_channels
-        if channels not in (default, self.data.n_channels):
+        channels = self.requested.model.n_channels
+        if channels not in (_MODEL_DEFAULTS.n_channels, self.data.n_channels):
             fail("model.n_channels", f"the file's channel count, {self.data.n_channels} (data.features and the "
                                      f"file set it)", channels)
         return dataclasses.replace(self.requested, model=self.requested.model_for_data(self.data.n_channels))

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from . import LMConfig, LMTask
-from ...models.gpt import COMPILE_MODES, GPT, check_compile_backend
+from ...models.gpt import GPT, check_compile_backend
 from ...training.budget import steps_for_flops
 from ...training.checkpoint import LoadedCheckpoint
 from ..._cli import markdown_cell, number_list, one_line_warnings, parse_device, pyplot
@@ -141,6 +141,8 @@ def run_generate(args: argparse.Namespace) -> int:
         raise ValueError(f"--top-k: expected a positive integer, got {args.top_k}")
     if not args.temperature >= 0:  # NaN too
         raise ValueError(f"--temperature: expected a non-negative number, got {args.temperature}")
+    if isinstance(args.compile, str):
+        check_compile_backend(args.compile, "--compile", modes=True)
     device = parse_device(args.device)
     cache = args.cache or ("static" if args.compile or args.cuda_graph else "growing")
     if (args.compile or args.cuda_graph) and cache != "static":
@@ -160,8 +162,6 @@ def run_generate(args: argparse.Namespace) -> int:
             f"--max-new-tokens: the prompt takes {len(ids)} of the model's {model.config.max_seq_len} positions, "
             f"so at most {room} new tokens fit, got {args.max_new_tokens}"
         )
-    if args.compile and isinstance(args.compile, str) and args.compile not in COMPILE_MODES:
-        check_compile_backend(args.compile, "--compile")
     out = sys.stdout
     out.write(args.prompt)
     out.flush()

@@ -504,9 +504,11 @@ def first_order(backward: Callable[..., Any], gout: torch.Tensor, saved: Sequenc
     first-order only; where autograd records this backward (``create_graph=True``) and the gradients
     depend on tensors that need gradients, they come wrapped in :class:`_SecondOrder`, so that
     differentiating them raises where it would otherwise give zero."""
+    if not torch.is_grad_enabled():  # the usual backward: nothing records it
+        return backward(gout, *saved, *config)
     with torch.no_grad():
         grads = backward(gout, *saved, *config)
-    if not torch.is_grad_enabled() or not any(t.requires_grad for t in (gout, *saved[:3])):
+    if not any(t.requires_grad for t in (gout, *saved[:3])):
         return grads
     return _SecondOrder.apply(*(g.detach().requires_grad_() for g in grads))
 
