@@ -339,3 +339,23 @@ def test_dispatch_on_cpu(monkeypatch, kernel):
     out = dispatched_mlr_attention(q, q, q, (2, 2))
     assert calls == ["mlr_attention_cpu" if kernel else "mlr_attention_blocked"]
     torch.testing.assert_close(out, mlr_attention_reference(q, q, q, (2, 2)), rtol=1e-10, atol=1e-10)
+
+
+def test_numpy_scales_give_the_float_scales_result():
+    """A NumPy number (``np.float32(0.3)``, a config value read with NumPy) is taken as the Python
+    float it equals, by every op that takes a scale; it was refused as not a number."""
+    np = pytest.importorskip("numpy")
+    from structured_attention.functional import mlr_decode, sliding_window_attention
+
+    kwargs = _base()
+    for scale in (np.float32(0.3), np.float64(0.3), np.int64(2)):
+        kwargs["scale"] = scale
+        torch.testing.assert_close(mlr_attention(**kwargs), mlr_attention(**{**kwargs, "scale": float(scale)}),
+                                   rtol=0, atol=0)
+    q, k, v = kwargs["q"], kwargs["k"], kwargs["v"]
+    torch.testing.assert_close(sliding_window_attention(q, k, v, 3, scale=np.float32(0.3)),
+                               sliding_window_attention(q, k, v, 3, scale=float(np.float32(0.3))), rtol=0, atol=0)
+    keys = [k[:, :, :, :3], k[:, :, 4:, 3:]]  # 8 cached tokens, blocks (8, 4): level 2 holds 4..7
+    one = q[:, :, -1:]
+    torch.testing.assert_close(mlr_decode(one, keys, [0, 4], v, (3, 1), np.float32(0.3)),
+                               mlr_decode(one, keys, [0, 4], v, (3, 1), float(np.float32(0.3))), rtol=0, atol=0)

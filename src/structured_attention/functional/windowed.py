@@ -46,7 +46,7 @@ def sliding_window_attention(
     require(isinstance(dropout_p, (int, float)) and 0.0 <= dropout_p < 1.0, "dropout_p", "a probability in [0, 1)",
             dropout_p)
     if scale is not None:
-        check_scale(scale, "a finite positive number or None")
+        scale = check_scale(scale, "a finite positive number or None")
     check_document_ids(document_ids, B, T, q.device, order=False)  # masked by equal ids: no host read
     scale = 1.0 / math.sqrt(E) if scale is None else scale
     if q.is_cuda and dropout_p == 0.0 and _flex_fits(q, v):

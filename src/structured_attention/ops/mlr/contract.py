@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -143,11 +144,17 @@ def mlr_depth(T: int, block_sizes: Sequence[int], device: torch.device | str | N
     return depth
 
 
-def check_scale(scale: object, expected: str) -> None:
+def check_scale(scale: object, expected: str) -> Any:
+    """Check a logit scale; return it as the ops take it: a NumPy number (``np.float32(0.125)``)
+    becomes a Python float, an int, float or symbolic float under ``torch.compile`` is returned as
+    given (converting a symbolic one would fix its value in the graph)."""
+    if isinstance(scale, numbers.Real) and not isinstance(scale, (int, float)):
+        scale = float(scale)
     # Comparisons rather than math.isfinite: under torch.compile a float argument can be symbolic,
     # and the comparisons (NaN fails both) trace as guards where isfinite would break the graph.
     require(isinstance(scale, (int, float)) and not isinstance(scale, bool) and 0 < scale < math.inf,
             "scale", expected, scale)
+    return scale
 
 
 def check_bool(value: object, name: str) -> bool:
@@ -304,7 +311,7 @@ def check_mlr_arguments(
     if scale is None:
         scale = 1.0 / math.sqrt(R)
     else:
-        check_scale(scale, "a finite positive number or None")
+        scale = check_scale(scale, "a finite positive number or None")
     check_document_ids(document_ids, B, T, q.device)
 
     return ranks, sizes, float(scale)
@@ -376,14 +383,15 @@ def check_mlr_cache_arguments(
     block_sizes: Sequence[int] | None = None,
     one_query: bool = False,
     row_starts: torch.Tensor | None = None,
-) -> tuple[int, ...]:
+) -> tuple[tuple[int, ...], Any]:
     """Validate ``t`` new queries at positions ``[end - t, end)`` against the compressed cache.
 
     ``keys[l]`` holds level ``l``'s keys for positions ``[key_starts[l], end)`` and ``v`` every value
     for ``[0, end)``. One query (decoding) needs no block sizes: every key held for level ``l`` lies
     in its own level-``l`` block. Several queries (a prompt continued against a cache) need them to
     tell which held keys share each query's blocks. ``one_query`` requires ``t == 1`` (a decoding
-    step). ``row_starts`` (left-padded rows) is checked by :func:`check_row_starts`. Returns the ranks.
+    step). ``row_starts`` (left-padded rows) is checked by :func:`check_row_starts`. Returns the ranks
+    and the scale as :func:`check_scale` returns it.
     """
     q = check_tensor(q, "q", 4)
     v = check_tensor(v, "v", 4)
@@ -413,10 +421,10 @@ def check_mlr_cache_arguments(
     for level, (k, r, start) in enumerate(zip(keys, ranks, key_starts)):
         require(tuple(k.shape) == (B, Hk, end - start, r), f"keys[{level}]",
                 f"shape {(B, Hk, end - start, r)}", tuple(k.shape))
-    check_scale(scale, "a finite positive number")
+    scale = check_scale(scale, "a finite positive number")
     check_bool(depth_normalize, "depth_normalize")
     check_row_starts(row_starts, B, len(ranks), end, one_query, v.device)
-    return ranks
+    return ranks, scale
 
 
 def check_row_starts(row_starts: object, B: int, L: int, end: int, one_query: bool, device: torch.device) -> None:

@@ -193,8 +193,8 @@ def mlr_decode_cpu(
     """One MLR decoding step through the C++ kernel, one task per (sequence, query head); same
     contract as :func:`~.reference.mlr_decode_reference` (not differentiable). Raises
     ``RuntimeError`` if the kernel is not available."""
-    check_mlr_cache_arguments(q, keys, key_starts, v, ranks, scale, depth_normalize, one_query=True,
-                              row_starts=row_starts)
+    _, scale = check_mlr_cache_arguments(q, keys, key_starts, v, ranks, scale, depth_normalize, one_query=True,
+                                         row_starts=row_starts)
     return decode(q, keys, key_starts, v, scale, depth_normalize, row_starts)
 
 

@@ -219,8 +219,8 @@ def mlr_decode(
     left-padded rows), on the fastest correct path (see the table above)."""
     # Checked once here: the kernels' entries below take checked arguments (a decoding step is on
     # the host's critical path, once per layer and token).
-    check_mlr_cache_arguments(q, keys, key_starts, v, ranks, scale, depth_normalize, one_query=True,
-                              row_starts=row_starts)
+    ranks, scale = check_mlr_cache_arguments(q, keys, key_starts, v, ranks, scale, depth_normalize, one_query=True,
+                                             row_starts=row_starts)
     if torch.is_grad_enabled() and any(x.requires_grad for x in (q, v, *keys)):
         return mlr_decode_reference(q, keys, key_starts, v, ranks, scale, depth_normalize, row_starts)
     if on_triton(v):

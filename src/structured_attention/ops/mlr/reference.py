@@ -213,8 +213,8 @@ def mlr_prefill_reference(
         :func:`mlr_attention_reference` over the whole sequence (causal), row by row over each
         row's own sequence when ``row_starts`` is given.
     """
-    ranks = check_mlr_cache_arguments(q, keys, key_starts, v, ranks, scale, depth_normalize, block_sizes,
-                                      row_starts=row_starts)
+    ranks, scale = check_mlr_cache_arguments(q, keys, key_starts, v, ranks, scale, depth_normalize, block_sizes,
+                                             row_starts=row_starts)
     return _cached_attention(q, keys, key_starts, v, ranks, scale, depth_normalize, block_sizes, row_starts)
 
 
@@ -287,6 +287,6 @@ def mlr_decode_reference(
     one-query case of :func:`mlr_prefill_reference` (same arguments, no block sizes needed).
     Returns ``(B, H, 1, Dv)`` in ``v``'s dtype, equal to the last row of
     :func:`mlr_attention_reference` over the whole sequence."""
-    check_mlr_cache_arguments(q, keys, key_starts, v, ranks, scale, depth_normalize, one_query=True,
-                              row_starts=row_starts)
+    ranks, scale = check_mlr_cache_arguments(q, keys, key_starts, v, ranks, scale, depth_normalize, one_query=True,
+                                             row_starts=row_starts)
     return _cached_attention(q, keys, key_starts, v, ranks, scale, depth_normalize, None, row_starts)

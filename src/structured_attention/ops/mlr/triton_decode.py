@@ -368,8 +368,8 @@ def mlr_decode_triton(
     (:func:`_shallow_regions`). Tiles of 64 keys with three stages hold the next tile in flight in
     every region in the shared memory of one 128-key tile, with fewer instructions and no spill
     (compiled for sm_90; to be timed against 128 keys and two stages, the default before)."""
-    ranks = check_mlr_cache_arguments(q, keys, key_starts, v, ranks, scale, depth_normalize, one_query=True,
-                                      row_starts=row_starts)
+    ranks, scale = check_mlr_cache_arguments(q, keys, key_starts, v, ranks, scale, depth_normalize, one_query=True,
+                                             row_starts=row_starts)
     return decode(q, keys, key_starts, v, ranks, scale, depth_normalize, row_starts=row_starts, chunk=chunk,
                   block_n=block_n, num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg)
 
