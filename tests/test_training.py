@@ -539,6 +539,20 @@ def test_cli_empty_corpus(tmp_path, capsys):
     assert "source" in capsys.readouterr().err
 
 
+def test_a_run_that_fails_before_writing_leaves_no_folder_it_made(tmp_path, capsys):
+    """A bad data source is found after the run has made run.out_dir (its lock goes there first):
+    the folders the run made, empty, are removed again; a folder that was there stays, with its files."""
+    missing = f"data.source={tmp_path / 'nowhere.txt'}"
+    out = tmp_path / "new" / "run"
+    assert sattn(["train", "lm", *tiny_overrides(tmp_path, steps=1, out_dir=out), missing]) == 2
+    assert "source" in capsys.readouterr().err and not (tmp_path / "new").exists()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("kept")
+    assert sattn(["train", "lm", *tiny_overrides(tmp_path, steps=1, out_dir=mine), missing]) == 2
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
+
+
 def test_cli_bad_checkpoint(tmp_path, capsys):
     assert sattn(["eval", "--checkpoint", str(tmp_path / "none")]) == 2
     assert "no checkpoint" in capsys.readouterr().err

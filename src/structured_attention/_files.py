@@ -3,15 +3,16 @@ checksums, and claims on a folder (a run's out_dir, a sweep's run)."""
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import hashlib
 import os
 import socket
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-__all__ = ["atomic_write", "check_folder", "claim", "file_sha256", "make_folder", "release", "with_umask"]
+__all__ = ["atomic_write", "check_folder", "claim", "file_sha256", "made_folder", "make_folder", "release", "with_umask"]
 
 
 def check_folder(path: str | os.PathLike, name: str) -> Path:
@@ -41,6 +42,26 @@ def make_folder(path: str | os.PathLike, name: str) -> Path:
         raise ValueError(f"{name}: expected a folder that can be made, got {str(p)!r} "
                          f"({err.strerror or type(err).__name__})") from None
     return p
+
+
+@contextlib.contextmanager
+def made_folder(path: str | os.PathLike, name: str) -> Iterator[Path]:
+    """:func:`make_folder` for the duration of a piece of work: if the work raises, the folders
+    this call made (``path`` and any missing parents) are removed again where the work left them
+    empty, so a run that fails before writing anything (a bad data source) leaves no empty folder
+    behind. A folder that existed before, or holds anything, is kept."""
+    p = check_folder(path, name)
+    new = [at for at in (p, *p.parents) if not at.exists()]  # the deepest first
+    make_folder(p, name)
+    try:
+        yield p
+    except BaseException:
+        for at in new:
+            try:
+                at.rmdir()  # only ever removes an empty folder
+            except OSError:
+                break
+        raise
 
 
 def with_umask(path: str | os.PathLike, mode: int) -> None:

@@ -55,7 +55,7 @@ import torch
 from torch import nn
 
 from .._checks import require
-from .._files import claim, make_folder, release
+from .._files import claim, made_folder, release
 from ..models.protocol import TrainableModel
 from .checkpoint import (
     check_compatible,
@@ -439,19 +439,20 @@ def fit(task: Task, *, resume: bool = False, stream: TextIO | None = None) -> Fi
     info = setup_distributed(task.config.run.device)
     lock = Path(task.config.run.out_dir) / RUN_LOCK
     try:
-        if info.is_main:  # before anything in out_dir is touched
-            make_folder(lock.parent, "run.out_dir")
-            holder = claim(lock)
-            if holder is not None:
-                raise ValueError(f"run.out_dir: expected a folder no other run is using, got "
-                                 f"{task.config.run.out_dir!r}, in use by {holder} (its lock: {lock})")
-        barrier(info)
-        try:
-            with run_matmul_precision(info.device):
-                return _fit(task, resume, info, stream)
-        finally:
-            if info.is_main:
-                release(lock)
+        with contextlib.ExitStack() as out_dir:
+            if info.is_main:  # before anything in out_dir is touched
+                out_dir.enter_context(made_folder(lock.parent, "run.out_dir"))
+                holder = claim(lock)
+                if holder is not None:
+                    raise ValueError(f"run.out_dir: expected a folder no other run is using, got "
+                                     f"{task.config.run.out_dir!r}, in use by {holder} (its lock: {lock})")
+            barrier(info)
+            try:
+                with run_matmul_precision(info.device):
+                    return _fit(task, resume, info, stream)
+            finally:
+                if info.is_main:
+                    release(lock)
     finally:
         cleanup_distributed(info)
 
