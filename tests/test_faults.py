@@ -1,6 +1,8 @@
-"""Faults during training, through the real command line in child processes: SIGKILL at a random
-step, SIGTERM and Ctrl-C (SIGINT), a damaged newest checkpoint. Every resumed run must end with
-exactly the losses and validation metrics of an uninterrupted run (one thread, CPU: deterministic)."""
+"""Faults during training, through the real command line: SIGKILL at a random step, SIGTERM and
+Ctrl-C (SIGINT) in child processes, a damaged newest checkpoint. Every resumed run must end with
+exactly the losses and validation metrics of an uninterrupted run (one thread, CPU: deterministic).
+The runs that are not signalled run in this process, on one thread as the children do (a child
+process costs seconds of imports on a small machine)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,9 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
+from structured_attention.cli.main import main
 from structured_attention.training import find_checkpoints, load_checkpoint
 from test_training import make_corpus
 
@@ -39,9 +43,15 @@ def _env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def _run(args: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "structured_attention.cli.main", *args], capture_output=True,
-                          text=True, env=_env(), timeout=300)
+def _run_here(args: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str]:
+    """``sattn`` in this process, on one thread as a child has: its exit code and its stderr."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        code = main([str(a) for a in args])
+    finally:
+        torch.set_num_threads(threads)
+    return code, capsys.readouterr().err
 
 
 def _start(args: list[str]) -> subprocess.Popen:
@@ -70,10 +80,10 @@ def _outcome(out_dir: Path) -> tuple[list[float], float]:
     return state["losses"], evals[-1]["val_loss"]
 
 
-def test_sigkill_at_a_random_step_then_resume_matches_an_uninterrupted_run(tmp_path):
+def test_sigkill_at_a_random_step_then_resume_matches_an_uninterrupted_run(tmp_path, capsys):
     steps = 40
-    full = _run(_args(tmp_path, "full", steps))
-    assert full.returncode == 0, full.stderr
+    code, err = _run_here(_args(tmp_path, "full", steps), capsys)
+    assert code == 0, err
     kill_at = random.randint(3, steps - 5)
     proc = _start(_args(tmp_path, "killed", steps, checkpoint_every=1))
     _wait_for_step(proc, tmp_path / "killed" / "metrics.jsonl", kill_at)
@@ -81,14 +91,14 @@ def test_sigkill_at_a_random_step_then_resume_matches_an_uninterrupted_run(tmp_p
     proc.wait()
     assert proc.returncode == -signal.SIGKILL
     survived = find_checkpoints(tmp_path / "killed" / "ckpt")[0]
-    resumed = _run([*_args(tmp_path, "killed", steps, checkpoint_every=1), "--resume"])
-    assert resumed.returncode == 0, resumed.stderr
-    assert f"resumed from {survived}" in resumed.stderr, f"killed at step {kill_at}"
+    code, err = _run_here([*_args(tmp_path, "killed", steps, checkpoint_every=1), "--resume"], capsys)
+    assert code == 0, err
+    assert f"resumed from {survived}" in err, f"killed at step {kill_at}"
     assert _outcome(tmp_path / "killed") == _outcome(tmp_path / "full"), f"killed at step {kill_at}"
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_sigterm_and_ctrl_c_save_a_checkpoint_then_exit(tmp_path, sig):
+def test_sigterm_and_ctrl_c_save_a_checkpoint_then_exit(tmp_path, capsys, sig):
     proc = _start(_args(tmp_path, "run", 100_000))
     _wait_for_step(proc, tmp_path / "run" / "metrics.jsonl", 3)
     proc.send_signal(sig)
@@ -102,21 +112,21 @@ def test_sigterm_and_ctrl_c_save_a_checkpoint_then_exit(tmp_path, sig):
     assert ckpt.step == stopped >= 3 and len(ckpt.state["losses"]) == stopped
     # The interrupted run continues exactly like one that was never stopped.
     target = stopped + 3
-    resumed = _run([*_args(tmp_path, "run", target), "--resume"])
-    full = _run(_args(tmp_path, "full", target))
-    assert resumed.returncode == 0 and full.returncode == 0, resumed.stderr + full.stderr
+    resumed = _run_here([*_args(tmp_path, "run", target), "--resume"], capsys)
+    full = _run_here(_args(tmp_path, "full", target), capsys)
+    assert resumed[0] == 0 and full[0] == 0, resumed[1] + full[1]
     assert _outcome(tmp_path / "run") == _outcome(tmp_path / "full")
 
 
-def test_a_damaged_newest_checkpoint_is_detected_and_resume_uses_the_previous_one(tmp_path):
-    full = _run(_args(tmp_path, "full", 8))
-    part = _run(_args(tmp_path, "part", 6, checkpoint_every=2))
-    assert full.returncode == 0 and part.returncode == 0, full.stderr + part.stderr
+def test_a_damaged_newest_checkpoint_is_detected_and_resume_uses_the_previous_one(tmp_path, capsys):
+    full = _run_here(_args(tmp_path, "full", 8), capsys)
+    part = _run_here(_args(tmp_path, "part", 6, checkpoint_every=2), capsys)
+    assert full[0] == 0 and part[0] == 0, full[1] + part[1]
     newest = find_checkpoints(tmp_path / "part" / "ckpt")[0]
     weights = newest / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-100])  # truncated, as by a full disk
-    resumed = _run([*_args(tmp_path, "part", 8, checkpoint_every=2), "--resume"])
-    assert resumed.returncode == 0, resumed.stderr
-    assert "does not match its stored SHA-256" in resumed.stderr and "falling back to the previous checkpoint" in resumed.stderr
-    assert "resumed from" in resumed.stderr and "step-00000004" in resumed.stderr
+    code, err = _run_here([*_args(tmp_path, "part", 8, checkpoint_every=2), "--resume"], capsys)
+    assert code == 0, err
+    assert "does not match its stored SHA-256" in err and "falling back to the previous checkpoint" in err
+    assert "resumed from" in err and "step-00000004" in err
     assert _outcome(tmp_path / "part") == _outcome(tmp_path / "full")

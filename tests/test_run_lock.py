@@ -1,5 +1,6 @@
 """A run's out_dir is claimed (run.lock) and a fresh run deletes only checkpoints it can identify as
-this package's, after every check has passed: through the real command line in child processes."""
+this package's, after every check has passed: through the real command line, the live run in a
+child process."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 
 from structured_attention.cli.main import main
 from structured_attention.training import find_checkpoints
-from test_faults import _args, _run, _start, _wait_for_step
+from test_faults import _args, _run_here, _start, _wait_for_step
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX processes")
 
@@ -23,7 +24,7 @@ def _listing(folder: Path) -> dict[str, float]:
     return {str(p.relative_to(folder)): p.stat().st_mtime for p in sorted(folder.rglob("*"))}
 
 
-def test_a_second_run_on_a_live_folder_stops_with_one_line_and_changes_nothing(tmp_path):
+def test_a_second_run_on_a_live_folder_stops_with_one_line_and_changes_nothing(tmp_path, capsys):
     first = _start(_args(tmp_path, "run", 4000, checkpoint_every=2))
     try:
         _wait_for_step(first, tmp_path / "run" / "metrics.jsonl", 3)
@@ -32,9 +33,9 @@ def test_a_second_run_on_a_live_folder_stops_with_one_line_and_changes_nothing(t
         assert lock.startswith(f"{socket.gethostname()} {first.pid} ")
         os.kill(first.pid, signal.SIGSTOP)  # alive, holding its lock, and its folder holds still
         before = _listing(tmp_path / "run")
-        second = _run(_args(tmp_path, "run", 4))
-        assert second.returncode != 0
-        lines = second.stderr.strip().splitlines()
+        code, err = _run_here(_args(tmp_path, "run", 4), capsys)
+        assert code != 0
+        lines = err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("sattn train: error: run.out_dir: expected a folder no other run")
         assert f" {first.pid} " in lines[0]
         assert _listing(tmp_path / "run") == before  # nothing of the live run touched
