@@ -397,3 +397,28 @@ def test_bad_arguments_raise_the_same_line_compiled(kwargs, message):
     # whose text carries the same line.
     with pytest.raises(torch._dynamo.exc.Unsupported, match=message.replace("(", r"\(")):
         torch.compile(mlr_attention, fullgraph=True, backend="aot_eager")(q, q, q, **kwargs)
+
+
+def test_the_package_marks_constants_as_pytorchs_decorator_does():
+    """``_compiler.assume_constant_result`` sets on a function what ``torch.compiler``'s decorator
+    sets (so compiled calls still take ``cpu.available()`` and ``has_triton()`` as constants), and
+    importing the package and its command line leaves ``torch._dynamo`` unimported (3 s a process)."""
+    import subprocess
+    import sys
+
+    from structured_attention._compiler import assume_constant_result
+    from structured_attention.ops.mlr import cpu_build, dispatch
+
+    def ours():
+        return 1
+
+    def theirs():
+        return 1
+
+    assume_constant_result(ours)
+    torch.compiler.assume_constant_result(theirs)
+    assert vars(ours) == vars(theirs) != {}
+    assert all(vars(theirs).items() <= vars(fn).items() for fn in (cpu_build.available, dispatch.has_triton))
+    code = ("import sys, structured_attention.cli.main, structured_attention.experiments, structured_attention.ops.mlr; "
+            "print('torch._dynamo' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"

@@ -39,6 +39,8 @@ from types import ModuleType
 
 import torch
 
+from ..._compiler import assume_constant_result
+
 __all__ = ["BLOCK_K", "BLOCK_Q", "available", "build_directory", "load"]
 
 _SOURCE = Path(__file__).with_name("cpu_kernel.cpp")
@@ -95,7 +97,7 @@ def load() -> ModuleType | None:
     return _module
 
 
-@torch.compiler.assume_constant_result
+@assume_constant_result
 def available() -> bool:
     """Whether the C++ kernel is (or can be) loaded."""
     return load() is not None

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from ..._autocast import autocast_inputs
+from ..._compiler import assume_constant_result
 from . import blocked, cpu
 from .contract import (check_dim_order, check_mlr_arguments, check_mlr_cache_arguments, device_table,
                        document_bounds, heads_inner)
@@ -45,7 +46,7 @@ _TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _has_triton: bool | None = None
 
 
-@torch.compiler.assume_constant_result  # a constant under torch.compile, like cpu.available()
+@assume_constant_result  # a constant under torch.compile, like cpu.available()
 def has_triton() -> bool:
     """Whether Triton imports here (asked once; the Triton backends are imported only when used)."""
     global _has_triton
