@@ -112,6 +112,22 @@ def test_patience_stops_early_and_keeps_the_best(tmp_path):
         assert task.evaluate(model, torch.device("cpu"))["val_loss"] == pytest.approx(best_loss, rel=1e-6)
 
 
+def test_resuming_a_run_that_stopped_early_trains_nothing_more(tmp_path, capsys):
+    """A run that stopped early, resumed (a sweep after a crash, a user by habit), keeps its result:
+    it trained one more step, and saved it, every time. A larger run.patience continues it."""
+    args = ("optim.lr=2.5", "run.patience=2")
+    first = fit(toy(tmp_path, *args))
+    assert first.stopped_early and first.steps < 40
+    ckpts = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    again = fit(toy(tmp_path, *args), resume=True)
+    assert "stopped early at step" in capsys.readouterr().err
+    assert again.stopped_early and again.steps == first.steps and again.losses == first.losses
+    assert again.final == first.final and again.best_step == first.best_step
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ckpts
+    longer = fit(toy(tmp_path, "optim.lr=2.5", "run.patience=100"), resume=True)
+    assert longer.steps == 40 and longer.losses[:first.steps] == first.losses
+
+
 def test_resume_continues_exactly_with_early_stopping_state(tmp_path):
     args = ("run.patience=3", "run.checkpoint_every=10")
     full = fit(toy(tmp_path / "full", *args))

@@ -74,6 +74,9 @@ def test_yaml_and_overrides(tmp_path):
         ("run.compile_mode=reduce-overhead", r"run\.compile_mode: expected 'default' unless run\.compile=true"),
         ("optim.lr=inf", r"optim\.lr: expected a finite number"),
         ("optim.grad_clip=nan", r"optim\.grad_clip: expected a finite number"),
+        ("optim.eps=-1", r"optim\.eps: expected a positive number"),  # torch's line named no key
+        ("optim.eps=0", r"optim\.eps: expected a positive number"),
+        ("run.out_dir=", r"run\.out_dir: expected a folder path, not empty"),  # it trained in the current folder
         ("model.attention=nosuchkind", r"attention|kind"),
         ("run.seq_len=1024", r"run\.seq_len"),
         ("noequals", r"override"),

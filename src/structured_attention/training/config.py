@@ -60,6 +60,7 @@ class OptimConfig:
         require(self.lr > 0, "optim.lr", "a positive number", self.lr)
         require(self.weight_decay >= 0, "optim.weight_decay", "a non-negative number", self.weight_decay)
         require(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "optim.beta1/beta2", "numbers in [0, 1)", (self.beta1, self.beta2))
+        require(self.eps > 0, "optim.eps", "a positive number (AdamW's denominator term)", self.eps)
         require(self.warmup_steps >= 0, "optim.warmup_steps", "a non-negative integer", self.warmup_steps)
         require(self.schedule in ("cosine", "constant"), "optim.schedule", "'cosine' or 'constant'", self.schedule)
         require(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", "a number in [0, 1]", self.min_lr_ratio)
@@ -118,6 +119,10 @@ class RunConfig:
         require(self.compile or self.compile_mode == "default", "run.compile_mode",
                 "'default' unless run.compile=true (a mode is torch.compile's; set run.compile=true to use it)",
                 self.compile_mode)
+        # an empty value (an unset shell variable) would train in the current folder and, as a fresh
+        # run, remove the checkpoints found there
+        require(isinstance(self.out_dir, str) and self.out_dir.strip() != "", "run.out_dir",
+                "a folder path, not empty", self.out_dir)
         require(self.device in ("auto", "cpu", "cuda"), "run.device", "'auto', 'cpu' or 'cuda'", self.device)
         parse_memory(self.max_memory)
 

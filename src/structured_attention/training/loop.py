@@ -466,7 +466,7 @@ def _fit(task: Task, resume: bool, info: DistInfo, stream: TextIO | None) -> Fit
     t.begin(fresh=not resume)
     try:
         with _stop_signals() as signals:
-            for step in range(t.start_step, run.steps):
+            for step in range(t.start_step, t.end_step):
                 loss, lr = t.train_step(step)
                 done = step + 1
                 improved = t.report(done, loss, lr)
@@ -556,6 +556,7 @@ class _Training:
                  f"{f' x{info.world_size}' if info.enabled else ''}")
 
         self.start_step = self.done = 0
+        self.end_step = self.run.steps  # the step the loop runs to: less for a resumed run that stopped early
         self.losses: list[float] = []
         self.history: list[dict[str, Any]] = []
         self.tracker = BestTracker()
@@ -604,6 +605,10 @@ class _Training:
         self.say(f"resumed from {ckpt.path} at step {self.start_step}")
         if self.start_step >= self.run.steps:
             self.say(f"checkpoint step {self.start_step} >= run.steps={self.run.steps}: nothing to train")
+        elif self.tracker.exhausted(self.run.patience):  # it stopped early: a step more would change its result
+            self.stopped_early, self.end_step = True, self.start_step
+            self.say(f"the run stopped early at step {self.start_step} (no better val loss in {self.run.patience} "
+                     f"evaluations): nothing to train (a larger run.patience continues it)")
 
     def begin(self, fresh: bool) -> None:
         """Open the logs (a resumed run's continue where its checkpoint left them) and, for a fresh
@@ -735,7 +740,7 @@ class _Training:
         wall = time.perf_counter() - self.t_start
         run, info = self.run, self.info
         final = self.final
-        if self.start_step >= run.steps or not final:  # nothing trained: still report the validation metrics
+        if self.start_step >= self.end_step or not final:  # nothing trained: still report the validation metrics
             final = {"step": self.done, **_evaluate(self.task, self.model, self.device, run.autocast)}
         trained = self.raw_model
         if run.fsdp and info.enabled:  # gather the full weights (a collective) into a fresh model on rank 0
