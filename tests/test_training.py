@@ -619,6 +619,22 @@ def test_sweep_matches_flops_and_plots(tmp_path, capsys):
     assert (tmp_path / "plot" / "lm-lr.png").stat().st_size > 0  # two rates: each width's loss against them
 
 
+def test_a_sweep_run_stopped_early_records_the_steps_and_flops_it_trained(tmp_path, capsys):
+    """With run.patience a run stops before its planned steps: result.json (what `sattn plot` draws)
+    records the FLOPs of the steps trained, as metrics.jsonl counts them, not the planned budget."""
+    overrides = [o for o in tiny_overrides(tmp_path, eval_every=1, log_every=1) if not o.startswith(("run.out_dir", "run.steps"))]
+    out = tmp_path / "sweep"
+    assert sattn(["sweep", "lm", "--widths", "32", "--head-dim", "16", "--kinds", "mha", "--lrs", "0.05",
+                  "--base-steps", "12", "--out", str(out), *overrides, "run.patience=1",
+                  "optim.warmup_steps=0", "optim.schedule=constant"]) == 0
+    (run,) = out.glob("*/result.json")
+    result = json.loads(run.read_text())
+    rows = [json.loads(line) for line in (run.parent / "metrics.jsonl").read_text().splitlines()]
+    per_step = rows[0]["flops"] / rows[0]["step"]
+    assert result["steps"] == 12 and result["steps_done"] == rows[-1]["step"] < 12  # it did stop early
+    assert result["flops"] == rows[-1]["flops"] == pytest.approx(result["steps_done"] * per_step)
+
+
 def test_plot_of_an_empty_folder_is_one_clear_error(tmp_path, capsys):
     assert sattn(["plot", str(tmp_path)]) == 2
     assert "no finished runs" in capsys.readouterr().err

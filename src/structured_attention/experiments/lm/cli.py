@@ -229,7 +229,8 @@ def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def _result(run_dir: Path) -> dict[str, Any] | None:
-    """Final validation numbers and median throughput from a run's metrics.jsonl."""
+    """Final validation numbers, the steps and training FLOPs done (fewer than planned when
+    ``run.patience`` stopped the run early) and median throughput from a run's metrics.jsonl."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         return None
@@ -240,6 +241,7 @@ def _result(run_dir: Path) -> dict[str, Any] | None:
     speeds = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r]
     last = evals[-1]
     return {"step": last["step"], "val_loss": last["val_loss"], "val_bpb": last.get("val_bpb"),
+            "steps_done": rows[-1]["step"], "flops": rows[-1]["flops"],
             "tokens_per_s": statistics.median(speeds) if speeds else None}
 
 
@@ -265,7 +267,8 @@ def plot(results: list[dict[str, Any]], out: Path) -> int:
     lines = ["| kind | width | best lr | steps | training FLOPs | val bits/byte | tokens/s |", "|---|---|---|---|---|---|---|"]
     for r in best:
         tps = f"{r['tokens_per_s']:.0f}" if r.get("tokens_per_s") else ""
-        lines.append(f"| {markdown_cell(r['kind'])} | {r['width']} | {r['lr']:g} | {r['steps']} | "
+        # steps trained: fewer than planned where run.patience stopped the run (older results lack the key)
+        lines.append(f"| {markdown_cell(r['kind'])} | {r['width']} | {r['lr']:g} | {r.get('steps_done', r['steps'])} | "
                      f"{r['flops']:.3e} | {r['val_bpb']:.4f} | {tps} |")
     table = "\n".join(lines)
     (out / "lm.md").write_text(table + "\n")
