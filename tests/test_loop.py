@@ -4,6 +4,7 @@ problem, with early stopping, the best model kept, and an exact resume."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 import types
@@ -126,6 +127,23 @@ def test_resuming_a_run_that_stopped_early_trains_nothing_more(tmp_path, capsys)
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ckpts
     longer = fit(toy(tmp_path, "optim.lr=2.5", "run.patience=100"), resume=True)
     assert longer.steps == 40 and longer.losses[:first.steps] == first.losses
+
+
+@pytest.mark.parametrize("change", ["run.batch_size=4", "run.grad_accum=2", "run.seed=1"])
+def test_a_resume_on_other_batches_is_refused_in_one_line(tmp_path, change):
+    """A resumed run continues its batches, and counts tokens and FLOPs by them: a changed batch
+    size, accumulation or seed was taken silently (the tokens in metrics.jsonl went down, batches
+    already trained on came again). Other run settings (steps, evaluation, logging) may change."""
+    from structured_attention.training.loop import _batch_diff
+
+    fit(toy(tmp_path, "run.steps=10"))
+    with pytest.raises(ValueError, match=rf"^--resume: checkpoint .* was trained on other batches "
+                                         rf"\({re.escape(change.split('=')[0])}=.* in the checkpoint, .* now\)"):
+        fit(toy(tmp_path, "run.steps=20", change), resume=True)
+    assert fit(toy(tmp_path, "run.steps=20", "run.eval_every=2", "run.log_every=1"), resume=True).steps == 20
+    state = load_checkpoint(tmp_path / "ckpt").state
+    assert state["data"]["world_size"] == 1
+    assert _batch_diff(state, state["config"]["run"], 2) == "world size 1 in the checkpoint, 2 now"
 
 
 def test_resume_continues_exactly_with_early_stopping_state(tmp_path):

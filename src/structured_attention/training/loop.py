@@ -401,6 +401,23 @@ def _agreed_signal(signum: int | None, info: DistInfo) -> int:
     return int(flag)
 
 
+# The run settings that decide which examples each step trains on and how many: a resumed run
+# continues the same batches (and counts its tokens and FLOPs by them), so they cannot change.
+_BATCH_KEYS = ("seed", "batch_size", "grad_accum", "seq_len")
+
+
+def _batch_diff(saved: dict[str, Any], run: dict[str, Any], world_size: int) -> str:
+    """How a checkpoint's batches (its ``state``: the config's run section, the processes) differ
+    from those of this run (``run``: its run section, ``world_size``); ``""`` if they do not."""
+    before = saved["config"].get("run", {})
+    diffs = [f"run.{k}={before[k]!r} in the checkpoint, {run.get(k)!r} now" for k in _BATCH_KEYS
+             if k in before and before[k] != run.get(k)]
+    processes = saved.get("data", {}).get("world_size")  # absent from older checkpoints
+    if processes is not None and processes != world_size:
+        diffs.append(f"world size {processes} in the checkpoint, {world_size} now")
+    return "; ".join(diffs)
+
+
 def _model_diff(saved: dict[str, Any], current: dict[str, Any]) -> str:
     diffs = [f"model.{k}={saved.get(k)!r} in the checkpoint, {current.get(k)!r} now" for k in current if saved.get(k) != current.get(k)]
     return "; ".join(diffs[:3])
@@ -584,6 +601,10 @@ class _Training:
         if saved_model != current_model:
             raise ValueError(f"--resume: checkpoint {ckpt.path} is from another architecture "
                              f"({_model_diff(saved_model or {}, current_model or {})})")
+        batches = _batch_diff(ckpt.state, self.config.get("run", {}), self.info.world_size)
+        if batches:
+            raise ValueError(f"--resume: checkpoint {ckpt.path} was trained on other batches ({batches}); a resumed "
+                             f"run continues its batches: set them back, or start a fresh run without --resume")
         check_compatible(self.raw_model, ckpt.model_state, str(ckpt.path))
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
@@ -711,7 +732,7 @@ class _Training:
             "config": self.config,
             **self.task.state(),
             "rng": get_rng_state(),
-            "data": {"seed": self.run.seed, "next_step": self.done},
+            "data": {"seed": self.run.seed, "next_step": self.done, "world_size": self.info.world_size},
             "losses": self.losses,
             "metrics": self.logger.records,
             "tracker": asdict(self.tracker),
