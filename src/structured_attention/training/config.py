@@ -84,7 +84,7 @@ class RunConfig:
     batch_size: int = 16  # examples per micro-batch per process
     grad_accum: int = 1  # micro-batches per optimizer step; global batch = batch_size * grad_accum * world_size
     eval_every: int = 200  # 0: evaluate only at the end
-    eval_batches: int = 20  # validation batches per evaluation (of batch_size examples)
+    eval_batches: int = 20  # validation batches per evaluation, of the global batch (batch_size x processes)
     log_every: int = 10
     checkpoint_every: int = 0  # 0: only at the end
     patience: int = 0  # stop after this many evaluations without a better val_loss; 0: never

@@ -142,6 +142,9 @@ class Task(ABC):
     def __init__(self, config: Any) -> None:
         self.requested = config
         self.config = config
+        # the processes training together (set by prepare): an evaluation covers run.eval_batches
+        # global batches, so its figures do not depend on how the global batch is split
+        self.world_size = 1
 
     def setup(self, info: DistInfo) -> None:
         """Load or generate the data (never the config); called on every rank, rank 0 before the others."""
@@ -154,6 +157,7 @@ class Task(ABC):
     def prepare(self, info: DistInfo | None) -> None:
         """:meth:`setup`, then ``config`` set to :meth:`resolve`'s: what :func:`fit` does first on
         each rank, and what using a task outside it takes."""
+        self.world_size = info.world_size if info is not None else 1
         self.setup(info)
         self.config = self.resolve()
 
@@ -183,7 +187,9 @@ class Task(ABC):
     @abstractmethod
     def evaluate(self, model: nn.Module, device: torch.device) -> dict[str, float]:
         """Validation metrics, at least ``val_loss`` (lower is better); the model is in eval mode
-        and gradients are off. Every rank evaluates the same data (FSDP needs all ranks)."""
+        and gradients are off. Every rank evaluates the same data (FSDP needs all ranks):
+        ``run.eval_batches`` global batches (``run.batch_size`` examples per process, of
+        :attr:`world_size` processes), so that 2 processes of 4 examples score what 1 of 8 does."""
 
     @abstractmethod
     def tokens_per_batch(self) -> int:

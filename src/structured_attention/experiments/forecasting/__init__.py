@@ -239,11 +239,11 @@ class ForecastTask(Task):
         return torch.nn.functional.mse_loss(model(x).float(), y)
 
     def evaluate(self, model: nn.Module, device: torch.device) -> dict[str, float]:
-        # At most eval_batches * batch_size validation windows, evenly spread (neighbouring
+        # At most eval_batches global batches of validation windows, evenly spread (neighbouring
         # windows overlap in all but one row, so a spread subset loses little and saves time).
         assert self.data is not None
         run = self.config.run
-        index = _spread(self.data.n_windows("val"), run.eval_batches * run.batch_size)
+        index = _spread(self.data.n_windows("val"), run.eval_batches * run.batch_size * self.world_size)
         m = forecast_metrics(model, self.data, "val", run.batch_size, device, index)
         return {"val_loss": m["mse"], "val_mae": m["mae"]}
 

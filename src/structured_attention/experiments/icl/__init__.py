@@ -159,11 +159,12 @@ def _prompts(task: RegressionConfig, batch_size: int, *, seed: int, index: int, 
                           rank=rank, world_size=world_size)
 
 
-def validation_prompts(config: ICLConfig) -> Prompts:
-    """``run.eval_batches * run.batch_size`` full-size prompts from a stream that training never
-    draws (the seed offset by 2**32), the same for every run with the same seed."""
+def validation_prompts(config: ICLConfig, world_size: int = 1) -> Prompts:
+    """``run.eval_batches`` global batches (``run.batch_size`` prompts per process, of
+    ``world_size``) of full-size prompts from a stream that training never draws (the seed offset
+    by 2**32), the same for every run with the same seed and global batch."""
     run = config.run
-    return _prompts(config.task, run.batch_size * run.eval_batches, seed=run.seed + 2**32, index=0)
+    return _prompts(config.task, run.batch_size * world_size * run.eval_batches, seed=run.seed + 2**32, index=0)
 
 
 @torch.no_grad()
@@ -225,7 +226,7 @@ class ICLTask(Task):
         self.val: Prompts | None = None
 
     def setup(self, info: DistInfo) -> None:
-        self.val = validation_prompts(self.config)
+        self.val = validation_prompts(self.config, self.world_size)
 
     def describe(self) -> str:
         t = self.config.task

@@ -109,7 +109,7 @@ def run_eval(args: argparse.Namespace, ckpt: LoadedCheckpoint) -> int:
         counts = number_list(args.examples, "--examples", minimum=0)
         if max(counts) > n:
             raise ValueError(f"--examples: expected numbers from 0 to {n} (the prompts have {n + 1} points), got {args.examples!r}")
-    prompts = validation_prompts(config)
+    prompts = validation_prompts(config, ckpt.state.get("data", {}).get("world_size", 1))  # the run's own
     curves = error_curves(model, prompts, config.task.ridge, args.batch_size or config.run.batch_size,
                           config.task.noise_to_signal)
     print(f"checkpoint {ckpt.path} (step {ckpt.step}), attention {config.model.attention}, {config.model.n_heads} heads; "

@@ -189,8 +189,8 @@ class LMTask(Task):
         assert self.corpus is not None
         run = self.config.run
         starts = self.corpus.val_document_starts if self.config.data.pack_documents else None
-        loss = evaluate_lm(model, self.corpus.val, run.batch_size, run.seq_len, run.eval_batches, device, "none",
-                           document_starts=starts)
+        loss = evaluate_lm(model, self.corpus.val, run.batch_size, run.seq_len, run.eval_batches * self.world_size,
+                           device, "none", document_starts=starts)
         return {"val_loss": loss, "val_bpb": self.corpus.bits_per_byte(loss)}
 
     def backbone_config(self) -> TransformerConfig:
