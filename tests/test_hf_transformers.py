@@ -384,3 +384,111 @@ def test_the_readme_example_trains_and_generates(tmp_path):
     # wide; 2 key heads, 2 layers, float32
     floats = 123 * 16 + min(123, 128) * 8 + min(123, 64) * 8 + 123 * 32
     assert run.stdout.splitlines()[-1] == f"MLR cache: {floats * 4 * 2 * 2:,} bytes for 123 tokens"
+
+
+def test_a_configured_model_saved_loads_with_mlr_attention_by_itself(tmp_path):
+    """configure() records the implementation in config.json: from_pretrained(path) with no
+    attn_implementation scores with MLR attention (it loaded as "sdpa": other logits, no warning)."""
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    sattn_hf.configure(config, [8, 4, 4])
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM._from_config(config, attn_implementation=sattn_hf.ATTN_IMPLEMENTATION).eval()
+    model.save_pretrained(tmp_path / "model")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "model").eval()
+    assert loaded.config._attn_implementation == sattn_hf.ATTN_IMPLEMENTATION
+    torch.testing.assert_close(loaded(IDX).logits, model(IDX).logits, atol=0, rtol=0)
+    loaded.save_pretrained(tmp_path / "again")  # a loaded model that has run saves it again
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "again").eval()
+    torch.testing.assert_close(again(IDX).logits, model(IDX).logits, atol=0, rtol=0)
+
+
+def _level_scores(model, ranks, i: int, j: int) -> torch.Tensor:
+    """Each level's score q_i . k_j of head 0, through the model's own rotary embedding and the
+    level order the forward uses."""
+    seen = []
+    forward = sattn_hf.mlr_attention_forward
+    transformers.AttentionInterface.register(sattn_hf.ATTN_IMPLEMENTATION,
+                                             lambda module, q, k, *a, **kw: seen.append((q, k)) or forward(module, q, k, *a, **kw))
+    try:
+        with torch.no_grad():
+            model(torch.tensor([[5, 9]]), position_ids=torch.tensor([[j, i]]))
+    finally:
+        sattn_hf.register()
+    q, k = seen[0]
+    order = sattn_hf._score_order(model.config, q.shape[-1])
+    order = list(range(q.shape[-1])) if order is None else list(order)
+    return torch.stack([(a * b).sum() for a, b in zip(q[0, 0, 1, order].split(ranks), k[0, 0, 0, order].split(ranks))])
+
+
+def test_levels_hold_whole_rotary_pairs_of_neighbouring_dimensions_and_partial_rotary_takes_one_level():
+    """Cohere rotates dimensions 2i and 2i + 1 together: its levels are consecutive dimensions, and
+    each level's score depends on the relative position alone (with Llama's order it did not).
+    Phi's rotary covers half of each head: several levels are refused in one line."""
+    ranks = [8, 4, 4]
+    config = transformers.CohereConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                       num_attention_heads=4, max_position_embeddings=64)
+    sattn_hf.configure(config, ranks)
+    torch.manual_seed(0)
+    model = transformers.CohereForCausalLM._from_config(config, attn_implementation=sattn_hf.ATTN_IMPLEMENTATION).eval()
+    torch.testing.assert_close(_level_scores(model, ranks, 3, 1), _level_scores(model, ranks, 40, 38), atol=1e-5, rtol=0)
+    phi = transformers.PhiConfig(hidden_size=64, num_attention_heads=4, max_position_embeddings=64,
+                                 partial_rotary_factor=0.5)
+    with pytest.raises(ValueError, match=r"^sattn_ranks: expected one level for a model whose rotary embedding covers "
+                                         r"part of each head \(partial_rotary_factor=0.5\)"):
+        sattn_hf.configure(phi, ranks)
+    assert sattn_hf.configure(phi, [16]).sattn_ranks == [16]
+
+
+def test_the_compressed_cache_is_refused_where_its_dropped_levels_would_be_read():
+    """MLRCache hands back keys with the dropped levels zeroed: an "sdpa" model read them as they
+    were (other logits, no error), a swapped model's layers crashed inside it (IndexError)."""
+    sdpa = _llama("sdpa", [8, 4, 4])
+    with pytest.raises(ValueError, match=r"^cache: expected MLRCache only for a model running "
+                                         r"attn_implementation='sattn_mlr'.*got \"a config with attn_implementation='sdpa'\""):
+        sattn_hf.MLRCache(sdpa.config)
+    swapped = sattn_hf.swap_attention(_llama("sdpa", [8, 4, 4]), "swa:4")
+    with pytest.raises(ValueError, match=r"^cache: expected transformers' own cache for a model changed by swap_attention"):
+        sattn_hf.MLRCache(swapped.config)
+
+
+def test_a_swap_takes_the_models_dtype_and_rotary_base_and_refuses_what_it_cannot_keep():
+    """A bfloat16 model's swapped layers are bfloat16 (they stayed float32 and the forward failed);
+    the rotary base is transformers 5's rope_parameters["rope_theta"] (10000 was used); a scaled
+    rotary embedding, and a family whose swapped model could not be loaded, are refused in one line."""
+    config = transformers.Qwen2Config(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    model = sattn_hf.swap_attention(transformers.Qwen2ForCausalLM(config).to(torch.bfloat16), "swa:4")
+    layer = model.model.layers[0].self_attn
+    assert layer._settings["rotary_base"] == 1e6 and {p.dtype for p in layer.parameters()} == {torch.bfloat16}
+    assert model(IDX).logits.dtype == torch.bfloat16
+    scaled = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=1, vocab_size=64,
+                                      intermediate_size=128, max_position_embeddings=64,
+                                      rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0})
+    with pytest.raises(ValueError, match=r"^rope_parameters: expected rope_type 'default'"):
+        sattn_hf.swap_attention(transformers.LlamaForCausalLM(scaled), "swa:4")
+    gemma = transformers.GemmaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                     num_attention_heads=4, num_key_value_heads=1, head_dim=16, max_position_embeddings=64)
+    with pytest.raises(ValueError, match=r"^model: expected a causal LM of a family .* got 'GemmaForCausalLM'"):
+        sattn_hf.swap_attention(transformers.GemmaForCausalLM(gemma), "swa:4")
+    with pytest.raises(ValueError):  # nothing was registered for it
+        transformers.AutoConfig.for_model("sattn_gemma")
+
+
+def test_inputs_past_the_context_and_configs_without_a_head_are_one_line():
+    model = _llama(sattn_hf.ATTN_IMPLEMENTATION, [8, 4, 4])
+    long = torch.randint(0, 64, (1, 80))
+    with pytest.raises(ValueError, match=r"^input length: expected at most 64 tokens with sattn_mlr \(the coarsest MLR "
+                                         r"block: max_position_embeddings"):
+        model(long)
+    with pytest.raises(ValueError, match=r"^input length: expected at most 64"):  # generation past it too
+        model.generate(long[:, :60], max_new_tokens=8, do_sample=False)
+    with pytest.raises(ValueError, match=r"^config: expected a decoder's config with num_attention_heads"):
+        sattn_hf.configure(transformers.LlavaConfig(), [8, 8])
+    np = pytest.importorskip("numpy")
+    config = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, max_position_embeddings=100)
+    assert sattn_hf.configure(config, np.array([8, 4, 4])).sattn_ranks == [8, 4, 4]
+    with pytest.raises(ValueError, match=r"^sattn_block_sizes: expected .*max_position_embeddings=100") as err:
+        sattn_hf.configure(config, [4, 4, 4, 4])
+    assert "block_sizes: block_sizes" not in str(err.value)

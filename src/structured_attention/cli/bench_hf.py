@@ -111,7 +111,7 @@ def measure(args: argparse.Namespace, ranks: list[int], profile_path: Path | Non
         _profile(cases, profile_path, device)
 
     # Both caches filled with the same keys and values, chunk by chunk, through their own update.
-    config = _llama(args, "sdpa", ranks, args.cache_len).config
+    config = _llama(args, sattn_hf.ATTN_IMPLEMENTATION, ranks, args.cache_len).config
     mlr, dynamic = sattn_hf.MLRCache(config), DynamicCache(config=config)
     head_dim, dtype = args.hidden // args.n_heads, getattr(torch, args.dtype)
     for start in range(0, args.cache_len, 1024):

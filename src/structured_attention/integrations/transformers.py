@@ -17,6 +17,8 @@ projections, rotary embeddings, GQA, caches and ``generate()`` stay as they are.
 - **Config.** ``sattn_ranks``: the ranks of the levels, even, summing to the head dimension.
   ``sattn_block_sizes`` (optional): the block sizes, ``max_position_embeddings / 2^(l-1)`` by
   default. One level is plain softmax attention (it equals ``attn_implementation="sdpa"``).
+  :func:`configure` also sets ``attn_implementation``, which ``config.json`` keeps, so
+  ``from_pretrained`` loads a saved model with MLR attention.
 - **Head dimensions and rotary pairs.** transformers rotates dimension ``i`` of a head together
   with ``i + head_dim/2`` (``rotate_half``). A level must hold whole pairs, or its scores would
   lose their dependence on relative position alone, so the scores see the head dimensions pair by
@@ -24,7 +26,9 @@ projections, rotary embeddings, GQA, caches and ``generate()`` stay as they are.
   takes the next ``r_l`` of them, that is pairs ``a_l .. a_l + r_l/2 - 1`` (``a_l`` the sum of
   the earlier ranks, halved). ``mlr_attention`` takes this order as its ``dim_order``: the C++
   kernel reads the queries and keys in it where they lie, other paths gather them first. Only the
-  scores see this order; values are untouched.
+  scores see this order; values are untouched. Families that rotate neighbouring dimensions
+  together (``_ADJACENT_PAIRS``: Cohere, GLM...) keep the dimensions as they lie; a rotary
+  embedding over part of the head (Phi, GPT-NeoX) takes one level.
 - **Masks.** ``register()`` also registers the mask function, which hands the attention function
   the ``(batch, keys)`` padding mask (``None`` without padding); left or right padding is scored
   as the package's layers do: each row's real tokens attend only among themselves and their MLR
@@ -39,11 +43,12 @@ projections, rotary embeddings, GQA, caches and ``generate()`` stay as they are.
   last ``s_l`` tokens (the current block of any row, whatever its left padding) and the values in
   full; ``memory_bytes()`` says how much that is. Like transformers' quantized caches it hands the
   attention function full-length keys each step, rebuilt with zeros where a level was dropped:
-  a query never reads a level before its current block there, so the result is exact.
+  a query never reads a level before its current block there, so the result is exact. It is
+  refused for a model not running ``"sattn_mlr"``, which would read those zeros.
 - **Kinds with their own projections** (``bilinear_btt``, ``bilinear_mlr``, ``swa``,
   ``global_swa``, ``mlr`` with its per-level norms and scales): ``swap_attention(model,
   "bilinear_btt:1")`` puts the package's layer (fresh weights) in each decoder layer's place and
-  makes the model ``Sattn<Family>ForCausalLM`` (Llama, Mistral, Qwen2, Qwen3), registered with
+  makes the model ``Sattn<Family>ForCausalLM`` (``SWAP_FAMILIES``: Llama, Mistral, Qwen2, Qwen3), registered with
   ``AutoConfig``/``AutoModelForCausalLM`` by ``register()``: ``save_pretrained`` writes model type
   ``sattn_<family>`` and ``sattn_attention``, and ``AutoModelForCausalLM.from_pretrained`` rebuilds
   the swapped model with no remote code.
@@ -52,6 +57,7 @@ projections, rotary embeddings, GQA, caches and ``generate()`` stay as they are.
 from __future__ import annotations
 
 import functools
+import numbers
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -64,10 +70,13 @@ from ..attention.segments import build_segments, left_padding
 from ..ops.mlr import mlr_attention, mlr_prefill
 from ..ops.mlr.contract import mlr_block_sizes
 
-__all__ = ["ATTN_IMPLEMENTATION", "MLRCache", "SwappedAttention", "configure", "level_permutation", "mlr_attention_forward",
-           "register", "swap_attention"]
+__all__ = ["ATTN_IMPLEMENTATION", "MLRCache", "SWAP_FAMILIES", "SwappedAttention", "configure", "level_permutation",
+           "mlr_attention_forward", "register", "swap_attention"]
 
 ATTN_IMPLEMENTATION = "sattn_mlr"
+# The families swap_attention takes: register() registers their swapped classes, which
+# from_pretrained needs to rebuild a saved swapped model.
+SWAP_FAMILIES = ("Llama", "Mistral", "Qwen2", "Qwen3")
 
 
 def register() -> None:
@@ -82,7 +91,7 @@ def register() -> None:
     # The 2-D padding mask sliced to the keys, or None when nothing is padded: what the
     # varlen attention kernels take, and what the segments of this implementation are built from.
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, flash_attention_mask)
-    for family in ("Llama", "Mistral", "Qwen2", "Qwen3"):
+    for family in SWAP_FAMILIES:
         config_class = getattr(transformers, f"{family}Config", None)
         model_class = getattr(transformers, f"{family}ForCausalLM", None)
         if config_class is not None and model_class is not None:
@@ -91,18 +100,57 @@ def register() -> None:
 
 def configure(config: Any, ranks: Sequence[int], block_sizes: Sequence[int] | None = None) -> Any:
     """Set ``sattn_ranks`` (and ``sattn_block_sizes``) on a transformers model config after
-    checking them against its head dimension and ``max_position_embeddings``: a mistake is one
-    line naming the attribute here, not at the first forward. Returns ``config``."""
+    checking them against its head dimension, ``max_position_embeddings`` and its rotary
+    embedding: a mistake is one line naming the attribute here, not at the first forward. The
+    config also records ``attn_implementation="sattn_mlr"``, so the folder ``save_pretrained``
+    writes loads with MLR attention (``from_pretrained`` reads it from ``config.json``; without it
+    the model would load as ``"sdpa"``, scoring every dimension over the whole context). Returns
+    ``config``."""
+    ranks = [int(r) if isinstance(r, numbers.Integral) and not isinstance(r, bool) else r for r in ranks]  # NumPy ints
     _check_levels(ranks, block_sizes, getattr(config, "max_position_embeddings", None), _head_dim(config))
+    _rotary_pairs(config, ranks)
     config.sattn_ranks = list(ranks)
     config.sattn_block_sizes = None if block_sizes is None else list(block_sizes)
+    config.attn_implementation = ATTN_IMPLEMENTATION  # written to config.json; read by from_pretrained
     return config
 
 
 def _head_dim(config: Any) -> int:
+    require(hasattr(config, "num_attention_heads") and (hasattr(config, "head_dim") or hasattr(config, "hidden_size")),
+            "config", "a decoder's config with num_attention_heads and hidden_size (a composite model's text config, "
+            "such as config.text_config)", type(config).__name__)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     require(isinstance(head_dim, int) and head_dim > 0, "head_dim", "a positive integer", head_dim)
     return head_dim
+
+
+# Families whose rotary embedding rotates neighbouring dimensions together (2i, 2i + 1), where
+# Llama's rotate_half pairs i with i + head_dim/2: their levels are consecutive dimensions.
+_ADJACENT_PAIRS = frozenset({"cohere", "cohere2", "cohere2_moe", "glm", "glm4", "helium", "ernie4_5", "ernie4_5_moe",
+                             "deepseek_v4", "llama4", "llama4_text", "gptj", "codegen"})
+
+
+def _rotary_pairs(config: Any, ranks: Sequence[int]) -> str:
+    """How the model's rotary embedding pairs head dimensions: ``"half"`` (``i`` with
+    ``i + head_dim/2``, Llama's ``rotate_half``) or ``"adjacent"`` (``2i`` with ``2i + 1``). Several
+    levels need every pair rotated inside one level; a rotary embedding over part of the head
+    (``partial_rotary_factor`` < 1: Phi, GPT-NeoX) pairs dimensions this cannot see, so it takes
+    one level only."""
+    rope = getattr(config, "rope_parameters", None)
+    partial = next((v for v in (getattr(config, "partial_rotary_factor", None),
+                                rope.get("partial_rotary_factor") if isinstance(rope, dict) else None,
+                                getattr(config, "rotary_pct", None)) if v is not None), 1.0)
+    require(len(ranks) == 1 or partial == 1, "sattn_ranks",
+            f"one level for a model whose rotary embedding covers part of each head (partial_rotary_factor="
+            f"{partial}): several levels would split its rotary pairs", list(ranks))
+    return "adjacent" if getattr(config, "model_type", None) in _ADJACENT_PAIRS else "half"
+
+
+def _score_order(config: Any, head_dim: int) -> tuple[int, ...] | None:
+    """The head dimensions in the order the levels take them: pair after rotary pair
+    (:func:`level_permutation`) for ``rotate_half`` models; as they lie (``None``) where
+    neighbouring dimensions are the pairs."""
+    return None if getattr(config, "model_type", None) in _ADJACENT_PAIRS else level_permutation(head_dim)
 
 
 @functools.lru_cache(maxsize=None)
@@ -121,8 +169,10 @@ def _pair_order(x: torch.Tensor) -> torch.Tensor:
 
 def _levels(config: Any, head_dim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """A model config's checked MLR ranks and block sizes."""
-    return _check_levels(getattr(config, "sattn_ranks", None), getattr(config, "sattn_block_sizes", None),
-                         getattr(config, "max_position_embeddings", None), head_dim)
+    levels = _check_levels(getattr(config, "sattn_ranks", None), getattr(config, "sattn_block_sizes", None),
+                           getattr(config, "max_position_embeddings", None), head_dim)
+    _rotary_pairs(config, levels[0])
+    return levels
 
 
 def _check_levels(ranks: Any, block_sizes: Any, context: Any, head_dim: int
@@ -134,8 +184,9 @@ def _check_levels(ranks: Any, block_sizes: Any, context: Any, head_dim: int
     require(isinstance(context, int) and context > 0, "max_position_embeddings", "a positive integer", context)
     try:
         sizes = mlr_block_sizes(ranks, context, block_sizes)
-    except ValueError as e:
-        raise ValueError(f"sattn_block_sizes: {e}") from None
+    except ValueError as e:  # mlr_block_sizes names its own argument, block_sizes, and the context
+        reason = str(e).removeprefix("block_sizes: ").replace("context=", "max_position_embeddings=")
+        raise ValueError(f"sattn_block_sizes: {reason}") from None
     return tuple(ranks), sizes
 
 
@@ -211,10 +262,15 @@ def mlr_attention_forward(
             f"None or at least max_position_embeddings={context} with sattn_mlr (MLR attention scores every "
             "earlier token; swap_attention(model, 'swa:W') gives a sliding window)", window)
     require(attention_mask is None or attention_mask.dim() == 2, "attention_mask",
-            "a (batch, keys) padding mask: call structured_attention.integrations.transformers.register() "
-            "before building the model", None if attention_mask is None else tuple(attention_mask.shape))
+            "a (batch, keys) padding mask, as the mask function register() adds hands over (a 4-D mask of one's "
+            "own cannot be read by MLR attention)", None if attention_mask is None else tuple(attention_mask.shape))
     head_dim = query.shape[-1]
     ranks, sizes = _levels(module.config, head_dim)
+    order = _score_order(module.config, head_dim)
+    if module.config.__dict__.get("attn_implementation") != ATTN_IMPLEMENTATION and not torch.compiler.is_compiling():
+        # what save_pretrained writes to config.json, so a model loaded by from_pretrained (whose
+        # config transformers gives the implementation but not this attribute) saves it again
+        module.config.attn_implementation = ATTN_IMPLEMENTATION
     scale = head_dim**-0.5 if scaling is None else scaling
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     batch, t_q, t_k = query.shape[0], query.shape[2], key.shape[2]
@@ -224,16 +280,18 @@ def mlr_attention_forward(
         filled = attention_mask.shape[1] if attention_mask is not None else _filled_slots(kwargs.get("position_ids"), t_k)
         if filled < t_k:
             key, value, t_k = key[:, :, :filled], value[:, :, :filled], filled
+    # MLR blocks tile max_position_embeddings (or the first block size): a longer sequence has no level 1
+    require(t_k <= sizes[0], "input length", f"at most {sizes[0]} tokens with sattn_mlr (the coarsest MLR block: "
+            f"max_position_embeddings, or sattn_block_sizes[0])", t_k)
     if t_q == t_k:
         segments = build_segments(attention_mask, None, batch, t_k, query.device)
         out = mlr_attention(query, key, value, ranks, sizes, causal=causal, scale=scale,
-                            document_ids=None if segments is None else segments.ids,
-                            dim_order=level_permutation(head_dim))
+                            document_ids=None if segments is None else segments.ids, dim_order=order)
     else:  # new queries after a cache of t_k - t_q keys; rows are left-padded
         require(causal, "is_causal", "True when queries follow a cache", causal)
         # inside autocast the rotated keys are float32 beside bfloat16 values: read as SDPA would
         query, key, value = autocast_inputs(query, key, value)
-        q, k = _pair_order(query), _pair_order(key)
+        q, k = (query, key) if order is None else (_pair_order(query), _pair_order(key))
         row_starts = _row_starts(attention_mask, batch, t_k, t_k - t_q, sizes, q.device)
         out = mlr_prefill(q, list(k.split(ranks, dim=-1)), [0] * len(ranks), value, ranks, scale, False, sizes,
                           row_starts)
@@ -314,9 +372,17 @@ def _cache_classes() -> tuple[type, type]:
         docstring); ``config`` is the model's, with ``sattn_ranks``."""
 
         def __init__(self, config: Any) -> None:
+            # It hands back keys with the dropped levels zeroed, which only MLR attention may read.
+            require(getattr(config, "sattn_attention", None) is None, "cache",
+                    "transformers' own cache for a model changed by swap_attention (its layers keep their own caches "
+                    "in it); MLRCache is for models running attn_implementation='sattn_mlr'", "MLRCache")
+            require(getattr(config, "_attn_implementation", None) == ATTN_IMPLEMENTATION, "cache",
+                    f"MLRCache only for a model running attn_implementation={ATTN_IMPLEMENTATION!r} (another "
+                    f"implementation would read the levels it drops as zeros)",
+                    f"a config with attn_implementation={getattr(config, '_attn_implementation', None)!r}")
             head_dim = _head_dim(config)
             ranks, sizes = _levels(config, head_dim)
-            order = torch.tensor(level_permutation(head_dim))
+            order = torch.tensor(_score_order(config, head_dim) or range(head_dim))
             level_dims = list(order.split(ranks))
             super().__init__(layers=[MLRCacheLayer(level_dims, sizes) for _ in range(config.num_hidden_layers)])
 
@@ -356,8 +422,7 @@ class SwappedAttention(torch.nn.Module):
         kind = spec.split(":", 1)[0]
         self._settings = dict(d_model=config.hidden_size, n_heads=config.num_attention_heads,
                               max_seq_len=config.max_position_embeddings, causal=True,
-                              rotary=kind not in ("bilinear_btt", "bilinear_mlr"),
-                              rotary_base=float(getattr(config, "rope_theta", None) or 10000.0))
+                              rotary=kind not in ("bilinear_btt", "bilinear_mlr"), rotary_base=_rope_theta(config))
         self._spec = spec
         self.attn = self._fresh_layer()
 
@@ -410,6 +475,18 @@ class SwappedAttention(torch.nn.Module):
             buffer.copy_(fresh[name])
 
 
+def _rope_theta(config: Any) -> float:
+    """The model's rotary base: ``rope_parameters["rope_theta"]`` (transformers 5) or ``rope_theta``;
+    a swapped layer's own rotary embedding is the plain one, so a scaled one (YaRN, Llama 3's) is
+    refused rather than dropped."""
+    rope = getattr(config, "rope_parameters", None)
+    rope = rope if isinstance(rope, dict) else {}
+    kind = rope.get("rope_type", "default")
+    require(kind == "default", "rope_parameters", "rope_type 'default' for swap_attention (a swapped layer's rotary "
+            "embedding is the plain one)", kind)
+    return float(rope.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0)
+
+
 def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     for module in model.modules():
         if isinstance(module, torch.nn.ModuleList) and len(module) and all(hasattr(m, "self_attn") for m in module):
@@ -419,7 +496,8 @@ def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
 
 def _swap_layers(model: torch.nn.Module, spec: str) -> None:
     for i, layer in enumerate(_decoder_layers(model)):
-        layer.self_attn = SwappedAttention(model.config, i, spec).to(next(layer.parameters()).device)
+        like = next(layer.parameters())  # the layer's device and dtype (a bfloat16 model's layers are bfloat16)
+        layer.self_attn = SwappedAttention(model.config, i, spec).to(like.device, like.dtype)
 
 
 @functools.lru_cache(maxsize=None)
@@ -469,10 +547,15 @@ def swap_attention(model: Any, spec: str) -> Any:
     ``"mlr:32|16|16"``...; fresh weights), and make the model one of the registered
     ``Sattn<Family>ForCausalLM`` classes, so ``save_pretrained`` writes a folder that
     ``AutoModelForCausalLM.from_pretrained`` rebuilds. Returns ``model``."""
+    import transformers
+
     register()
     require(isinstance(spec, str) and spec != "", "spec", "an attention spec such as 'bilinear_btt:1'", spec)
     config_class, model_class = type(model.config), type(model)
     if not config_class.model_type.startswith("sattn_"):
+        families = {getattr(transformers, f"{f}ForCausalLM", None): f for f in SWAP_FAMILIES}
+        require(model_class in families, "model", f"a causal LM of a family whose swapped model register() makes "
+                f"loadable ({', '.join(f + 'ForCausalLM' for f in SWAP_FAMILIES)})", model_class.__name__)
         config_class, model_class = _swapped_classes(config_class, model_class)
     _swap_layers(model, spec)
     model.config.__class__, model.__class__ = config_class, model_class
