@@ -484,6 +484,10 @@ def test_inputs_past_the_context_and_configs_without_a_head_are_one_line():
         model(long)
     with pytest.raises(ValueError, match=r"^input length: expected at most 64"):  # generation past it too
         model.generate(long[:, :60], max_new_tokens=8, do_sample=False)
+    right = torch.tensor([[1] * 6 + [0] * 3, [1] * 9])  # generation appends after the padding: a gap
+    with pytest.raises(ValueError, match=r"^attention_mask: .*generation appends to each row's end, so its prompts "
+                                         r"are left-padded\), got a gap in row 0"):
+        model.generate(IDX[:, :9], attention_mask=right, max_new_tokens=3, do_sample=False)
     with pytest.raises(ValueError, match=r"^config: expected a decoder's config with num_attention_heads"):
         sattn_hf.configure(transformers.LlavaConfig(), [8, 8])
     np = pytest.importorskip("numpy")

@@ -125,8 +125,9 @@ def _check_mask(
         step = real.long().diff(dim=1, prepend=torch.zeros(batch, 1, dtype=torch.long, device=device))
         gaps = (step == 1).sum(dim=1) > 1
         if bool(gaps.any()):
-            raise ValueError(f"attention_mask: expected left or right padding (each row's real tokens contiguous), "
-                             f"got a gap in row {int(gaps.nonzero()[0])}")
+            raise ValueError(f"attention_mask: expected left or right padding (each row's real tokens contiguous; "
+                             f"generation appends to each row's end, so its prompts are left-padded), got a gap in row "
+                             f"{int(gaps.nonzero()[0])}")
     return attention_mask.bool()
 
 
