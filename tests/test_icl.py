@@ -3,6 +3,7 @@ the model's causality and loss positions, FLOP accounting, and a short training 
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -227,6 +228,21 @@ def test_training_flops_follow_the_curriculum():
     assert steps_for_flops(budget, flops_after) == 40
     assert steps_for_flops(budget + 0.4 * 16 * 17 * per_pos(17), flops_after) == 40
     assert steps_for_flops(budget + 0.6 * 16 * 17 * per_pos(17), flops_after) == 41
+
+
+def test_the_runs_metrics_count_the_curriculums_prompts(tmp_path):
+    """metrics.jsonl's tokens and FLOPs (and so tokens/s) follow the curriculum's prompt lengths,
+    as the result does: they counted every step at the full length (38 % over in a short run)."""
+    cfg = load_icl_config(None, [*TINY, "task.points_start=5", "task.points_inc=2", "task.curriculum_every=3",
+                                 "run.steps=10", "run.log_every=1", "run.eval_every=0", f"run.out_dir={tmp_path}"])
+    result = train_icl(cfg)
+    model = build_icl_model(cfg)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    lengths = [2 * cfg.task.curriculum.at(step)[1] - 1 for step in range(10)]  # 9, 9, 9, 13, ...
+    assert [r["tokens"] for r in rows] == [16 * sum(lengths[:r["step"]]) for r in rows]
+    for r in rows:
+        assert r["flops"] == pytest.approx(sum(16 * t * model.training_flops_per_token(t) for t in lengths[:r["step"]]))
+    assert result.flops == pytest.approx(training_flops(model, cfg, 10)) and result.tokens == rows[-1]["tokens"]
 
 
 def test_error_curves_score_the_model_and_every_baseline_on_the_same_prompts():

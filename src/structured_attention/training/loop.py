@@ -145,6 +145,7 @@ class Task(ABC):
         # the processes training together (set by prepare): an evaluation covers run.eval_batches
         # global batches, so its figures do not depend on how the global batch is split
         self.world_size = 1
+        self._step_cost: tuple[int, float] | None = None
 
     def setup(self, info: DistInfo) -> None:
         """Load or generate the data (never the config); called on every rank, rank 0 before the others."""
@@ -199,6 +200,16 @@ class Task(ABC):
     def flops_per_token(self, model: TrainableModel) -> float:
         """Training FLOPs per sequence position (2 per multiply-add, forward and backward): the
         model's ``training_flops_per_token`` at the task's length."""
+
+    def step_cost(self, step: int, model: TrainableModel) -> tuple[int, float]:
+        """Sequence positions and training FLOPs of optimizer step ``step`` (0-based) on one
+        process, over its ``run.grad_accum`` micro-batches: :meth:`tokens_per_batch` each at
+        :meth:`flops_per_token`, by default; a task whose examples change length along the run
+        (a curriculum) counts its own."""
+        if self._step_cost is None:
+            positions = self.tokens_per_batch() * self.config.run.grad_accum
+            self._step_cost = (positions, positions * self.flops_per_token(model))
+        return self._step_cost
 
     def state(self) -> dict[str, Any]:
         """JSON-able extras stored with every checkpoint (a tokenizer, scaling statistics)."""
@@ -579,6 +590,7 @@ class _Training:
                  f"{f' x{info.world_size}' if info.enabled else ''}")
 
         self.start_step = self.done = 0
+        self.tokens_done, self.flops_done = 0, 0.0  # by every process, as each step's cost counts them
         self.end_step = self.run.steps  # the step the loop runs to: less for a resumed run that stopped early
         self.losses: list[float] = []
         self.history: list[dict[str, Any]] = []
@@ -620,6 +632,7 @@ class _Training:
             group["betas"] = tuple(group["betas"])
         set_rng_state(ckpt.state["rng"])
         self.start_step = self.done = ckpt.step
+        self.tokens_done, self.flops_done = self._cost(range(ckpt.step))
         self.losses = list(ckpt.state["losses"])
         self.history = list(ckpt.state["metrics"])
         saved = ckpt.state.get("tracker", {})
@@ -636,6 +649,14 @@ class _Training:
             self.stopped_early, self.end_step = True, self.start_step
             self.say(f"the run stopped early at step {self.start_step} (no better val loss in {self.run.patience} "
                      f"evaluations): nothing to train (a larger run.patience continues it)")
+
+    def _cost(self, steps: range) -> tuple[int, float]:
+        """Positions and training FLOPs of ``steps``, by every process."""
+        tokens, flops = 0, 0.0
+        for step in steps:
+            n, f = self.task.step_cost(step, self.raw_model)
+            tokens, flops = tokens + n, flops + f
+        return tokens * self.info.world_size, flops * self.info.world_size
 
     def begin(self, fresh: bool) -> None:
         """Open the logs (a resumed run's continue where its checkpoint left them) and, for a fresh
@@ -697,7 +718,9 @@ class _Training:
         self.optimizer.zero_grad(set_to_none=True)
         self.done = step + 1
         self.losses.append(step_loss)
-        self.tokens_this_run += self.tokens_per_step
+        tokens, flops = self._cost(range(step, step + 1))
+        self.tokens_done, self.flops_done = self.tokens_done + tokens, self.flops_done + flops
+        self.tokens_this_run += tokens
         return step_loss, lr
 
     def report(self, done: int, loss: float, lr: float) -> bool:
@@ -707,10 +730,9 @@ class _Training:
         evaluate = done == run.steps or _every(done, run.eval_every)
         if not evaluate and done % run.log_every:
             return False
-        tokens = done * self.tokens_per_step
         timing = self.progress.window(self.tokens_this_run, done)
         record: dict[str, Any] = {
-            "step": done, "loss": loss, "lr": lr, "tokens": tokens, "flops": tokens * self.flops_per_token,
+            "step": done, "loss": loss, "lr": lr, "tokens": self.tokens_done, "flops": self.flops_done,
             **timing, "elapsed_s": time.perf_counter() - self.t_start, "rss_mib": resident_mib(),
         }
         improved, extra = False, ""
@@ -787,8 +809,8 @@ class _Training:
             best=dict(self.tracker.best) or metrics,
             best_step=self.tracker.best_step or self.done,
             stopped_early=self.stopped_early,
-            tokens=self.done * self.tokens_per_step,
-            flops=self.done * self.tokens_per_step * self.flops_per_token,
+            tokens=self.tokens_done,
+            flops=self.flops_done,
             wall_s=wall,
             out_dir=str(self.out_dir),
             checkpoint=str(self.last_ckpt) if self.last_ckpt else None,

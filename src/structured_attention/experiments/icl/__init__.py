@@ -198,19 +198,25 @@ def error_curves(
     return curves
 
 
-def training_flops(model: RegressionTransformer, config: ICLConfig, steps: int) -> float:
-    """Training FLOPs of ``steps`` optimizer steps under the curriculum: each step costs
-    ``batch x T x model.training_flops_per_token(T)`` at its prompt length ``T = 2 N_step - 1``
-    (global batch = ``batch_size x grad_accum`` on one process)."""
-    cur, run = config.task.curriculum, config.run
-    per_step_cache: dict[int, float] = {}
+def step_cost(model: TrainableModel, config: ICLConfig, points: int) -> tuple[int, float]:
+    """Positions and training FLOPs of one optimizer step on one process whose prompts have
+    ``points`` points: ``batch_size x grad_accum`` prompts of length ``T = 2 points - 1``, at
+    ``model.training_flops_per_token(T)``."""
+    t = 2 * points - 1
+    positions = config.run.batch_size * config.run.grad_accum * t
+    return positions, positions * model.training_flops_per_token(t)
+
+
+def training_flops(model: TrainableModel, config: ICLConfig, steps: int) -> float:
+    """Training FLOPs of ``steps`` optimizer steps on one process under the curriculum, each at its
+    prompt length (:func:`step_cost`)."""
+    costs: dict[int, float] = {}
     total = 0.0
     for step in range(steps):
-        points = cur.at(step)[1]
-        if points not in per_step_cache:
-            t = 2 * points - 1
-            per_step_cache[points] = run.batch_size * run.grad_accum * t * model.training_flops_per_token(t)
-        total += per_step_cache[points]
+        points = config.task.curriculum.at(step)[1]
+        if points not in costs:
+            costs[points] = step_cost(model, config, points)[1]
+        total += costs[points]
     return total
 
 
@@ -224,6 +230,7 @@ class ICLTask(Task):
     def __init__(self, config: ICLConfig) -> None:
         super().__init__(config)
         self.val: Prompts | None = None
+        self._costs: dict[int, tuple[int, float]] = {}  # step_cost by points per prompt
 
     def setup(self, info: DistInfo) -> None:
         self.val = validation_prompts(self.config, self.world_size)
@@ -265,19 +272,25 @@ class ICLTask(Task):
         return self.config.model
 
     def tokens_per_batch(self) -> int:
-        # at the full prompt length; training_flops() counts the curriculum's shorter prompts exactly
+        # at the full prompt length (the memory check's worst case); step_cost counts the curriculum's
         return self.config.run.batch_size * self.config.task.seq_len
 
     def flops_per_token(self, model: TrainableModel) -> float:
         return model.training_flops_per_token(self.config.task.seq_len)
 
+    def step_cost(self, step: int, model: TrainableModel) -> tuple[int, float]:
+        """The step's prompts at the curriculum's length (shorter than the full task's at first)."""
+        points = self.config.task.curriculum.at(step)[1]
+        if points not in self._costs:
+            self._costs[points] = step_cost(model, self.config, points)
+        return self._costs[points]
+
 
 @dataclass(kw_only=True)
 class ICLResult(FitResult):
     """What :func:`train_icl` returns: the loop's :class:`~structured_attention.training.FitResult`
-    and, on rank 0, its ``flops`` counted along the curriculum (:func:`training_flops`, every
-    rank's steps), the parameters and the error curves on the validation prompts (other ranks keep
-    the loop's count and have no curves)."""
+    (its tokens and ``flops`` counted along the curriculum, :meth:`ICLTask.step_cost`, every
+    rank's steps) and, on rank 0, the parameters and the error curves on the validation prompts."""
 
     curves: dict[str, list[float]] | None = None  # name ("model" and every baseline) -> normalised MSE per number of examples
     params: int | None = None
@@ -299,5 +312,4 @@ def train_icl(config: ICLConfig, *, resume: bool = False, stream: TextIO | None 
     model = result.model.eval()
     curves = error_curves(model, task.val, config.task.ridge, config.run.batch_size, config.task.noise_to_signal,
                           autocast=config.run.autocast)  # as the loop's evaluations ran
-    return ICLResult.extend(result, curves=curves, flops=training_flops(model, config, result.steps) * result.world_size,
-                            params=sum(p.numel() for p in model.parameters()))
+    return ICLResult.extend(result, curves=curves, params=sum(p.numel() for p in model.parameters()))
