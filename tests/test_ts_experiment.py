@@ -126,6 +126,22 @@ def test_training_beats_the_last_value_baseline_and_scores_the_best_model(tmp_pa
     assert saved["test_mae_published_windows"] == pytest.approx(np.mean(np.abs(err)), rel=1e-5)
 
 
+def test_without_keep_best_the_last_model_is_scored_with_its_own_validation(tmp_path):
+    """run.keep_best=false scores the last model on the test windows: test.json's validation
+    figures are that model's too (they were the best evaluation's, another model's)."""
+    from structured_attention.experiments.forecasting import _spread
+
+    config = small_config(tmp_path, "run.keep_best=false", "run.steps=40", "run.patience=0")
+    train_ts(config)
+    saved = json.loads((tmp_path / "run" / "test.json").read_text())
+    model, _, ckpt = load_forecaster(tmp_path / "run" / "ckpt")
+    assert ckpt.step == 40
+    data = load_series(config.data.source, lookback=48, horizon=24)
+    val = forecast_metrics(model, data, "val", index=_spread(data.n_windows("val"), 4 * 16))
+    assert saved["val_mse"] == pytest.approx(val["mse"], rel=1e-5) and saved["val_mae"] == pytest.approx(val["mae"], rel=1e-5)
+    assert saved["test_mse"] == pytest.approx(forecast_metrics(model, data, "test")["mse"], rel=1e-6)
+
+
 def run_cli(capsys, *argv: str) -> tuple[int, str]:
     code = main(list(argv))
     return code, capsys.readouterr().err.strip()

@@ -340,8 +340,10 @@ def train_ts(config: TSConfig, *, resume: bool = False, stream: TextIO | None = 
         return ForecastResult.extend(result)
     model = result.model
     best_dir = Path(result.out_dir) / "best"
+    val = result.final  # the validation scores of the model scored on the test windows
     if config.run.keep_best and best_dir.is_dir():
         model.load_state_dict(load_checkpoint(best_dir).model_state)
+        val = result.best
     data = task.data
     assert data is not None
     device = next(model.parameters()).device
@@ -360,7 +362,7 @@ def train_ts(config: TSConfig, *, resume: bool = False, stream: TextIO | None = 
         skip = forecast_metrics(task.build_model().to(device), data, "test", config.run.batch_size, device)
         extra.update(skip_test_mse=skip["mse"], skip_test_mae=skip["mae"])
     scores = ForecastScores(
-        test_mse=test["mse"], test_mae=test["mae"], val_mse=result.best["val_loss"], val_mae=result.best["val_mae"],
+        test_mse=test["mse"], test_mae=test["mae"], val_mse=val["val_loss"], val_mae=val["val_mae"],
         test_windows=data.n_windows("test"), params=sum(p.numel() for p in model.parameters()),
         examples=[
             {"window": int(i), "start_date": data.dates[int(data.start("test", int(i))) + data.lookback],
