@@ -131,11 +131,13 @@ def test_without_keep_best_the_last_model_is_scored_with_its_own_validation(tmp_
     figures are that model's too (they were the best evaluation's, another model's)."""
     from structured_attention.experiments.forecasting import _spread
 
-    config = small_config(tmp_path, "run.keep_best=false", "run.steps=40", "run.patience=0")
-    train_ts(config)
+    config = small_config(tmp_path, "run.keep_best=false", "run.eval_every=10", "run.patience=0", "optim.lr=3e-2",
+                          "optim.schedule=constant")
+    result = train_ts(config)
+    assert result.best_step < result.steps == 60  # the last model is not the best one
     saved = json.loads((tmp_path / "run" / "test.json").read_text())
     model, _, ckpt = load_forecaster(tmp_path / "run" / "ckpt")
-    assert ckpt.step == 40
+    assert ckpt.step == 60
     data = load_series(config.data.source, lookback=48, horizon=24)
     val = forecast_metrics(model, data, "val", index=_spread(data.n_windows("val"), 4 * 16))
     assert saved["val_mse"] == pytest.approx(val["mse"], rel=1e-5) and saved["val_mae"] == pytest.approx(val["mae"], rel=1e-5)
