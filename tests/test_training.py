@@ -389,8 +389,11 @@ def test_resume_other_architecture(tmp_path):
     train_lm(load_lm_config(None, base))
     with pytest.raises(ValueError, match="another architecture.*d_model"):
         train_lm(load_lm_config(None, base + ["model.d_model=48"]), resume=True)
-    with pytest.raises(FileNotFoundError, match="resume"):
-        train_lm(load_lm_config(None, base + [f"run.out_dir={tmp_path / 'nothing'}"]), resume=True)
+    # found before the data loads (this source does not exist) and before run.out_dir is made
+    with pytest.raises(FileNotFoundError, match="^--resume: no checkpoint in"):
+        train_lm(load_lm_config(None, base + [f"run.out_dir={tmp_path / 'nothing'}", f"data.source={tmp_path / 'none.txt'}"]),
+                 resume=True)
+    assert not (tmp_path / "nothing").exists()
 
 
 def _checkpoint_loss(folder) -> float:

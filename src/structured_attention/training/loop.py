@@ -60,6 +60,7 @@ from ..models.protocol import TrainableModel
 from .checkpoint import (
     check_compatible,
     checkpoint_verifies,
+    find_checkpoints,
     get_rng_state,
     load_checkpoint,
     remove_checkpoints,
@@ -470,6 +471,9 @@ def fit(task: Task, *, resume: bool = False, stream: TextIO | None = None) -> Fi
     """Train ``task``'s model as ``task.config`` says; see the module docstring. With ``resume`` it
     continues from the newest valid checkpoint in ``<run.out_dir>/ckpt`` (``FileNotFoundError`` if
     there is none), whose ``model`` config section must equal this one's."""
+    ckpt_dir = Path(task.config.run.out_dir) / "ckpt"
+    if resume and not find_checkpoints(ckpt_dir, complete_only=False):  # before the data loads and the model is built
+        raise FileNotFoundError(f"--resume: no checkpoint in {str(ckpt_dir)!r} (run.out_dir={task.config.run.out_dir!r})")
     info = setup_distributed(task.config.run.device)
     lock = Path(task.config.run.out_dir) / RUN_LOCK
     try:
@@ -611,9 +615,6 @@ class _Training:
     def restore(self) -> None:
         """Continue from the newest valid checkpoint: weights, optimiser, random state, losses,
         metrics and the best-tracker; its model config must equal this one's."""
-        if not self.ckpt_dir.is_dir():
-            raise FileNotFoundError(f"--resume: no checkpoint folder {str(self.ckpt_dir)!r} "
-                                    f"(run.out_dir={self.run.out_dir!r})")
         ckpt = load_checkpoint(self.ckpt_dir)
         saved_model, current_model = ckpt.state["config"].get("model"), self.config.get("model")
         if saved_model != current_model:
