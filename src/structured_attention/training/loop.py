@@ -594,7 +594,7 @@ class _Training:
                  f"{f' x{info.world_size}' if info.enabled else ''}")
 
         self.start_step = self.done = 0
-        self.tokens_done, self.flops_done = 0, 0.0  # by every process, as each step's cost counts them
+        self.tokens_done, self.flops_done = 0, 0.0  # by one process (each trains as much), as step_cost counts them
         self.end_step = self.run.steps  # the step the loop runs to: less for a resumed run that stopped early
         self.losses: list[float] = []
         self.history: list[dict[str, Any]] = []
@@ -652,12 +652,13 @@ class _Training:
                      f"evaluations): nothing to train (a larger run.patience continues it)")
 
     def _cost(self, steps: range) -> tuple[int, float]:
-        """Positions and training FLOPs of ``steps``, by every process."""
+        """Positions and training FLOPs of ``steps`` on one process, added up step by step (as a
+        run that was never resumed adds them)."""
         tokens, flops = 0, 0.0
         for step in steps:
             n, f = self.task.step_cost(step, self.raw_model)
             tokens, flops = tokens + n, flops + f
-        return tokens * self.info.world_size, flops * self.info.world_size
+        return tokens, flops
 
     def begin(self, fresh: bool) -> None:
         """Open the logs (a resumed run's continue where its checkpoint left them) and, for a fresh
@@ -719,9 +720,9 @@ class _Training:
         self.optimizer.zero_grad(set_to_none=True)
         self.done = step + 1
         self.losses.append(step_loss)
-        tokens, flops = self._cost(range(step, step + 1))
+        tokens, flops = self.task.step_cost(step, self.raw_model)
         self.tokens_done, self.flops_done = self.tokens_done + tokens, self.flops_done + flops
-        self.tokens_this_run += tokens
+        self.tokens_this_run += tokens * info.world_size
         return step_loss, lr
 
     def report(self, done: int, loss: float, lr: float) -> bool:
@@ -733,7 +734,8 @@ class _Training:
             return False
         timing = self.progress.window(self.tokens_this_run, done)
         record: dict[str, Any] = {
-            "step": done, "loss": loss, "lr": lr, "tokens": self.tokens_done, "flops": self.flops_done,
+            "step": done, "loss": loss, "lr": lr, "tokens": self.tokens_done * self.info.world_size,
+            "flops": self.flops_done * self.info.world_size,
             **timing, "elapsed_s": time.perf_counter() - self.t_start, "rss_mib": resident_mib(),
         }
         improved, extra = False, ""
@@ -810,8 +812,8 @@ class _Training:
             best=dict(self.tracker.best) or metrics,
             best_step=self.tracker.best_step or self.done,
             stopped_early=self.stopped_early,
-            tokens=self.tokens_done,
-            flops=self.flops_done,
+            tokens=self.tokens_done * info.world_size,
+            flops=self.flops_done * info.world_size,
             wall_s=wall,
             out_dir=str(self.out_dir),
             checkpoint=str(self.last_ckpt) if self.last_ckpt else None,
