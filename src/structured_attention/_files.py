@@ -12,7 +12,8 @@ import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-__all__ = ["atomic_write", "check_folder", "claim", "file_sha256", "made_folder", "make_folder", "release", "with_umask"]
+__all__ = ["atomic_write", "check_folder", "claim", "file_sha256", "made_folder", "make_folder", "release",
+           "with_umask"]
 
 
 def check_folder(path: str | os.PathLike, name: str) -> Path:
