@@ -89,10 +89,9 @@ def test_opcheck_cpu_forward_backward_and_decode():
     # two query heads on one key head (GQA), read in place from (B, T, H, D) memory, dims reordered
     q = _rand(1, T, N, R).transpose(1, 2).requires_grad_()
     k, v = _rand(1, 1, T, R, grad=True), _rand(1, T, 1, DV).transpose(1, 2).requires_grad_()
-    whole = torch.empty(0, 3, dtype=torch.long)
-    documents = torch.tensor([[n, start, length] for n in range(N) for start, length in [(0, 20), (20, T - 20)]])
-    for segments in (whole, documents):
-        cfg = (segments, SIZES, OFFSETS, [3, 0, 1, 2, 7, 6, 5, 4], 0.5, False, True)
+    documents = torch.tensor([[0] * 20 + [1] * (T - 20)])  # two documents, read as segments inside the ops
+    for document_ids in (None, documents):
+        cfg = (document_ids, SIZES, OFFSETS, [3, 0, 1, 2, 7, 6, 5, 4], 0.5, False, True)
         opcheck(torch.ops.sattn.mlr_cpu_forward.default, (q, k, v, *cfg))
         out, lse = torch.ops.sattn.mlr_cpu_forward(q, k, v, *cfg)
         opcheck(torch.ops.sattn.mlr_cpu_backward.default,

@@ -31,13 +31,14 @@ __all__ = ["available", "decode", "decode_static", "load", "mlr_attention_cpu", 
 # traces shapes through the fake implementations; autograd reaches the backward through
 # register_autograd. q, k and v are read in place (any strides with a contiguous last dim), their
 # head dims in ``order`` (empty: as they come); outputs are (B, H, T, *) views of (B, T, H, *)
-# memory. ``segments`` (S, 3) int64 rows of (row b * H + h, start, length), or (0, 3) for whole
-# rows: each is scored as a sequence of its own (packed documents, varlen).
-def _run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor, sizes: list[int],
-                 offsets: list[int], order: list[int], scale: float, causal: bool, depth_normalize: bool
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return tuple(load().forward(q, k, v, segments, sizes, offsets, order, scale, causal, depth_normalize, BLOCK_Q,
-                                BLOCK_K))
+# memory. ``document_ids`` (B, T) or None: each document of a row is scored as a sequence of its
+# own (packed documents, varlen); its segments are read from the ids inside the ops, so a graph
+# keeps the call whole.
+def _run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor | None,
+                 sizes: list[int], offsets: list[int], order: list[int], scale: float, causal: bool,
+                 depth_normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return tuple(load().forward(q, k, v, document_segments(document_ids, q.shape[1]), sizes, offsets, order, scale,
+                                causal, depth_normalize, BLOCK_Q, BLOCK_K))
 
 
 _forward_op = torch.library.custom_op("sattn::mlr_cpu_forward", _run_forward, mutates_args=())
@@ -57,16 +58,17 @@ def _heads_view(x: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 @_forward_op.register_fake
-def _(q, k, v, segments, sizes, offsets, order, scale, causal, depth_normalize):
+def _(q, k, v, document_ids, sizes, offsets, order, scale, causal, depth_normalize):
     return _heads_view(q, v.shape[-1]), q.new_empty(q.shape[:3])
 
 
 def _run_backward(gout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                  lse: torch.Tensor, segments: torch.Tensor, sizes: list[int], offsets: list[int], order: list[int],
-                  scale: float, causal: bool, depth_normalize: bool
+                  lse: torch.Tensor, document_ids: torch.Tensor | None, sizes: list[int], offsets: list[int],
+                  order: list[int], scale: float, causal: bool, depth_normalize: bool
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dq, dk, dv = load().backward(q, k, v, out, _kernel_input(gout, gout.dtype), lse, segments, sizes, offsets, order,
-                                 scale, causal, depth_normalize, BLOCK_Q, BLOCK_K)
+    dq, dk, dv = load().backward(q, k, v, out, _kernel_input(gout, gout.dtype), lse,
+                                 document_segments(document_ids, q.shape[1]), sizes, offsets, order, scale, causal,
+                                 depth_normalize, BLOCK_Q, BLOCK_K)
     return dq, _group_sum(dk, k.shape[1]), _group_sum(dv, k.shape[1])
 
 
@@ -79,7 +81,7 @@ def _group_sum(x: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 @_backward_op.register_fake
-def _(gout, q, k, v, out, lse, segments, sizes, offsets, order, scale, causal, depth_normalize):
+def _(gout, q, k, v, out, lse, document_ids, sizes, offsets, order, scale, causal, depth_normalize):
     return (_heads_view(q, q.shape[-1]), _group_sum(_heads_view(q, k.shape[-1]), k.shape[1]),
             _group_sum(_heads_view(q, v.shape[-1]), k.shape[1]))
 
@@ -153,7 +155,7 @@ def mlr_attention_cpu(
         raise RuntimeError("the C++ MLR attention kernel is not available here (see the warning when it was built)")
     dtype = compute_dtype(q.dtype)
     out, _ = _forward_call(_kernel_input(q, dtype), _kernel_input(k, dtype), _kernel_input(v, dtype),
-                           document_segments(document_ids, q.shape[1]), list(sizes),
+                           document_ids, list(sizes),
                            list(itertools.accumulate(ranks, initial=0)), [] if order is None else list(order),
                            float(scale), causal, depth_normalize)
     return out.to(q.dtype)
