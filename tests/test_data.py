@@ -352,6 +352,45 @@ def test_cache_reuses_shards_and_content_changes_hash(tmp_path, monkeypatch):
     assert len(list(cache.iterdir())) == 3
 
 
+def test_the_same_text_in_other_documents_gets_its_own_document_starts(tmp_path):
+    """Two files joined give the text one file holds: the cache told them apart by text alone, so
+    the one file got the two files' document starts (a packed run reset attention inside it)."""
+    for name in ("a", "b", "c", "d"):
+        write(tmp_path / "split" / f"{name}.txt", f"document {name}")
+    split = load_corpus(tmp_path / "split", tokenizer="byte", cache_dir=tmp_path / "cache")
+    merged_text = decode_all(split, "train")  # the training documents joined, as the corpus joins them
+    for name in split.meta["val_documents"]:
+        write(tmp_path / "merged" / name, (tmp_path / "split" / name).read_text())
+    write(tmp_path / "merged" / "train.txt", merged_text)
+    merged = load_corpus(tmp_path / "merged", tokenizer="byte", cache_dir=tmp_path / "cache")
+    assert merged.meta["train_documents"] == ["train.txt"]  # the split puts the one file on the training side
+    assert decode_all(merged, "train") == decode_all(split, "train")  # the same text, one document
+    assert len(split.train_document_starts) > 1 and merged.train_document_starts.tolist() == [0]
+    fresh = load_corpus(tmp_path / "merged", tokenizer="byte", cache_dir=tmp_path / "fresh")
+    assert merged.path != split.path
+    assert np.array_equal(merged.train_document_starts, fresh.train_document_starts)
+    assert np.array_equal(merged.val_document_starts, fresh.val_document_starts)
+
+
+def test_a_cache_inside_the_source_folder_is_not_read_as_text(tmp_path):
+    """The corpus cache inside a folder source: its shards are left out (they were read back as
+    documents, the corpus growing on every run); a source inside the cache is refused."""
+    make_folder(tmp_path / "corpus")
+    first = load_corpus(tmp_path / "corpus", tokenizer="byte", cache_dir=tmp_path / "corpus" / "cache")
+    again = load_corpus(tmp_path / "corpus", tokenizer="byte", cache_dir=tmp_path / "corpus" / "cache")
+    assert again.path == first.path and np.array_equal(again.train, first.train)
+    assert not any(n.startswith("cache/") for n in again.meta["train_documents"] + again.meta["val_documents"])
+    with pytest.raises(ValueError, match=r"^cache_dir: expected a folder outside the source"):
+        load_corpus(tmp_path / "corpus", tokenizer="byte", cache_dir=tmp_path)
+
+
+def test_decode_takes_one_row_of_a_tensor_or_array_and_refuses_several():
+    tok = ByteTokenizer()
+    assert tok.decode(torch.tensor([[104, 105]])) == tok.decode(np.array([[104, 105]])) == "hi"  # generate's (1, T)
+    with pytest.raises(ValueError, match=r"^ids: expected one sequence of token ids .* got 'shape \(2, 1\)'"):
+        tok.decode(torch.tensor([[104], [105]]))
+
+
 def test_default_cache_dir_from_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("SATTN_CACHE_DIR", str(tmp_path / "envcache"))
     corpus = load_corpus(write(tmp_path / "t.txt", "some text here\n" * 5))

@@ -105,6 +105,30 @@ def test_a_local_tokenizer_folder_tokenises_each_document_alone(tmp_path):
     assert again.path == corpus.path  # the same tokenizer file: the same cache, whichever path names it
 
 
+def test_a_document_the_tokenizer_encodes_to_nothing_is_left_out(tmp_path):
+    """A whitespace-only file under a word-level tokenizer encodes to no tokens: it is left out of
+    the document starts (it ended in an OSError blaming cache_dir, the shards rewritten each time)."""
+    import numpy as np
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from structured_attention.data import load_corpus
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "b": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    (tmp_path / "tok").mkdir()
+    tok.save(str(tmp_path / "tok" / "tokenizer.json"))
+    for i in range(6):
+        (tmp_path / "docs").mkdir(exist_ok=True)
+        (tmp_path / "docs" / f"f{i}.txt").write_text("a b a " * (i + 1))
+    (tmp_path / "docs" / "blank.txt").write_text("   \n")
+    corpus = load_corpus(tmp_path / "docs", tokenizer=f"hf:{tmp_path / 'tok'}", cache_dir=tmp_path / "cache")
+    names = corpus.meta["train_documents"] + corpus.meta["val_documents"]
+    assert "blank.txt" not in names and len(names) == 6
+    for split in ("train", "val"):
+        starts = getattr(corpus, f"{split}_document_starts")
+        assert len(starts) == len(corpus.meta[f"{split}_documents"]) and np.all(np.diff(starts) > 0)
+
+
 def test_train_generate_and_bad_paths_with_a_local_tokenizer(tmp_path, capsys):
     pytest.importorskip("tokenizers", reason="the [hf] extra is not installed")
     from structured_attention.cli.main import main

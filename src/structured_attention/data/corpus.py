@@ -12,8 +12,10 @@ Sources
   ``site-packages``, ``dist-packages``, ``__pycache__`` or ``config-*`` and the machine-generated
   ``_sysconfigdata_*.py`` (about 12-13 MB for CPython 3.11). See :func:`stdlib_files`.
 - a path to a text file, or to a folder: every file under it (sorted by relative path, hidden
-  files and folders -- names starting with ``.`` -- skipped) that holds no NUL byte; binaries are
-  skipped. Files are decoded as UTF-8 with ``errors="replace"``; empty files are skipped.
+  files and folders -- names starting with ``.`` -- skipped, and the cache folder when it lies
+  inside; a folder inside the cache is refused) that holds no NUL byte; binaries are skipped.
+  Files are decoded as UTF-8 with ``errors="replace"``; empty files are skipped, and so are files
+  a subword tokenizer encodes to no tokens (whitespace, to a word-level one).
 - ``"hf:NAME[:CONFIG][:SPLIT]"`` (``SPLIT`` defaults to ``train``) or an in-memory
   ``datasets.Dataset``: the records' ``text_column``; needs the optional ``datasets`` package.
 
@@ -46,7 +48,8 @@ each document's first token.
 Cache
 -----
 Shards live in ``<cache_dir>/<key>/`` with ``key = sha256`` of (a format tag, the tokenizer name,
-the UTF-8 train text, the UTF-8 validation text), each length-prefixed: ``train.bin``,
+the UTF-8 train text, the UTF-8 validation text, each split's document names and lengths: the
+same text split into other documents has other document starts), each length-prefixed: ``train.bin``,
 ``val.bin`` (raw ``np.uint8`` ids for ``byte``, ``np.uint16`` for ``char`` with a vocabulary up to
 65536, else ``np.uint32``), ``train_docs.bin`` and ``val_docs.bin`` (the document starts, raw
 ``np.int64``, one per document name in ``meta.json``) and ``meta.json`` (format tag, tokenizer
@@ -214,18 +217,20 @@ def _document_starts(tok: Tokenizer, documents: list[str], n_tokens: int, split:
     return np.concatenate([[0], np.cumsum(counts[:-1])]).astype(np.int64)
 
 
-def _encode_each(tok: Tokenizer, documents: list[str]) -> tuple[np.ndarray, np.ndarray]:
+def _encode_each(tok: Tokenizer, documents: list[str], names: list[str], split: str
+                 ) -> tuple[np.ndarray, np.ndarray, list[str]]:
     """A subword tokenizer's tokens of ``documents`` joined by the separator, each encoded alone
-    (a document's tokens do not depend on its neighbours), and where each starts."""
+    (a document's tokens do not depend on its neighbours), where each starts, and the names of the
+    documents kept: one that encodes to no tokens (whitespace, to some tokenizers) is left out."""
     separator = tok.encode_array(DOC_SEPARATOR)
-    pieces = []
-    for i, document in enumerate(documents):
-        pieces.append(tok.encode_array(document))
-        if i < len(documents) - 1:
-            pieces.append(separator)
-    lengths = np.array([len(p) for p in pieces[::2]], dtype=np.int64) + len(separator)
+    encoded = [(tok.encode_array(d), n) for d, n in zip(documents, names)]
+    encoded = [(ids, n) for ids, n in encoded if len(ids)]
+    require(len(encoded) > 0, "source", f"text that {tok.name} encodes to tokens in the {split} split",
+            f"{len(documents)} document(s) of no tokens")
+    pieces = [piece for i, (ids, _) in enumerate(encoded) for piece in ((separator, ids) if i else (ids,))]
+    lengths = np.array([len(ids) for ids, _ in encoded], dtype=np.int64) + len(separator)
     starts = np.concatenate([[0], np.cumsum(lengths[:-1])]).astype(np.int64)
-    return np.concatenate(pieces).astype(tok.dtype), starts
+    return np.concatenate(pieces).astype(tok.dtype), starts, [n for _, n in encoded]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -263,10 +268,12 @@ def _read_files(root: Path, rels: list[str]) -> tuple[list[str], list[str]]:
     return names, texts
 
 
-def _folder_files(root: Path) -> list[str]:
+def _folder_files(root: Path, skip: Path | None = None) -> list[str]:
+    """The files of a folder source, hidden ones and the folder ``skip`` (the corpus cache, when it
+    lies inside the source: its shards would be read back as text, more on every run) left out."""
     out = []
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        dirnames[:] = [d for d in dirnames if not d.startswith(".") and (Path(dirpath) / d).resolve() != skip]
         for f in filenames:
             p = Path(dirpath) / f
             if not f.startswith(".") and p.is_file():
@@ -316,8 +323,9 @@ def _hf_documents(dataset: Any, text_column: str) -> tuple[list[str], list[str]]
     return names, texts
 
 
-def _read_source(source: Any, text_column: str) -> tuple[str, list[str], list[str]]:
-    """(description, document names, document texts) of a source; texts are non-empty."""
+def _read_source(source: Any, text_column: str, cache: Path | None = None) -> tuple[str, list[str], list[str]]:
+    """(description, document names, document texts) of a source; texts are non-empty. A folder
+    source is read without the corpus cache folder ``cache``, and refused inside it."""
     if source is None or (isinstance(source, str) and source == "stdlib"):
         root = Path(sysconfig.get_paths()["stdlib"])
         names, texts = _read_files(root, stdlib_files(root))
@@ -355,7 +363,10 @@ def _read_source(source: Any, text_column: str) -> tuple[str, list[str], list[st
     if not path.exists():
         raise FileNotFoundError(f"source: no such file or folder: {str(path)!r}")
     if path.is_dir():
-        names, texts = _read_files(path, _folder_files(path))
+        inside = cache is not None and path.resolve().is_relative_to(cache)
+        require(not inside, "cache_dir", f"a folder outside the source {str(path)!r} (its shards would be read as "
+                "text)", str(cache))
+        names, texts = _read_files(path, _folder_files(path, cache))
         return f"folder:{path.resolve().as_posix()}", names, texts
     # A FIFO would block the read forever and a device such as /dev/zero never end it.
     require(path.is_file(), "source", "a regular file or a folder (not a FIFO or a device)", str(path))
@@ -369,9 +380,12 @@ def _read_source(source: Any, text_column: str) -> tuple[str, list[str], list[st
 # --------------------------------------------------------------------------------------------------
 
 
-def _cache_key(tokenizer_name: str, train_b: bytes, val_b: bytes) -> str:
+def _cache_key(tokenizer_name: str, train_b: bytes, val_b: bytes, documents: Sequence[Sequence[str]]) -> str:
+    """The shards' folder name: a hash of what they hold, the documents' names and boundaries
+    included (the same text split into other documents has other document starts)."""
     h = hashlib.sha256()
-    for part in (_FORMAT.encode(), tokenizer_name.encode(), train_b, val_b):
+    layout = json.dumps([[[n, len(d)] for n, d in zip(names, docs)] for names, docs in zip(documents[::2], documents[1::2])])
+    for part in (_FORMAT.encode(), tokenizer_name.encode(), train_b, val_b, layout.encode()):
         h.update(len(part).to_bytes(8, "little"))
         h.update(part)
     return h.hexdigest()
@@ -441,7 +455,8 @@ def load_corpus(
     )
     require(isinstance(text_column, str) and text_column != "", "text_column", "a column name", text_column)
 
-    description, names, texts = _read_source(source, text_column)
+    cache_root = Path(cache_dir if cache_dir is not None else default_cache_dir()).expanduser()
+    description, names, texts = _read_source(source, text_column, cache_root.resolve())
     n_chars = sum(len(t) for t in texts)
     require(
         n_chars >= 2, "source", "a corpus with text (at least 2 characters)", f"{description}: {n_chars} characters"
@@ -451,8 +466,8 @@ def load_corpus(
     train_b = train_text.encode("utf-8")
     val_b = val_text.encode("utf-8")
 
-    folder = Path(cache_dir if cache_dir is not None else default_cache_dir()).expanduser()
-    folder = folder / _cache_key(hf_tokenizer.name if hf_tokenizer else tokenizer, train_b, val_b)
+    folder = cache_root / _cache_key(hf_tokenizer.name if hf_tokenizer else tokenizer, train_b, val_b,
+                                     [train_names, train_docs, val_names, val_docs])
     cached = _open_shards(folder)
     if cached is None:
         tok: Tokenizer = hf_tokenizer or (ByteTokenizer() if tokenizer == "byte" else CharTokenizer.from_text(train_text))
@@ -462,8 +477,8 @@ def load_corpus(
             train_starts = _document_starts(tok, train_docs, len(train_ids), "train")
             val_starts = _document_starts(tok, val_docs, len(val_ids), "val")
         else:
-            train_ids, train_starts = _encode_each(tok, train_docs)
-            val_ids, val_starts = _encode_each(tok, val_docs)
+            train_ids, train_starts, train_names = _encode_each(tok, train_docs, train_names, "train")
+            val_ids, val_starts, val_names = _encode_each(tok, val_docs, val_names, "validation")
         meta = {
             "format": _FORMAT,
             "source": description,

@@ -37,10 +37,16 @@ _REPLACEMENT = "\ufffd"
 
 
 def _as_int_list(ids: Iterable[int] | np.ndarray) -> list[int]:
-    if isinstance(ids, np.ndarray):
-        return ids.astype(np.int64, copy=False).ravel().tolist()
-    if hasattr(ids, "tolist"):  # torch tensors
-        return list(ids.tolist())  # type: ignore[union-attr]
+    """The ids of one sequence as ints: a list, a 1-D array or tensor, or one row of a 2-D one
+    (``GPT.generate``'s ``(1, T)`` output); several rows are refused (which would they be?)."""
+    if hasattr(ids, "shape") and hasattr(ids, "tolist"):  # NumPy arrays and torch tensors alike
+        shape = tuple(ids.shape)  # type: ignore[union-attr]
+        require(len(shape) <= 1 or all(n == 1 for n in shape[:-1]), "ids",
+                "one sequence of token ids (a 1-D array, or a 2-D one of one row)", f"shape {shape}")
+        values = ids.tolist()  # type: ignore[union-attr]
+        for _ in shape[:-1]:
+            values = values[0]
+        return [int(v) for v in ([values] if not shape else values)]
     return [int(i) for i in ids]
 
 
