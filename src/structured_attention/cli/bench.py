@@ -204,7 +204,8 @@ def _cpu_rss_growth(name: str, arg_dict: dict[str, Any], seq_len: int) -> float:
 
 
 def _decode_ms(spec: str, args: argparse.Namespace, cache_len: int, context: int) -> float:
-    """Median ms per token of ``--decode-steps`` one-token steps after a ``cache_len`` prompt."""
+    """Median ms of one of ``--decode-steps`` one-token steps of the batch after a ``cache_len``
+    prompt: the time per token of each sequence."""
     torch.manual_seed(0)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     layer = build_attention(spec, d_model=args.d_model, n_heads=args.n_heads, max_seq_len=context)

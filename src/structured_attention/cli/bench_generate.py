@@ -16,7 +16,10 @@ prefilled caches, in each mode (every mode once per round, in an order rotated f
 
 Writes ``<out>/generate.json`` (``environment`` and ``results``: one record per case with
 ``case, batch, cache_len, tokens_per_s, ms_per_token, cache_bytes``, the cache's own report of its
-bytes after the run, and more), ``<out>/generate.png`` and a markdown table.
+bytes after the run, and more), ``<out>/generate.png`` and a markdown table. ``ms_per_token`` is
+the time between two tokens of one sequence, one decoding step of the whole batch (what serving
+calls inter-token latency); ``tokens_per_s`` counts every sequence's tokens, ``batch x 1000 /
+ms_per_token``.
 """
 
 from __future__ import annotations
