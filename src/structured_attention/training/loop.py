@@ -140,13 +140,14 @@ class Task(ABC):
     # the experiment's name, recorded in every checkpoint (``sattn eval`` dispatches by it)
     experiment: str = ""
 
+    # the processes training together (set by prepare): an evaluation covers run.eval_batches
+    # global batches, so its figures do not depend on how the global batch is split
+    world_size: int = 1
+    _step_cost: tuple[int, float] | None = None  # the default step_cost, once computed
+
     def __init__(self, config: Any) -> None:
         self.requested = config
         self.config = config
-        # the processes training together (set by prepare): an evaluation covers run.eval_batches
-        # global batches, so its figures do not depend on how the global batch is split
-        self.world_size = 1
-        self._step_cost: tuple[int, float] | None = None
 
     def setup(self, info: DistInfo) -> None:
         """Load or generate the data (never the config); called on every rank, rank 0 before the others."""
