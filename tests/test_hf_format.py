@@ -129,6 +129,31 @@ def test_a_document_the_tokenizer_encodes_to_nothing_is_left_out(tmp_path):
         assert len(starts) == len(corpus.meta[f"{split}_documents"]) and np.all(np.diff(starts) > 0)
 
 
+def test_eval_scores_with_the_checkpoints_tokenizer_after_the_file_changes(tmp_path, capsys):
+    """sattn eval encodes the validation text with the tokenizer the model was trained with (the
+    checkpoint's): a tokenizer.json changed since gives the same figures, packed documents
+    included. It encoded with the new file, re-encoded with the model's as one text, and took the
+    bits per byte and document starts of the new file's tokens."""
+    pytest.importorskip("tokenizers", reason="the [hf] extra is not installed")
+    from structured_attention.cli.main import main
+
+    texts = _documents(tmp_path / "docs")
+    _tiny_tokenizer(tmp_path / "tok", list(texts.values()))
+    assert main(["train", "lm", f"data.source={tmp_path / 'docs'}", f"data.cache_dir={tmp_path / 'cache'}",
+                 "data.val_fraction=0.4", "data.pack_documents=true", f"data.tokenizer=hf:{tmp_path / 'tok'}",
+                 "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.max_seq_len=32", "run.seq_len=32",
+                 "run.batch_size=2", "run.steps=2", "run.eval_every=0", "run.eval_batches=1", "run.sample_tokens=0",
+                 f"run.out_dir={tmp_path / 'run'}"]) == 0
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(tmp_path / "run")]) == 0
+    before = capsys.readouterr().out
+    (tmp_path / "tok" / "tokenizer.json").unlink()
+    (tmp_path / "tok").rmdir()
+    _tiny_tokenizer(tmp_path / "tok", [t[::-1] for t in texts.values()])  # other merges: other tokens
+    assert main(["eval", "--checkpoint", str(tmp_path / "run")]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == before.splitlines()[-1]
+
+
 def test_train_generate_and_bad_paths_with_a_local_tokenizer(tmp_path, capsys):
     pytest.importorskip("tokenizers", reason="the [hf] extra is not installed")
     from structured_attention.cli.main import main

@@ -391,6 +391,15 @@ def _cache_key(tokenizer_name: str, train_b: bytes, val_b: bytes, documents: Seq
     return h.hexdigest()
 
 
+def _tokenizer_key(tokenizer: str | Tokenizer) -> str:
+    """What names a tokenizer in the cache key: the spec (``"char"`` builds its vocabulary from the
+    training text, so the text decides it), an HF tokenizer's name (a hash of its file), and a given
+    character tokenizer's vocabulary."""
+    if isinstance(tokenizer, CharTokenizer):
+        return "char:" + hashlib.sha256(json.dumps(tokenizer.to_json(), sort_keys=True).encode()).hexdigest()
+    return tokenizer if isinstance(tokenizer, str) else tokenizer.name
+
+
 def _open_shards(folder: Path) -> tuple[dict[str, Any], dict[str, np.ndarray], dict[str, np.ndarray]] | None:
     """The cached (meta, tokens by split, document starts by split) in ``folder``, or None when it
     is absent, incomplete or of another format."""
@@ -426,7 +435,7 @@ def _open_shards(folder: Path) -> tuple[dict[str, Any], dict[str, np.ndarray], d
 def load_corpus(
     source: Any = None,
     *,
-    tokenizer: str = "byte",
+    tokenizer: str | Tokenizer = "byte",
     val_fraction: float = 0.1,
     cache_dir: str | os.PathLike | None = None,
     text_column: str = "text",
@@ -435,17 +444,20 @@ def load_corpus(
 
     ``source``: ``None``/``"stdlib"`` (the default corpus), a file or folder path,
     ``"hf:NAME[:CONFIG][:SPLIT]"`` or a ``datasets.Dataset``; ``tokenizer``: ``"byte"``,
-    ``"char"`` (its vocabulary is built from the training text) or ``"hf:PATH"`` (a local
-    ``tokenizer.json`` or the folder holding it); ``val_fraction`` in ``(0, 1)``.
+    ``"char"`` (its vocabulary is built from the training text), ``"hf:PATH"`` (a local
+    ``tokenizer.json`` or the folder holding it) or a tokenizer itself (a checkpoint's, to score
+    its model on text encoded as it was trained); ``val_fraction`` in ``(0, 1)``.
     See the module docstring for the split rule and the cache layout.
 
     Raises ``FileNotFoundError`` for a missing path, ``ImportError`` naming the ``[hf]`` extra when a
     Hugging Face source is asked for without ``datasets``, and ``ValueError`` naming the parameter
     for everything else (an empty corpus names ``source``).
     """
+    given = tokenizer if isinstance(tokenizer, (ByteTokenizer, CharTokenizer, HFTokenizer)) else None
     hub = isinstance(tokenizer, str) and tokenizer.startswith("hf:") and len(tokenizer) > 3
-    require(tokenizer in TOKENIZERS or hub, "tokenizer",
-            f"one of {', '.join(map(repr, TOKENIZERS))} or 'hf:PATH' (a local tokenizer.json or its folder)", tokenizer)
+    require(given is not None or tokenizer in TOKENIZERS or hub, "tokenizer",
+            f"one of {', '.join(map(repr, TOKENIZERS))}, 'hf:PATH' (a local tokenizer.json or its folder) or a "
+            f"tokenizer", tokenizer)
     hf_tokenizer = HFTokenizer.from_path(tokenizer[3:]) if hub else None
     require(
         isinstance(val_fraction, (int, float)) and not isinstance(val_fraction, bool) and 0 < val_fraction < 1,
@@ -466,11 +478,12 @@ def load_corpus(
     train_b = train_text.encode("utf-8")
     val_b = val_text.encode("utf-8")
 
-    folder = cache_root / _cache_key(hf_tokenizer.name if hf_tokenizer else tokenizer, train_b, val_b,
+    folder = cache_root / _cache_key(_tokenizer_key(given or hf_tokenizer or tokenizer), train_b, val_b,
                                      [train_names, train_docs, val_names, val_docs])
     cached = _open_shards(folder)
     if cached is None:
-        tok: Tokenizer = hf_tokenizer or (ByteTokenizer() if tokenizer == "byte" else CharTokenizer.from_text(train_text))
+        tok: Tokenizer = given or hf_tokenizer or (ByteTokenizer() if tokenizer == "byte"
+                                                   else CharTokenizer.from_text(train_text))
         if tok.context_free:
             train_ids = tok.encode_array(train_text)
             val_ids = tok.encode_array(val_text)

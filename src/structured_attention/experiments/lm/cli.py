@@ -99,23 +99,20 @@ def run_train_lm(args: argparse.Namespace) -> int:
 
 def run_eval(args: argparse.Namespace, ckpt: LoadedCheckpoint) -> int:
     """``sattn eval`` on a language-model checkpoint: validation loss and bits per byte."""
-    import numpy as np
-
     from ...data import load_corpus
     from . import evaluate_lm, load_lm
 
     model, tokenizer, config, ckpt = load_lm(ckpt, device=args.device)
     d = config.data
-    corpus = load_corpus(args.source if args.source is not None else d.source, tokenizer=d.tokenizer,
+    # Encoded with the model's own tokenizer (the checkpoint's): another text's char vocabulary, or
+    # a tokenizer.json changed since training, would encode the text otherwise.
+    corpus = load_corpus(args.source if args.source is not None else d.source, tokenizer=tokenizer,
                          val_fraction=d.val_fraction, cache_dir=d.cache_dir)
     val = corpus.val
-    if corpus.tokenizer != tokenizer:  # a char vocabulary built from another text: re-encode with the model's
-        val = tokenizer.encode_array(corpus.tokenizer.decode(np.asarray(val)))
     if len(val) < 2:
         raise ValueError(f"--source: the validation split has {len(val)} tokens; at least 2 are needed")
     batch_size = args.batch_size or config.run.batch_size
     packed = d.pack_documents if args.pack_documents is None else args.pack_documents
-    # Re-encoding keeps one token per code point (or byte), so the document starts still hold.
     starts = corpus.val_document_starts if packed else None
     loss = evaluate_lm(model, val, batch_size, config.run.seq_len, args.max_batches, args.device, "none",
                        document_starts=starts)
