@@ -69,6 +69,8 @@ def test_yaml_and_overrides(tmp_path):
         ("optim.lrr=1", r"optim\.lrr.*valid keys.*\blr\b"),
         ("foo.bar=1", r"foo\.bar"),
         ("run.steps=abc", r"run\.steps: expected an integer"),
+        ("run.steps=10.5", r"run\.steps: expected an integer"),
+        ("run.steps=inf", r"run\.steps: expected an integer"),
         ("run.compile=maybe", r"run\.compile: expected a boolean"),
         ("run.compile_mode=fast", r"run\.compile_mode: expected one of \['default', 'reduce-overhead'"),
         ("run.compile_mode=reduce-overhead", r"run\.compile_mode: expected 'default' unless run\.compile=true"),
@@ -85,6 +87,12 @@ def test_yaml_and_overrides(tmp_path):
 def test_bad_config(override, match):
     with pytest.raises(ValueError, match=match):
         load_lm_config(None, [override])
+
+
+def test_a_whole_number_written_as_a_float_is_an_integer_setting_on_the_command_line_as_in_yaml(tmp_path):
+    (tmp_path / "c.yaml").write_text("run: {steps: 10.0}\n")
+    assert load_lm_config(tmp_path / "c.yaml", []).run.steps == 10  # YAML's 10.0
+    assert load_lm_config(None, ["run.steps=10.0"]).run.steps == 10 == load_lm_config(None, ["run.steps=1e1"]).run.steps
 
 
 def test_compile_mode_reaches_torch_compile_and_every_optimizer_step_is_a_new_cuda_graph_step(tmp_path,

@@ -103,10 +103,18 @@ def parse_typed(raw: Any, tp: Any, key: str) -> Any:
         elif isinstance(raw, float) and raw.is_integer():
             value = int(raw)
         else:
+            text = str(raw).strip().replace("_", "")
             try:
-                value = int(str(raw).strip().replace("_", ""))
+                value = int(text)
             except ValueError:
-                raise ValueError(f"{key}: expected an integer, got {quote(raw)}") from None
+                # "10.0" or "1e3" on the command line, as YAML's 10.0 is taken: a whole number
+                try:
+                    number = float(text)
+                except ValueError:
+                    number = math.nan
+                if not number.is_integer():  # NaN and inf are not
+                    raise ValueError(f"{key}: expected an integer, got {quote(raw)}") from None
+                value = int(number)
         # every integer setting ends up in a tensor, a seed or a size: beyond 64 bits none fits
         require(-(2**63) <= value < 2**63, key, "an integer in the 64-bit range", value)
         return value
