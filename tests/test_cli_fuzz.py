@@ -20,6 +20,8 @@ not_a_number = st.text(alphabet=string.ascii_letters + "#%-_ ", min_size=1, max_
     lambda s: not s.strip().lstrip("-").isdigit())
 negative = st.integers(-10**6, -1).map(str)
 bad_int = st.one_of(not_a_number, negative, st.sampled_from(["1.5", "1e3", "", "0x10", "--"]))
+# an integer setting (section.key=value) takes a whole number written as a float ("1e3", as YAML's 10.0)
+bad_setting_int = st.one_of(not_a_number, negative, st.sampled_from(["1.5", "1e-3", "", "0x10", "--", "nan"]))
 bad_list = st.one_of(not_a_number, st.sampled_from(["1,,2", "-64", "64,x", "0", ",", "64;128"]))
 bad_spec = st.one_of(
     st.text(alphabet=string.ascii_letters + "#|:=", min_size=1, max_size=12).filter(lambda s: s.lower() not in {"mha", "swa", "mlr", "global_swa", "bilinear_btt", "bilinear_mlr"}),
@@ -66,7 +68,7 @@ VALID_WORDS = {"auto", "none", "cpu", "cuda", "learned", "rotary", "cosine", "co
 BAD_OVERRIDES = st.one_of(
     st.tuples(st.sampled_from(["model.d_model", "model.n_layers", "model.n_heads", "model.max_seq_len", "run.steps",
                                "run.batch_size", "run.seq_len", "run.grad_accum", "run.log_every", "optim.warmup_steps"]),
-              bad_int),
+              bad_setting_int),
     st.tuples(st.sampled_from(["optim.lr", "data.val_fraction", "optim.weight_decay"]), st.one_of(not_a_number, negative)),
     st.tuples(st.just("model.attention"), bad_spec),
     st.tuples(st.sampled_from(["model.positions", "data.tokenizer", "optim.schedule", "run.autocast", "run.device"]),
@@ -83,7 +85,8 @@ def not_none(value: str) -> bool:
 
 # Overrides shared by every experiment's config (model, optim, run sections) and each one's own.
 COMMON_BAD_OVERRIDES = st.one_of(
-    st.tuples(st.sampled_from(["model.d_model", "model.n_layers", "model.n_heads", "run.steps", "run.batch_size"]), bad_int),
+    st.tuples(st.sampled_from(["model.d_model", "model.n_layers", "model.n_heads", "run.steps", "run.batch_size"]),
+              bad_setting_int),
     st.tuples(st.just("optim.lr"), st.one_of(not_a_number, negative)),
     st.tuples(st.just("model.attention"), bad_spec),
     st.tuples(st.sampled_from(["model.bogus", "nosection.key", "run", ".steps"]), st.just("1")),
@@ -92,15 +95,15 @@ EXPERIMENT_BAD_OVERRIDES = {
     "train lm": BAD_OVERRIDES,
     "train icl": st.one_of(
         COMMON_BAD_OVERRIDES,
-        st.tuples(st.just("task.n_dims"), bad_int),
-        st.tuples(st.sampled_from(["task.n_points", "task.sparsity"]), bad_int.filter(not_none)),
+        st.tuples(st.just("task.n_dims"), bad_setting_int),
+        st.tuples(st.sampled_from(["task.n_points", "task.sparsity"]), bad_setting_int.filter(not_none)),
         st.tuples(st.just("task.noise_std"), st.one_of(not_a_number, negative)),
         st.tuples(st.just("task.ridge_lambda"), st.one_of(not_a_number, negative).filter(not_none)),
         st.tuples(st.just("model.causal"), st.just("false")),
     ),
     "train ts": st.one_of(
         COMMON_BAD_OVERRIDES,
-        st.tuples(st.sampled_from(["data.lookback", "data.horizon"]), bad_int),
+        st.tuples(st.sampled_from(["data.lookback", "data.horizon"]), bad_setting_int),
         st.tuples(st.sampled_from(["data.features", "data.dataset", "model.family"]),
                   not_a_number.filter(lambda v: not_none(v) and v.strip().lower() not in {"m", "s", "point", "patch", "custom"})),
         st.tuples(st.just("data.source"), missing_path),
