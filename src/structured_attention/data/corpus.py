@@ -380,11 +380,12 @@ def _read_source(source: Any, text_column: str, cache: Path | None = None) -> tu
 # --------------------------------------------------------------------------------------------------
 
 
-def _cache_key(tokenizer_name: str, train_b: bytes, val_b: bytes, documents: Sequence[Sequence[str]]) -> str:
-    """The shards' folder name: a hash of what they hold, the documents' names and boundaries
-    included (the same text split into other documents has other document starts)."""
+def _cache_key(tokenizer_name: str, train_b: bytes, val_b: bytes,
+               splits: Sequence[tuple[Sequence[str], Sequence[str]]]) -> str:
+    """The shards' folder name: a hash of what they hold, each split's ``(names, documents)``
+    names and lengths included (the same text split into other documents has other starts)."""
     h = hashlib.sha256()
-    layout = json.dumps([[[n, len(d)] for n, d in zip(names, docs)] for names, docs in zip(documents[::2], documents[1::2])])
+    layout = json.dumps([[[n, len(d)] for n, d in zip(names, docs)] for names, docs in splits])
     for part in (_FORMAT.encode(), tokenizer_name.encode(), train_b, val_b, layout.encode()):
         h.update(len(part).to_bytes(8, "little"))
         h.update(part)
@@ -479,7 +480,7 @@ def load_corpus(
     val_b = val_text.encode("utf-8")
 
     folder = cache_root / _cache_key(_tokenizer_key(given or hf_tokenizer or tokenizer), train_b, val_b,
-                                     [train_names, train_docs, val_names, val_docs])
+                                     [(train_names, train_docs), (val_names, val_docs)])
     cached = _open_shards(folder)
     if cached is None:
         tok: Tokenizer = given or hf_tokenizer or (ByteTokenizer() if tokenizer == "byte"

@@ -108,7 +108,7 @@ def configure(config: Any, ranks: Sequence[int], block_sizes: Sequence[int] | No
     ``config``."""
     ranks = [int(r) if isinstance(r, numbers.Integral) and not isinstance(r, bool) else r for r in ranks]  # NumPy ints
     _check_levels(ranks, block_sizes, getattr(config, "max_position_embeddings", None), _head_dim(config))
-    _rotary_pairs(config, ranks)
+    _check_rotary(config, ranks)
     config.sattn_ranks = list(ranks)
     config.sattn_block_sizes = None if block_sizes is None else list(block_sizes)
     config.attn_implementation = ATTN_IMPLEMENTATION  # written to config.json; read by from_pretrained
@@ -130,12 +130,10 @@ _ADJACENT_PAIRS = frozenset({"cohere", "cohere2", "cohere2_moe", "glm", "glm4", 
                              "deepseek_v4", "llama4", "llama4_text", "gptj", "codegen"})
 
 
-def _rotary_pairs(config: Any, ranks: Sequence[int]) -> str:
-    """How the model's rotary embedding pairs head dimensions: ``"half"`` (``i`` with
-    ``i + head_dim/2``, Llama's ``rotate_half``) or ``"adjacent"`` (``2i`` with ``2i + 1``). Several
-    levels need every pair rotated inside one level; a rotary embedding over part of the head
-    (``partial_rotary_factor`` < 1: Phi, GPT-NeoX) pairs dimensions this cannot see, so it takes
-    one level only."""
+def _check_rotary(config: Any, ranks: Sequence[int]) -> None:
+    """Several levels need every rotary pair inside one level (:func:`_score_order` orders the
+    dimensions so); a rotary embedding over part of the head (``partial_rotary_factor`` < 1: Phi,
+    GPT-NeoX) pairs dimensions this cannot see, so such a model takes one level only."""
     rope = getattr(config, "rope_parameters", None)
     partial = next((v for v in (getattr(config, "partial_rotary_factor", None),
                                 rope.get("partial_rotary_factor") if isinstance(rope, dict) else None,
@@ -143,7 +141,6 @@ def _rotary_pairs(config: Any, ranks: Sequence[int]) -> str:
     require(len(ranks) == 1 or partial == 1, "sattn_ranks",
             f"one level for a model whose rotary embedding covers part of each head (partial_rotary_factor="
             f"{partial}): several levels would split its rotary pairs", list(ranks))
-    return "adjacent" if getattr(config, "model_type", None) in _ADJACENT_PAIRS else "half"
 
 
 def _score_order(config: Any, head_dim: int) -> tuple[int, ...] | None:
@@ -171,7 +168,7 @@ def _levels(config: Any, head_dim: int) -> tuple[tuple[int, ...], tuple[int, ...
     """A model config's checked MLR ranks and block sizes."""
     levels = _check_levels(getattr(config, "sattn_ranks", None), getattr(config, "sattn_block_sizes", None),
                            getattr(config, "max_position_embeddings", None), head_dim)
-    _rotary_pairs(config, levels[0])
+    _check_rotary(config, levels[0])
     return levels
 
 

@@ -634,7 +634,9 @@ class _Training:
             group["betas"] = tuple(group["betas"])
         set_rng_state(ckpt.state["rng"])
         self.start_step = self.done = ckpt.step
-        self.tokens_done, self.flops_done = self._cost(range(ckpt.step))
+        for step in range(ckpt.step):  # added up step by step, as a run that was never resumed adds them
+            tokens, flops = self.task.step_cost(step, self.raw_model)
+            self.tokens_done, self.flops_done = self.tokens_done + tokens, self.flops_done + flops
         self.losses = list(ckpt.state["losses"])
         self.history = list(ckpt.state["metrics"])
         saved = ckpt.state.get("tracker", {})
@@ -651,15 +653,6 @@ class _Training:
             self.stopped_early, self.end_step = True, self.start_step
             self.say(f"the run stopped early at step {self.start_step} (no better val loss in {self.run.patience} "
                      f"evaluations): nothing to train (a larger run.patience continues it)")
-
-    def _cost(self, steps: range) -> tuple[int, float]:
-        """Positions and training FLOPs of ``steps`` on one process, added up step by step (as a
-        run that was never resumed adds them)."""
-        tokens, flops = 0, 0.0
-        for step in steps:
-            n, f = self.task.step_cost(step, self.raw_model)
-            tokens, flops = tokens + n, flops + f
-        return tokens, flops
 
     def begin(self, fresh: bool) -> None:
         """Open the logs (a resumed run's continue where its checkpoint left them) and, for a fresh

@@ -198,26 +198,11 @@ def error_curves(
     return curves
 
 
-def step_cost(model: TrainableModel, config: ICLConfig, points: int) -> tuple[int, float]:
-    """Positions and training FLOPs of one optimizer step on one process whose prompts have
-    ``points`` points: ``batch_size x grad_accum`` prompts of length ``T = 2 points - 1``, at
-    ``model.training_flops_per_token(T)``."""
-    t = 2 * points - 1
-    positions = config.run.batch_size * config.run.grad_accum * t
-    return positions, positions * model.training_flops_per_token(t)
-
-
 def training_flops(model: TrainableModel, config: ICLConfig, steps: int) -> float:
     """Training FLOPs of ``steps`` optimizer steps on one process under the curriculum, each at its
-    prompt length (:func:`step_cost`)."""
-    costs: dict[int, float] = {}
-    total = 0.0
-    for step in range(steps):
-        points = config.task.curriculum.at(step)[1]
-        if points not in costs:
-            costs[points] = step_cost(model, config, points)[1]
-        total += costs[points]
-    return total
+    prompt length (:meth:`ICLTask.step_cost`, what the training loop counts), added up in order."""
+    task = ICLTask(config)
+    return sum(task.step_cost(step, model)[1] for step in range(steps))
 
 
 class ICLTask(Task):
@@ -279,10 +264,13 @@ class ICLTask(Task):
         return model.training_flops_per_token(self.config.task.seq_len)
 
     def step_cost(self, step: int, model: TrainableModel) -> tuple[int, float]:
-        """The step's prompts at the curriculum's length (shorter than the full task's at first)."""
+        """``batch_size x grad_accum`` prompts at the curriculum's length ``T = 2 points - 1``
+        (shorter than the full task's at first), at ``model.training_flops_per_token(T)``."""
         points = self.config.task.curriculum.at(step)[1]
         if points not in self._costs:
-            self._costs[points] = step_cost(model, self.config, points)
+            t = 2 * points - 1
+            positions = self.config.run.batch_size * self.config.run.grad_accum * t
+            self._costs[points] = (positions, positions * model.training_flops_per_token(t))
         return self._costs[points]
 
 
