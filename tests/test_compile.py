@@ -110,19 +110,18 @@ def test_opcheck_triton_forward_and_backward(kernel):
     dev, f32 = _triton_device(), torch.float32
     q, k = (_rand(1, 2, 32, 32, dtype=f32).to(dev).requires_grad_() for _ in range(2))
     v = _rand(1, 2, 32, 16, dtype=f32).to(dev).requires_grad_()
-    if kernel == "general":
-        fwd, bwd = torch.ops.sattn.mlr_triton_forward, torch.ops.sattn.mlr_triton_backward
-        # two packed documents of 20 and 12 tokens (the segment table, the longest length)
-        segments = torch.tensor([[0, 0, 20], [0, 20, 12]], dtype=torch.int32, device=dev)
-        cfg = (segments, 20, [16, 8, 8], [32, 12, 6], True, 0.2, False, 16, 16)
-    else:
-        fwd, bwd = torch.ops.sattn.mlr_triton_prefix_forward, torch.ops.sattn.mlr_triton_prefix_backward
-        # whole rows: the op makes the segment table itself
-        cfg = (None, 32, [16, 8, 8], [32, 32, 16], True, 0.2, False, [16] * 6 + [4, 2])
-    opcheck(fwd.default, (q, k, v, *cfg))
-    out, lse = fwd(q, k, v, *cfg)
-    do = _rand(1, 2, 32, 16, dtype=f32).to(dev)
-    opcheck(bwd.default, (do, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), *cfg))
+    documents = torch.tensor([[0] * 20 + [1] * 12], device=dev)  # two documents, read as segments inside the ops
+    for document_ids in (None, documents):
+        if kernel == "general":
+            fwd, bwd = torch.ops.sattn.mlr_triton_forward, torch.ops.sattn.mlr_triton_backward
+            cfg = (document_ids, [16, 8, 8], [32, 12, 6], True, 0.2, False, 16, 16)
+        else:
+            fwd, bwd = torch.ops.sattn.mlr_triton_prefix_forward, torch.ops.sattn.mlr_triton_prefix_backward
+            cfg = (document_ids, [16, 8, 8], [32, 32, 16], True, 0.2, False, [16] * 6 + [4, 2])
+        opcheck(fwd.default, (q, k, v, *cfg))
+        out, lse = fwd(q, k, v, *cfg)
+        do = _rand(1, 2, 32, 16, dtype=f32).to(dev)
+        opcheck(bwd.default, (do, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), *cfg))
 
 
 def test_opcheck_triton_decode():

@@ -232,3 +232,55 @@ def test_triton_kernels_take_documents(case, tile, kernels, causal, depth_normal
     expected_grads = torch.autograd.grad((expected * w).sum(), (q, k, v))
     for name, got, want in zip("qkv", grads, expected_grads):
         torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"d{name}: {m}")
+
+
+@pytest.mark.parametrize("case,tile,kernels", [("custom-sizes", 16, "general"), ("prefix-tiles", 16, "prefix")])
+def test_triton_kernels_compile_whole_with_documents(case, tile, kernels):
+    """A packed batch through the Triton kernels compiles to one graph (``fullgraph``: the ops read
+    their segment table from the ids themselves) and equals the documents run alone, forward and
+    backward."""
+    triton_general = pytest.importorskip("structured_attention.ops.mlr.triton_general")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    q, k, v, ranks, block_sizes, lengths = _inputs(case, torch.float32, seed=5, requires_grad=True)
+    expected = _per_document(q, k, v, ranks, block_sizes, lengths, True, False)
+    args = [x.detach().to(device).requires_grad_() for x in (q, k, v)]
+
+    def f(q, k, v, ids):
+        return triton_general.mlr_attention_triton(q, k, v, ranks, block_sizes, document_ids=ids, block_m=tile,
+                                                   block_n=tile)
+
+    torch._dynamo.reset()
+    out = torch.compile(f, fullgraph=True, backend="aot_eager")(*args, _ids(lengths).to(device))
+    torch.testing.assert_close(out.cpu(), expected, rtol=1e-5, atol=1e-5)
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(6))
+    grads = torch.autograd.grad((out * w.to(device)).sum(), args)
+    for name, got, want in zip("qkv", grads, torch.autograd.grad((expected * w).sum(), (q, k, v))):
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"d{name}: {m}")
+
+
+def test_ids_changed_in_place_are_read_again():
+    """The segments read from an ids tensor are kept for the calls that follow with the same tensor
+    (a model's layers): ids written in place between two calls are read again."""
+    q, k, v, ranks, block_sizes, lengths = _inputs("two-levels", torch.float64)
+    ids = _ids(lengths)
+    first = mlr_attention(q, k, v, ranks, block_sizes, document_ids=ids)
+    torch.testing.assert_close(first, _per_document(q, k, v, ranks, block_sizes, lengths, True, False),
+                               rtol=0, atol=1e-10)
+    other = [[4, 4, 8], [16], [1, 15], [10, 6]]
+    ids.copy_(_ids(other))
+    torch.testing.assert_close(mlr_attention(q, k, v, ranks, block_sizes, document_ids=ids),
+                               _per_document(q, k, v, ranks, block_sizes, other, True, False), rtol=0, atol=1e-10)
+
+
+def test_compiled_calls_refuse_decreasing_ids():
+    """Under torch.compile the order of the ids is not checked before the call (it would read them
+    on the host in the graph); the kernels' ops, which read them, raise the same line."""
+    if not mlr_cpu.available():
+        pytest.skip("the C++ kernel is not available here")
+    q = torch.randn(2, 2, 8, 4)
+    compiled = torch.compile(lambda q, ids: mlr_attention(q, q, q, (2, 2), document_ids=ids), fullgraph=True,
+                             backend="aot_eager")
+    torch._dynamo.reset()
+    with pytest.raises(ValueError, match=r"^document_ids: expected ids non-decreasing") as info:
+        compiled(q, BAD_IDS["decreasing"])
+    assert "\n" not in str(info.value)

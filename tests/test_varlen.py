@@ -276,6 +276,24 @@ def test_bad_row_starts() -> None:
          r"^row_starts: expected an int32 or int64 tensor")
 
 
+def test_a_models_layers_read_the_document_ids_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A training step of a packed batch reads the segments from the ids on the host once, not once
+    per layer and pass (each read waits for the device's queued work on a GPU): every MLR call of
+    the step, forward and backward, takes the same ids tensor."""
+    from structured_attention.ops.mlr import contract
+
+    reads = []
+    check = contract._check_document_order
+    monkeypatch.setattr(contract, "_check_document_order", lambda ids: reads.append(ids) or check(ids))
+    model = _gpt("mlr:8|4|4", "rotary", torch.float32)
+    idx = torch.randint(0, 40, (2, 12), generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    ids = torch.tensor([[0] * 5 + [1] * 7, [0] * 3 + [1] * 9], device=DEVICE)
+    for step in range(2):
+        _, loss = model(idx, idx, document_ids=ids)
+        loss.backward()
+        assert len(reads) == step + 1  # one read a step (the model's ids are a new tensor each step)
+
+
 def test_compiled_model_takes_a_padded_batch() -> None:
     """torch.compile of a GPT fed a padded or packed batch equals eager, forward and backward. The
     C++ kernel reads its segments from the document ids inside its op, so on the CPU the graph is

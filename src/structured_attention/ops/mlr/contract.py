@@ -59,6 +59,7 @@ __all__ = [
     "check_scale",
     "compute_dtype",
     "device_table",
+    "document_segments",
     "expand_kv",
     "grouped_matmul",
     "heads_inner",
@@ -317,14 +318,59 @@ def check_mlr_arguments(
     return ranks, sizes, float(scale)
 
 
-def document_bounds(document_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
-    """Per row, the ``(start, end)`` of each document of non-decreasing ``document_ids`` ``(B, T)``,
-    read on the host with one ``.tolist()`` (a device synchronisation on an accelerator)."""
-    bounds = []
-    for ids in document_ids.tolist():
-        starts = [0, *(t for t in range(1, len(ids)) if ids[t] != ids[t - 1])]
-        bounds.append(list(zip(starts, [*starts[1:], len(ids)])))
-    return bounds
+# The last ids read on the host and what was made of them: (ids, version, {(device, dtype): (table,
+# longest)}). A model's layers take one ids tensor (and their backward the same one), so the ids
+# are read once per step, not once per layer and pass: each read waits for the device's queued work.
+_SegmentTables = dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, int]]
+_documents_read: tuple[torch.Tensor, int, _SegmentTables] | None = None
+
+
+def document_segments(document_ids: torch.Tensor, device: torch.device | None = None,
+                      dtype: torch.dtype = torch.int64) -> tuple[torch.Tensor, int]:
+    """The ``(S, 3)`` segments ``(row, start, length)`` of every document of every row of
+    ``document_ids`` ``(B, T)``, in row order then position order, on ``device`` (default: the
+    CPU) with ``dtype``, and the longest length. ``S == B`` where each row is one document.
+
+    The ids are read on the host (a device synchronisation on an accelerator) once per tensor and
+    version: the calls that follow with the same tensor, unchanged, take the table made then.
+    Ids that decrease along a row raise the ``ValueError`` of :func:`check_document_ids` (a compiled
+    call, whose graph leaves that check out, meets it here).
+    """
+    global _documents_read
+    device = torch.device("cpu") if device is None else torch.device(device)
+    # an inference tensor has no version counter: read every time
+    version = None if document_ids.is_inference() else document_ids._version
+    read = _documents_read
+    if version is not None and read is not None and read[0] is document_ids and read[1] == version:
+        made = read[2]
+    else:
+        made: _SegmentTables = {}
+        ids = document_ids.cpu()
+        _check_document_order(ids)
+        B, T = ids.shape
+        new = torch.ones(B, T, dtype=torch.bool)
+        new[:, 1:] = ids[:, 1:] != ids[:, :-1]
+        rows, starts = new.nonzero(as_tuple=True)
+        ends = torch.where(torch.cat([rows[1:] != rows[:-1], torch.tensor([True])]), T,
+                           torch.cat([starts[1:], starts.new_tensor([T])]))
+        table = torch.stack([rows, starts, ends - starts], dim=1)
+        made[torch.device("cpu"), torch.int64] = table, int(table[:, 2].max()) if len(table) else 0
+        if version is not None:
+            _documents_read = document_ids, version, made
+    key = (device, dtype)
+    if key not in made:
+        table, longest = made[torch.device("cpu"), torch.int64]
+        made[key] = table.to(device=device, dtype=dtype), longest
+    return made[key]
+
+
+def _check_document_order(ids: torch.Tensor) -> None:
+    if ids.shape[1] > 1:
+        steps = ids[:, 1:] < ids[:, :-1]
+        if bool(steps.any()):
+            row, col = (int(x) for x in steps.nonzero()[0])
+            raise ValueError(f"document_ids: expected ids non-decreasing along T in every row (each document "
+                             f"one contiguous segment), got a decrease in row {row} at position {col + 1}")
 
 
 def check_dim_order(dim_order: object, R: int) -> tuple[int, ...] | None:
@@ -348,7 +394,9 @@ def check_document_ids(
     (the device of ``q``). Returns the tensor (or ``None``).
 
     Checking the order reads the ids on the host (a device synchronisation when they live on an
-    accelerator); under ``torch.compile`` only shape, dtype and device are checked.
+    accelerator; :func:`document_segments` keeps what it read for the kernels); under
+    ``torch.compile`` only shape, dtype and device are checked here, and the order where the
+    kernels read the ids.
     """
     if document_ids is None:
         return None
@@ -364,11 +412,7 @@ def check_document_ids(
         require(document_ids.device == torch.device(device), "document_ids",
                 f"a tensor on {device} (the device of q)", document_ids.device)
     if order and T > 1 and not torch.compiler.is_compiling():
-        steps = document_ids[:, 1:] < document_ids[:, :-1]
-        if bool(steps.any()):
-            row, col = (int(x) for x in steps.nonzero()[0])
-            raise ValueError(f"document_ids: expected ids non-decreasing along T in every row (each document "
-                             f"one contiguous segment), got a decrease in row {row} at position {col + 1}")
+        document_segments(document_ids)  # reads them on the host once for the kernels too
     return document_ids
 
 

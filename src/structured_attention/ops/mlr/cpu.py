@@ -23,6 +23,7 @@ from .contract import (
     check_dim_order,
     compiled_or_eager,
     compute_dtype,
+    document_segments,
 )
 
 __all__ = ["available", "decode", "decode_static", "load", "mlr_attention_cpu", "mlr_decode_cpu"]
@@ -37,7 +38,7 @@ __all__ = ["available", "decode", "decode_static", "load", "mlr_attention_cpu", 
 def _run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor | None,
                  sizes: list[int], offsets: list[int], order: list[int], scale: float, causal: bool,
                  depth_normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return tuple(load().forward(q, k, v, document_segments(document_ids, q.shape[1]), sizes, offsets, order, scale,
+    return tuple(load().forward(q, k, v, head_segments(document_ids, q.shape[1]), sizes, offsets, order, scale,
                                 causal, depth_normalize, BLOCK_Q, BLOCK_K))
 
 
@@ -67,7 +68,7 @@ def _run_backward(gout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
                   order: list[int], scale: float, causal: bool, depth_normalize: bool
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dq, dk, dv = load().backward(q, k, v, out, _kernel_input(gout, gout.dtype), lse,
-                                 document_segments(document_ids, q.shape[1]), sizes, offsets, order, scale, causal,
+                                 head_segments(document_ids, q.shape[1]), sizes, offsets, order, scale, causal,
                                  depth_normalize, BLOCK_Q, BLOCK_K)
     return dq, _group_sum(dk, k.shape[1]), _group_sum(dv, k.shape[1])
 
@@ -161,25 +162,16 @@ def mlr_attention_cpu(
     return out.to(q.dtype)
 
 
-def document_segments(document_ids: torch.Tensor | None, heads: int) -> torch.Tensor:
+def head_segments(document_ids: torch.Tensor | None, heads: int) -> torch.Tensor:
     """The kernel's ``(S, 3)`` segments ``(row b * heads + h, start, length)`` of every document
     of every row and head; ``(0, 3)`` (whole rows) without documents or when each row is one."""
-    none = torch.empty(0, 3, dtype=torch.long)
     if document_ids is None:
-        return none
-    ids = document_ids.cpu()
-    B, T = ids.shape
-    new = torch.ones(B, T, dtype=torch.bool)
-    new[:, 1:] = ids[:, 1:] != ids[:, :-1]
-    if not bool(new[:, 1:].any()):
-        return none
-    rows, starts = new.nonzero(as_tuple=True)
-    ends = torch.cat([starts[1:], starts.new_tensor([T])])
-    row_ends = torch.cat([rows[1:] != rows[:-1], torch.tensor([True])])
-    ends = torch.where(row_ends, T, ends)
-    per_head = torch.arange(heads)
-    n = (rows[:, None] * heads + per_head[None, :]).reshape(-1)
-    return torch.stack([n, starts.repeat_interleave(heads), (ends - starts).repeat_interleave(heads)], dim=1).contiguous()
+        return torch.empty(0, 3, dtype=torch.long)
+    table, _ = document_segments(document_ids)
+    if len(table) == document_ids.shape[0]:
+        return table[:0]
+    n = (table[:, :1] * heads + torch.arange(heads)).reshape(-1)
+    return torch.stack([n, *table[:, 1:].repeat_interleave(heads, dim=0).unbind(1)], dim=1)
 
 
 def mlr_decode_cpu(

@@ -35,7 +35,7 @@ from ..._autocast import autocast_inputs
 from ..._compiler import assume_constant_result
 from . import blocked, cpu
 from .contract import (check_dim_order, check_mlr_arguments, check_mlr_cache_arguments, device_table,
-                       document_bounds, heads_inner)
+                       document_segments, heads_inner)
 from .reference import mlr_attention_reference, mlr_decode_reference, mlr_prefill_reference
 
 __all__ = ["has_triton", "mlr_attention", "mlr_decode", "mlr_prefill"]
@@ -166,22 +166,19 @@ def mlr_attention(
         from .triton_general import mlr_attention_checked
 
         return mlr_attention_checked(q, k, v, ranks, sizes, causal, resolved_scale, depth_normalize, document_ids)
-    # The boundaries are read on the host with one .tolist(): a device synchronisation, and a graph
-    # break (data-dependent shapes) under torch.compile.
-    boundaries = document_bounds(document_ids)
-    if all(len(row) == 1 for row in boundaries):  # one document per row: the plain call
+    # The segments are read on the host: a device synchronisation, and a graph break (data-dependent
+    # shapes) under torch.compile.
+    table, _ = document_segments(document_ids)
+    if len(table) == q.shape[0]:  # one document per row: the plain call
         return _mlr_attention(q, k, v, ranks, sizes, causal, resolved_scale, depth_normalize)
     # Each segment is checked again as a sequence of its own; the call's sizes are valid for it
     # (s_1 >= T >= its length).
-    rows = []
-    for b, row in enumerate(boundaries):
-        segments = [
-            _mlr_attention(q[b:b + 1, :, start:end], k[b:b + 1, :, start:end], v[b:b + 1, :, start:end],
-                           ranks, sizes, causal, resolved_scale, depth_normalize)
-            for start, end in row
-        ]
-        rows.append(torch.cat(segments, dim=2))
-    return torch.cat(rows, dim=0)
+    rows: list[list[torch.Tensor]] = [[] for _ in range(q.shape[0])]
+    for b, start, length in table.tolist():
+        end = start + length
+        rows[b].append(_mlr_attention(q[b:b + 1, :, start:end], k[b:b + 1, :, start:end], v[b:b + 1, :, start:end],
+                                      ranks, sizes, causal, resolved_scale, depth_normalize))
+    return torch.cat([torch.cat(segments, dim=2) for segments in rows], dim=0)
 
 
 def _mlr_attention(

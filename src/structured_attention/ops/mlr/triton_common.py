@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .contract import device_table, document_bounds, heads_inner
+from .contract import device_table, document_segments, heads_inner
 
 __all__ = ["INTERPRETED", "blocks_meet", "cdiv", "cuda_properties", "dense_rows", "device_table", "dot", "dot_acc",
            "empty_rows", "launch", "load_segment", "pow2", "row_dots", "segments_of_documents", "segments_of_rows"]
@@ -167,13 +167,15 @@ def segments_of_rows(B: int, T: int, device: torch.device) -> torch.Tensor:
 
 def segments_of_documents(document_ids: torch.Tensor | None, T: int,
                           device: torch.device) -> tuple[torch.Tensor | None, int]:
-    """The ``(S, 3)`` segment table of every document of every row, each scored as a sequence of its
-    own, and the longest length (the ids read on the host: one device synchronisation); without
-    documents ``(None, T)``, for which the kernels' ops use :func:`segments_of_rows`."""
+    """The kernels' ``(S, 3)`` int32 segment table of every document of every row, each scored as a
+    sequence of its own, and the longest length (read on the host once per ids tensor: see
+    :func:`~.contract.document_segments`); ``(None, T)`` without documents or where each row is one,
+    for which the kernels use :func:`segments_of_rows`. Called inside the kernels' ops, so
+    ``torch.compile`` never traces it."""
     if document_ids is None:
         return None, T
-    rows = [(b, start, end - start) for b, row in enumerate(document_bounds(document_ids)) for start, end in row]
-    return torch.tensor(rows, dtype=torch.int32).to(device), max(length for _, _, length in rows)
+    table, longest = document_segments(document_ids, device, torch.int32)
+    return (None, T) if len(table) == document_ids.shape[0] else (table, longest)
 
 
 @triton.jit

@@ -465,13 +465,14 @@ def _backward(q, k, v, o, lse, do, segments, max_len: int, plan: _Plan, causal: 
     return dq, dk, dv
 
 
-# ``segments``: (S, 3) int32 rows of (batch row, start, length), each scored as a sequence of its own
-# (packed documents, varlen), or None for whole rows (the op makes that table itself, so
-# torch.compile never traces it); ``max_len`` the longest segment.
-def _run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor | None, max_len: int,
+# ``document_ids``: packed documents ``(B, T)``, each scored as a sequence of its own (varlen), or
+# None for whole rows. The ops read their segment table from the ids themselves, so torch.compile
+# never traces the host read, and a graph holds a packed batch whole.
+def _run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor | None,
                  ranks: list[int], sizes: list[int], causal: bool, scale: float, depth_normalize: bool, block_m: int,
                  block_n: int) -> tuple[torch.Tensor, torch.Tensor]:
     plan = _plan(q.dtype, q.device, v.shape[-1], tuple(ranks), tuple(sizes), block_m, block_n)
+    segments, max_len = segments_of_documents(document_ids, q.shape[2], q.device)
     return _forward(q, k, v, segments, max_len, plan, causal, scale, depth_normalize)
 
 
@@ -479,16 +480,17 @@ _forward_op = torch.library.custom_op("sattn::mlr_triton_forward", _run_forward,
 
 
 @_forward_op.register_fake
-def _(q, k, v, segments, max_len, ranks, sizes, causal, scale, depth_normalize, block_m, block_n):
+def _(q, k, v, document_ids, ranks, sizes, causal, scale, depth_normalize, block_m, block_n):
     B, H, T, _ = q.shape
     return empty_rows(q, v.shape[-1]), q.new_empty(B, H, T, dtype=torch.float32)
 
 
 def _run_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                  lse: torch.Tensor, segments: torch.Tensor | None, max_len: int, ranks: list[int], sizes: list[int],
+                  lse: torch.Tensor, document_ids: torch.Tensor | None, ranks: list[int], sizes: list[int],
                   causal: bool, scale: float, depth_normalize: bool, block_m: int,
                   block_n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     plan = _plan(q.dtype, q.device, v.shape[-1], tuple(ranks), tuple(sizes), block_m, block_n)
+    segments, max_len = segments_of_documents(document_ids, q.shape[2], q.device)
     return _backward(q, k, v, o, lse, do, segments, max_len, plan, causal, scale, depth_normalize)
 
 
@@ -496,7 +498,7 @@ _backward_op = torch.library.custom_op("sattn::mlr_triton_backward", _run_backwa
 
 
 @_backward_op.register_fake
-def _(do, q, k, v, o, lse, segments, max_len, ranks, sizes, causal, scale, depth_normalize, block_m, block_n):
+def _(do, q, k, v, o, lse, document_ids, ranks, sizes, causal, scale, depth_normalize, block_m, block_n):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -590,9 +592,8 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ranks: tuple[i
         return mlr_attention_prefix(q, k, v, ranks, sizes, causal, float(scale), depth_normalize, tiles, document_ids)
 
     q, k, v = dense_rows(q), dense_rows(k), dense_rows(v)  # layers' transposed views: no copy
-    segments, max_len = segments_of_documents(document_ids, q.shape[2], q.device)
-    out, _ = _forward_call(q, k, v, segments, max_len, list(ranks), list(sizes), causal, float(scale),
-                           depth_normalize, block_m, block_n)
+    out, _ = _forward_call(q, k, v, document_ids, list(ranks), list(sizes), causal, float(scale), depth_normalize,
+                           block_m, block_n)
     return out
 
 

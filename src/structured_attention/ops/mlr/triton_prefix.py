@@ -1048,12 +1048,13 @@ def _tiles_list(tiles: PrefixTiles) -> list[int]:
     return [int(getattr(tiles, name)) for name in _TILE_FIELDS]  # not astuple: it deep-copies each field
 
 
-# ``segments``: the (S, 3) table of :func:`.triton_common.segments_of_documents`, or None for whole
-# rows (the op makes that table itself); ``max_len`` the longest segment.
-def _run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor | None, max_len: int,
+# ``document_ids``: packed documents ``(B, T)`` or None for whole rows; the ops read their segment
+# table from them (:func:`.triton_common.segments_of_documents`), so a compiled graph holds them.
+def _run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids: torch.Tensor | None,
                  ranks: list[int], sizes: list[int], causal: bool, scale: float, depth_normalize: bool,
                  tiles: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     plan = plan_of(q, v, ranks, sizes, _tiles_from(tiles))
+    segments, max_len = segments_of_documents(document_ids, q.shape[2], q.device)
     return _forward(q, k, v, segments, max_len, plan, causal, scale, depth_normalize)
 
 
@@ -1061,16 +1062,17 @@ _forward_op = torch.library.custom_op("sattn::mlr_triton_prefix_forward", _run_f
 
 
 @_forward_op.register_fake
-def _(q, k, v, segments, max_len, ranks, sizes, causal, scale, depth_normalize, tiles):
+def _(q, k, v, document_ids, ranks, sizes, causal, scale, depth_normalize, tiles):
     B, H, T, _ = q.shape
     return empty_rows(q, v.shape[-1]), q.new_empty(B, H, T, dtype=torch.float32)
 
 
 def _run_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                  lse: torch.Tensor, segments: torch.Tensor | None, max_len: int, ranks: list[int], sizes: list[int],
+                  lse: torch.Tensor, document_ids: torch.Tensor | None, ranks: list[int], sizes: list[int],
                   causal: bool, scale: float, depth_normalize: bool,
                   tiles: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     plan = plan_of(q, v, ranks, sizes, _tiles_from(tiles))
+    segments, max_len = segments_of_documents(document_ids, q.shape[2], q.device)
     return _backward(q, k, v, o, lse, do, segments, max_len, plan, causal, scale, depth_normalize)
 
 
@@ -1078,7 +1080,7 @@ _backward_op = torch.library.custom_op("sattn::mlr_triton_prefix_backward", _run
 
 
 @_backward_op.register_fake
-def _(do, q, k, v, o, lse, segments, max_len, ranks, sizes, causal, scale, depth_normalize, tiles):
+def _(do, q, k, v, o, lse, document_ids, ranks, sizes, causal, scale, depth_normalize, tiles):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -1119,7 +1121,6 @@ def mlr_attention_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank
     Packed ``document_ids``: each document a segment of the launch, scored as a sequence of its own
     (its positions start at 0, so its tile pairs keep one depth each)."""
     q, k, v = dense_rows(q), dense_rows(k), dense_rows(v)  # layers' transposed views: no copy
-    segments, max_len = segments_of_documents(document_ids, q.shape[2], q.device)
-    out, _ = _forward_call(q, k, v, segments, max_len, list(ranks), list(sizes), causal, float(scale),
-                           depth_normalize, _tiles_list(tiles))
+    out, _ = _forward_call(q, k, v, document_ids, list(ranks), list(sizes), causal, float(scale), depth_normalize,
+                           _tiles_list(tiles))
     return out
