@@ -10,6 +10,7 @@ import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -54,9 +55,9 @@ def _run_here(args: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str]
     return code, capsys.readouterr().err
 
 
-def _start(args: list[str]) -> subprocess.Popen:
+def _start(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "structured_attention.cli.main", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=_env())
+                            stderr=subprocess.PIPE, text=True, env={**_env(), **(env or {})})
 
 
 def _wait_for_step(proc: subprocess.Popen, metrics: Path, step: int, timeout: float = 120) -> None:
@@ -116,6 +117,33 @@ def test_sigterm_and_ctrl_c_save_a_checkpoint_then_exit(tmp_path, capsys, sig):
     full = _run_here(_args(tmp_path, "full", target), capsys)
     assert resumed[0] == 0 and full[0] == 0, resumed[1] + full[1]
     assert _outcome(tmp_path / "run") == _outcome(tmp_path / "full")
+
+
+def test_sigterm_to_one_rank_under_torchrun_stops_every_rank_at_one_step_with_one_line(tmp_path):
+    """Two processes started as torchrun starts them (gloo on the CPU); a scheduler's SIGTERM
+    reaches rank 1 alone. Both ranks stop after the same step, rank 0 saves it, both exit with
+    128 + 15, and one line says so: rank 0's, naming the checkpoint (each rank printed its own,
+    rank 1's naming no checkpoint)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = [*_args(tmp_path, "run", 100_000), "run.device=cpu"]
+    procs = [_start(args, {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                           "LOCAL_RANK": str(rank), "WORLD_SIZE": "2"}) for rank in range(2)]
+    try:
+        _wait_for_step(procs[0], tmp_path / "run" / "metrics.jsonl", 3)
+        procs[1].send_signal(signal.SIGTERM)
+        errs = [p.communicate(timeout=120)[1] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [128 + signal.SIGTERM] * 2, errs
+    lines = [line for err in errs for line in err.splitlines() if "received" in line]
+    assert len(lines) == 1 and lines[0] in errs[0] and "Traceback" not in errs[0] + errs[1], errs
+    stopped = int(lines[0].split("stopped after step ")[1].split()[0])
+    ckpt = load_checkpoint(tmp_path / "run" / "ckpt")
+    assert ckpt.step == stopped >= 3 and str(ckpt.path) in lines[0]
 
 
 def test_a_damaged_newest_checkpoint_is_detected_and_resume_uses_the_previous_one(tmp_path, capsys):

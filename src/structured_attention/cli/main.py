@@ -137,7 +137,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"sattn {args.command}: error: {_one_line(err)}", file=sys.stderr)
         return 2
     except TrainingStopped as err:  # a NaN loss, or SIGTERM / Ctrl-C after saving a checkpoint
-        print(f"sattn {args.command}: {err}", file=sys.stderr)
+        if err.main_process:
+            print(f"sattn {args.command}: {err}", file=sys.stderr)
         return err.exit_code
     except OSError as err:  # files written before this were written atomically: none is half-written
         print(f"sattn {args.command}: error: {_one_line(err)}", file=sys.stderr)

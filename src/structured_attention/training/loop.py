@@ -91,9 +91,12 @@ __all__ = [
 
 class TrainingStopped(RuntimeError):
     """Training ended before ``run.steps``; the message says why, at which step and what was kept.
-    ``exit_code`` is the status the command line exits with."""
+    ``exit_code`` is the status the command line exits with; ``main_process`` whether it was
+    raised on rank 0 (under torchrun every rank stops at the same step, and the command line
+    prints rank 0's line alone: the other ranks' would repeat it, naming no checkpoint)."""
 
     exit_code = 1
+    main_process = True
 
 
 class NonFiniteLossError(TrainingStopped):
@@ -489,6 +492,9 @@ def fit(task: Task, *, resume: bool = False, stream: TextIO | None = None) -> Fi
             try:
                 with run_matmul_precision(info.device):
                     return _fit(task, resume, info, stream)
+            except TrainingStopped as err:
+                err.main_process = info.is_main
+                raise
             finally:
                 if info.is_main:
                     release(lock)
