@@ -5,6 +5,8 @@ scores depend on relative position only."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -358,6 +360,47 @@ def test_a_swapped_model_trains_with_transformers_default_cache(spec):
     for grad_enabled in (True, False):
         with torch.set_grad_enabled(grad_enabled), pytest.raises(ValueError, match=r"^cache: expected a cache filled under"):
             model(IDX[:, :2], past_key_values=out.past_key_values)
+
+
+@pytest.mark.parametrize("packing", ["position_ids", "cu_seq_lens"])
+@pytest.mark.parametrize("model", ["sattn_mlr", "swapped"])
+def test_packed_sequences_are_each_scored_alone(model, packing):
+    """A padding-free batch (``DataCollatorWithFlattening``: sequences packed in one row, no mask,
+    position ids that restart, or flash-attention's ``cu_seq_lens_q``) gives each sequence the
+    logits and the gradients it has alone, as transformers' own attention does (they attended to
+    the sequences before them). Eval with transformers' default cache too; a swapped model's cache
+    filled by packed sequences refuses to be continued."""
+    m = (_llama(sattn_hf.ATTN_IMPLEMENTATION, [4, 4, 4, 4]) if model == "sattn_mlr"
+         else sattn_hf.swap_attention(_llama("sdpa"), "mlr:8|4|4"))
+    lengths = [7, 9, 4]
+    g = torch.Generator().manual_seed(3)
+    docs = [torch.randint(0, 64, (1, n), generator=g) for n in lengths]
+    weights = [torch.randn(1, n, 64, generator=g) for n in lengths]
+    packed = torch.cat(docs, dim=1)
+    if packing == "position_ids":
+        kwargs = {"position_ids": torch.cat([torch.arange(n) for n in lengths])[None]}
+    else:
+        cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+        kwargs = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max(lengths), "max_length_k": max(lengths)}
+    m.train()
+    m.zero_grad(set_to_none=True)
+    logits = m(packed, **kwargs).logits
+    (logits * torch.cat(weights, dim=1)).sum().backward()
+    packed_grads = [p.grad.clone() for p in m.parameters()]
+    m.zero_grad(set_to_none=True)
+    alone = [m(doc).logits for doc in docs]
+    sum((out * w).sum() for out, w in zip(alone, weights)).backward()
+    torch.testing.assert_close(logits, torch.cat(alone, dim=1), atol=1e-5, rtol=0)
+    for (name, p), want in zip(m.named_parameters(), packed_grads):
+        torch.testing.assert_close(want, p.grad, atol=1e-5, rtol=1e-4, msg=lambda msg, name=name: f"{name}: {msg}")
+    m.eval()
+    with torch.no_grad():
+        out = m(packed, use_cache=True, **kwargs)
+        torch.testing.assert_close(out.logits, torch.cat(alone, dim=1), atol=1e-5, rtol=0)
+        if model == "swapped":
+            with pytest.raises(ValueError, match=r"^cache: expected a cache filled under torch.no_grad\(\) by a batch of "
+                                                 r"one sequence per row"):
+                m(packed[:, :1], **{CACHE: out.past_key_values})
 
 
 def test_a_bad_swap_is_one_line_at_swap_time():

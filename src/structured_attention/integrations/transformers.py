@@ -33,7 +33,10 @@ projections, rotary embeddings, GQA, caches and ``generate()`` stay as they are.
   the ``(batch, keys)`` padding mask (``None`` without padding); left or right padding is scored
   as the package's layers do: each row's real tokens attend only among themselves and their MLR
   blocks count from the row's first real token. (Without the mask function transformers would
-  build no mask this implementation reads, and padding would be attended silently.)
+  build no mask this implementation reads, and padding would be attended silently.) Without a
+  mask, packed sequences (a padding-free batch, as ``DataCollatorWithFlattening`` makes) are read
+  from ``cu_seq_lens_q`` or from ``position_ids`` that restart, as flash attention reads them, and
+  each is scored alone; swapped models too.
 - **Queries after a cache** (``generate()``, chunked prefill) go to ``mlr_prefill`` with each row's
   block starts; every other call, training included, to ``mlr_attention``. Attention dropout is
   not supported (``attention_dropout`` must be 0).
@@ -66,7 +69,7 @@ import torch
 
 from .._autocast import autocast_inputs
 from .._checks import require
-from ..attention.segments import build_segments, left_padding
+from ..attention.segments import Segments, build_segments, left_padding
 from ..ops.mlr import mlr_attention, mlr_prefill
 from ..ops.mlr.contract import mlr_block_sizes
 
@@ -207,7 +210,7 @@ class _PerForward:
         return value
 
 
-_filled_memo, _row_starts_memo = _PerForward(), _PerForward()
+_filled_memo, _row_starts_memo, _segments_memo = _PerForward(), _PerForward(), _PerForward()
 
 
 def _filled_slots(position_ids: torch.Tensor | None, keys: int) -> int:
@@ -229,6 +232,43 @@ def _row_starts(attention_mask: torch.Tensor | None, batch: int, keys: int, firs
         return torch.tensor([[o + (first - o) // s * s for s in sizes] for o in offsets], device=device)
 
     return _row_starts_memo.get(attention_mask, (batch, keys, first, sizes, device), make)
+
+
+def _segments(attention_mask: torch.Tensor | None, position_ids: object, cu_seq_lens: object, batch: int,
+              keys: int, device: torch.device) -> Segments | None:
+    """The call's sequences, as transformers' own attention functions read them: the padding mask's
+    rows; without a mask, packed sequences (a padding-free batch, as ``DataCollatorWithFlattening``
+    makes) from ``cu_seq_lens_q`` (one row) or from ``position_ids`` that restart (a token whose
+    position is not the previous one's + 1 starts a sequence). Made once per forward: every layer
+    passes the same tensors, and reading them on the host waits for the device."""
+    if attention_mask is not None:
+        key, make = attention_mask, lambda: build_segments(attention_mask, None, batch, keys, device)
+    elif isinstance(cu_seq_lens, torch.Tensor):
+        key, make = cu_seq_lens, lambda: build_segments(None, _ids_of_lengths(cu_seq_lens, batch, keys), batch,
+                                                         keys, device)
+    elif isinstance(position_ids, torch.Tensor) and position_ids.dim() == 2 and keys > 1:
+        key, make = position_ids, lambda: build_segments(None, _ids_of_positions(position_ids, batch), batch, keys,
+                                                          device)
+    else:
+        return None
+    if torch.compiler.is_compiling():
+        return make()
+    return _segments_memo.get(key, (batch, keys, device), make)
+
+
+def _ids_of_positions(position_ids: torch.Tensor, batch: int) -> torch.Tensor:
+    positions = position_ids.expand(batch, -1)  # transformers may pass (1, T) for a batch
+    restarts = positions[:, 1:] != positions[:, :-1] + 1
+    return torch.cat([restarts.new_zeros(batch, 1), restarts], dim=1).long().cumsum(dim=1)
+
+
+def _ids_of_lengths(cu_seq_lens: torch.Tensor, batch: int, keys: int) -> torch.Tensor:
+    require(batch == 1 and cu_seq_lens.dim() == 1, "cu_seq_lens_q",
+            "the cumulative lengths of the sequences packed in one row (batch 1)",
+            f"shape {tuple(cu_seq_lens.shape)} for a batch of {batch}")
+    starts = torch.zeros(keys + 1, dtype=torch.long, device=cu_seq_lens.device)
+    starts[cu_seq_lens.long()] = 1  # every sequence's first token (and one past the last)
+    return starts[:keys].cumsum(dim=0)[None] - 1
 
 
 # Arguments transformers passes to attention functions that change the scores: Gemma 2's logit
@@ -281,7 +321,8 @@ def mlr_attention_forward(
     require(t_k <= sizes[0], "input length", f"at most {sizes[0]} tokens with sattn_mlr (the coarsest MLR block: "
             f"max_position_embeddings, or sattn_block_sizes[0])", t_k)
     if t_q == t_k:
-        segments = build_segments(attention_mask, None, batch, t_k, query.device)
+        segments = _segments(attention_mask, kwargs.get("position_ids"), kwargs.get("cu_seq_lens_q"), batch, t_k,
+                             query.device)
         out = mlr_attention(query, key, value, ranks, sizes, causal=causal, scale=scale,
                             document_ids=None if segments is None else segments.ids, dim_order=order)
     else:  # new queries after a cache of t_k - t_q keys; rows are left-padded
@@ -437,22 +478,33 @@ class SwappedAttention(torch.nn.Module):
         require(attention_mask is None or attention_mask.dim() == 2, "attention_mask",
                 "a (batch, keys) padding mask (a swapped model runs with attn_implementation='sattn_mlr')",
                 None if attention_mask is None else tuple(attention_mask.shape))
-        if cache is None:
-            return self.attn(hidden_states, attention_mask=attention_mask), None
         batch, new = hidden_states.shape[:2]
-        own = cache.__dict__.setdefault("_sattn_caches", {})
+        own = {} if cache is None else cache.__dict__.setdefault("_sattn_caches", {})
         kv = own.get(self.layer_idx)
-        fresh = kv is None or kv.length != cache.get_seq_length(self.layer_idx)  # a new or reset cache
+        fresh = cache is None or kv is None or kv.length != cache.get_seq_length(self.layer_idx)  # new or reset
+        # Packed sequences (a padding-free batch: no mask, position ids that restart) in a forward
+        # that continues no cache, as the "sattn_mlr" function reads them. Compiled, a forward
+        # filling a cache without gradients takes each row as one sequence, as transformers' SDPA
+        # attention does with a cache (telling would read the positions on the host).
+        packed = None
+        if attention_mask is None and fresh and (cache is None or torch.is_grad_enabled()
+                                                 or not torch.compiler.is_compiling()):
+            packed = _segments(None, kwargs.get("position_ids"), kwargs.get("cu_seq_lens_q"), batch, new,
+                               hidden_states.device)
+        if cache is None:
+            return self.attn(hidden_states, attention_mask=attention_mask, segments=packed), None
         # Training, where transformers passes a cache (use_cache=True is its default): the package's
         # caches fill in place, which autograd cannot follow, so with gradients the layer runs
-        # uncached and the cache records the length only; such a cache is never continued.
-        grad = torch.is_grad_enabled()
-        require(fresh or not (grad or isinstance(kv, _LengthOnly)), "cache",
-                "a cache filled under torch.no_grad() to continue (a swapped layer keeps nothing of a forward "
-                "with gradients)",
-                "a continuation with gradients enabled" if grad else "one filled with gradients enabled")
-        if grad:
-            out = self.attn(hidden_states, attention_mask=attention_mask)
+        # uncached and the cache records the length only; such a cache is never continued. So does
+        # a packed batch, whose rows hold several sequences that a cache cannot continue.
+        uncached = torch.is_grad_enabled() or packed is not None
+        require(fresh or not (uncached or isinstance(kv, _LengthOnly)), "cache",
+                "a cache filled under torch.no_grad() by a batch of one sequence per row, to continue (a swapped "
+                "layer keeps nothing of a forward with gradients or of packed sequences)",
+                "a continuation with gradients enabled" if uncached else "one filled with gradients enabled or "
+                "packed sequences")
+        if uncached:
+            out = self.attn(hidden_states, attention_mask=attention_mask, segments=packed)
             own[self.layer_idx] = _LengthOnly(new)
         else:
             if fresh:
