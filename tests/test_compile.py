@@ -110,18 +110,18 @@ def test_opcheck_triton_forward_and_backward(kernel):
     dev, f32 = _triton_device(), torch.float32
     q, k = (_rand(1, 2, 32, 32, dtype=f32).to(dev).requires_grad_() for _ in range(2))
     v = _rand(1, 2, 32, 16, dtype=f32).to(dev).requires_grad_()
-    documents = torch.tensor([[0] * 20 + [1] * 12], device=dev)  # two documents, read as segments inside the ops
-    for document_ids in (None, documents):
-        if kernel == "general":
-            fwd, bwd = torch.ops.sattn.mlr_triton_forward, torch.ops.sattn.mlr_triton_backward
-            cfg = (document_ids, [16, 8, 8], [32, 12, 6], True, 0.2, False, 16, 16)
-        else:
-            fwd, bwd = torch.ops.sattn.mlr_triton_prefix_forward, torch.ops.sattn.mlr_triton_prefix_backward
-            cfg = (document_ids, [16, 8, 8], [32, 32, 16], True, 0.2, False, [16] * 6 + [4, 2])
-        opcheck(fwd.default, (q, k, v, *cfg))
-        out, lse = fwd(q, k, v, *cfg)
-        do = _rand(1, 2, 32, 16, dtype=f32).to(dev)
-        opcheck(bwd.default, (do, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), *cfg))
+    # two documents, read as segments inside the ops (every other test passes None, whole rows)
+    document_ids = torch.tensor([[0] * 20 + [1] * 12], device=dev)
+    if kernel == "general":
+        fwd, bwd = torch.ops.sattn.mlr_triton_forward, torch.ops.sattn.mlr_triton_backward
+        cfg = (document_ids, [16, 8, 8], [32, 12, 6], True, 0.2, False, 16, 16)
+    else:
+        fwd, bwd = torch.ops.sattn.mlr_triton_prefix_forward, torch.ops.sattn.mlr_triton_prefix_backward
+        cfg = (document_ids, [16, 8, 8], [32, 32, 16], True, 0.2, False, [16] * 6 + [4, 2])
+    opcheck(fwd.default, (q, k, v, *cfg))
+    out, lse = fwd(q, k, v, *cfg)
+    do = _rand(1, 2, 32, 16, dtype=f32).to(dev)
+    opcheck(bwd.default, (do, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), *cfg))
 
 
 def test_opcheck_triton_decode():

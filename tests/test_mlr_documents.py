@@ -242,6 +242,7 @@ def test_triton_kernels_compile_whole_with_documents(case, tile, kernels):
     triton_general = pytest.importorskip("structured_attention.ops.mlr.triton_general")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     q, k, v, ranks, block_sizes, lengths = _inputs(case, torch.float32, seed=5, requires_grad=True)
+    q, k, v, lengths = q[:2], k[:2], v[:2], lengths[:2]  # two rows: the interpreter is slow
     expected = _per_document(q, k, v, ranks, block_sizes, lengths, True, False)
     args = [x.detach().to(device).requires_grad_() for x in (q, k, v)]
 
