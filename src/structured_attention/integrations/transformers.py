@@ -30,7 +30,7 @@ projections, rotary embeddings, GQA, caches and ``generate()`` stay as they are.
   together (``_ADJACENT_PAIRS``: Cohere, GLM...) keep the dimensions as they lie; a rotary
   embedding over part of the head (Phi, GPT-NeoX) takes one level.
 - **Masks.** ``register()`` also registers the mask function, which hands the attention function
-  the ``(batch, keys)`` padding mask (``None`` without padding); left or right padding is scored
+  the ``(batch, keys)`` padding mask (``None`` without padding, outside ``torch.compile``); left or right padding is scored
   as the package's layers do: each row's real tokens attend only among themselves and their MLR
   blocks count from the row's first real token. (Without the mask function transformers would
   build no mask this implementation reads, and padding would be attended silently.) Without a
@@ -88,12 +88,10 @@ def register() -> None:
     ``sattn_qwen3``) with its Auto classes (idempotent)."""
     import transformers
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, mlr_attention_forward)
-    # The 2-D padding mask sliced to the keys, or None when nothing is padded: what the
-    # varlen attention kernels take, and what the segments of this implementation are built from.
-    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, flash_attention_mask)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _padding_mask)
     for family in SWAP_FAMILIES:
         config_class = getattr(transformers, f"{family}Config", None)
         model_class = getattr(transformers, f"{family}ForCausalLM", None)
@@ -188,6 +186,23 @@ def _check_levels(ranks: Any, block_sizes: Any, context: Any, head_dim: int
         reason = str(e).removeprefix("block_sizes: ").replace("context=", "max_position_embeddings=")
         raise ValueError(f"sattn_block_sizes: {reason}") from None
     return tuple(ranks), sizes
+
+
+def _padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+                 mask_function: Callable | None = None, attention_mask: torch.Tensor | None = None,
+                 **kwargs: Any) -> torch.Tensor | None:
+    """The mask function of ``"sattn_mlr"`` (transformers' ``AttentionMaskInterface`` contract): the
+    2-D padding mask sliced to the keys, what the segments of this implementation are built from,
+    or None when nothing is padded, as flash attention's mask function gives. Under
+    ``torch.compile`` the mask is handed over even where nothing is padded: telling would read it
+    on the host, a data-dependent branch that breaks the graph (flash attention's does), and the
+    segments of a mask with no padding give the unmasked result."""
+    if attention_mask is None:
+        return None
+    attention_mask = attention_mask[:, -kv_length:]
+    if not torch.compiler.is_compiling() and attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
+        return None
+    return attention_mask
 
 
 class _PerForward:
