@@ -244,6 +244,24 @@ def test_transformers_static_cache_generates_what_no_cache_does():
                            model.generate(prompts, use_cache=False, **settings))
 
 
+def test_compiled_static_cache_generation_is_one_graph_per_shape_and_generates_what_eager_does():
+    """transformers compiles the forward of static-cache generation (on a GPU by itself, with
+    fullgraph=True if asked): a padded batch's prompt and decoding steps run as whole graphs (the
+    rows' block starts are computed on the device, they were read on the host: an error under
+    fullgraph) and give eager generation's tokens."""
+    model = _llama(sattn_hf.ATTN_IMPLEMENTATION, [8, 4, 4])
+    prompts, mask = IDX[:, :10], torch.tensor([[0] * 4 + [1] * 6, [1] * 10])
+    settings = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, cache_implementation="static")
+    expected = model.generate(prompts, **settings)
+    torch._dynamo.reset()
+    model.forward = torch.compile(model.forward, fullgraph=True, backend="aot_eager")
+    try:
+        assert torch.equal(model.generate(prompts, **settings), expected)
+    finally:
+        del model.forward
+        torch._dynamo.reset()
+
+
 def test_inside_bfloat16_autocast_it_trains_and_the_compressed_cache_generates():
     """Inside autocast (Trainer's bf16=True) Llama's rotary embedding leaves the keys float32 beside
     bfloat16 values: training runs, and greedy generation through MLRCache equals generation

@@ -246,6 +246,11 @@ def _row_starts(attention_mask: torch.Tensor | None, batch: int, keys: int, firs
         offsets = left_padding(attention_mask, batch, keys, device) if attention_mask is not None else [0] * batch
         return torch.tensor([[o + (first - o) // s * s for s in sizes] for o in offsets], device=device)
 
+    if torch.compiler.is_compiling():  # the same on the device: a compiled step reads nothing on the host
+        offsets = torch.zeros(batch, 1, dtype=torch.long, device=device) if attention_mask is None else \
+            keys - attention_mask.long().sum(dim=1, keepdim=True)
+        block = torch.tensor(sizes, device=device)
+        return offsets + (first - offsets) // block * block
     return _row_starts_memo.get(attention_mask, (batch, keys, first, sizes, device), make)
 
 
