@@ -338,9 +338,9 @@ def test_gpt_training_steps_replay_from_cuda_graphs_and_equal_eager():
 
 
 # The cache's position is a Python int, so each step is traced anew for its position (static caches
-# that hold it on the device are the way to one graph for every step); eight steps from position 20
-# cross the ends of the blocks of 4 and 8 at 24 and 28.
-DECODE_STEPS = range(20, 29)
+# that hold it on the device are the way to one graph for every step): the compiled steps are the
+# last position of a block of 4 and 8 and the first of the next (24 and 28), the others run eagerly.
+DECODE_STEPS = (23, 24, 27, 28)
 
 
 @pytest.mark.parametrize("spec", ["mha", "swa:window=8", "bilinear_btt", "mlr:8|4|2|2",
@@ -351,11 +351,11 @@ def test_one_token_decoding_step_compiles_whole(spec):
     with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=len(DECODE_STEPS)):
         full = layer(x)
         cache = layer.new_cache(1)
-        layer(x[:, : DECODE_STEPS[0]], cache)
+        layer(x[:, :20], cache)
         step = torch.compile(lambda token: layer(token, cache), fullgraph=True, backend="aot_eager")
-        steps = [step(x[:, t : t + 1]) for t in DECODE_STEPS]
-    torch.testing.assert_close(torch.cat(steps, dim=1), full[:, DECODE_STEPS[0] : DECODE_STEPS[-1] + 1],
-                               rtol=1e-5, atol=1e-5)
+        steps = [(step if t in DECODE_STEPS else lambda token: layer(token, cache))(x[:, t : t + 1])
+                 for t in range(20, DECODE_STEPS[-1] + 1)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full[:, 20 : DECODE_STEPS[-1] + 1], rtol=1e-5, atol=1e-5)
 
 
 def test_gpt_decoding_step_compiles_whole_with_inductor():
