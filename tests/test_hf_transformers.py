@@ -21,9 +21,9 @@ sattn_hf.register()
 
 def _llama(implementation: str, ranks: list[int] | None = None, **config: object):
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   attn_implementation=implementation, **config)
+    cfg = transformers.LlamaConfig(**{**dict(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                             attn_implementation=implementation), **config})
     cfg.sattn_ranks = ranks
     return transformers.LlamaForCausalLM(cfg).eval()
 
@@ -249,9 +249,10 @@ def test_compiled_static_cache_generation_is_one_graph_per_shape_and_generates_w
     fullgraph=True if asked): a padded batch's prompt and decoding steps run as whole graphs (the
     rows' block starts are computed on the device, they were read on the host: an error under
     fullgraph) and give eager generation's tokens."""
-    model = _llama(sattn_hf.ATTN_IMPLEMENTATION, [8, 4, 4])
+    model = _llama(sattn_hf.ATTN_IMPLEMENTATION, [8, 4, 4], num_hidden_layers=1)  # one layer: quicker to trace
     prompts, mask = IDX[:, :10], torch.tensor([[0] * 4 + [1] * 6, [1] * 10])
-    settings = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, cache_implementation="static")
+    # each step is traced anew (the keys are cut to the filled slots: new shapes every step)
+    settings = dict(attention_mask=mask, max_new_tokens=3, do_sample=False, cache_implementation="static")
     expected = model.generate(prompts, **settings)
     torch._dynamo.reset()
     model.forward = torch.compile(model.forward, fullgraph=True, backend="aot_eager")
@@ -426,7 +427,7 @@ def test_a_padded_or_packed_training_step_compiles_whole_and_equals_eager():
     a padding-free packed one: one graph (the mask function hands the mask over without reading it
     on the host, which broke the graph, an error under fullgraph), the logits and gradients of
     eager."""
-    model = _llama(sattn_hf.ATTN_IMPLEMENTATION, [4, 4, 4, 4]).train()
+    model = _llama(sattn_hf.ATTN_IMPLEMENTATION, [4, 4, 4, 4], num_hidden_layers=1).train()  # one layer: quicker to trace
     mask = torch.ones(2, 20, dtype=torch.long)
     mask[0, :5] = 0
     packed = {"position_ids": torch.cat([torch.arange(8), torch.arange(12)])[None]}
