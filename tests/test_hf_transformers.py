@@ -244,23 +244,31 @@ def test_transformers_static_cache_generates_what_no_cache_does():
                            model.generate(prompts, use_cache=False, **settings))
 
 
-def test_compiled_static_cache_generation_is_one_graph_per_shape_and_generates_what_eager_does():
+def test_compiled_static_cache_generation_traces_three_graphs_and_generates_what_eager_does():
     """transformers compiles the forward of static-cache generation (on a GPU by itself, with
-    fullgraph=True if asked): a padded batch's prompt and decoding steps run as whole graphs (the
-    rows' block starts are computed on the device, they were read on the host: an error under
-    fullgraph) and give eager generation's tokens."""
+    fullgraph=True if asked): a padded batch's prompt, first step and every later step run as three
+    whole graphs, the last with the cache's length symbolic, across the ends of MLR blocks (the
+    rows' block starts were read on the host: an error under fullgraph; a check's message fixed
+    the length: a graph per step), and give eager generation's tokens."""
     model = _llama(sattn_hf.ATTN_IMPLEMENTATION, [8, 4, 4], num_hidden_layers=1)  # one layer: quicker to trace
     prompts, mask = IDX[:, :10], torch.tensor([[0] * 4 + [1] * 6, [1] * 10])
-    # each step is traced anew (the keys are cut to the filled slots: new shapes every step)
-    settings = dict(attention_mask=mask, max_new_tokens=3, do_sample=False, cache_implementation="static")
+    # 10 + 9 tokens: across the ends of the blocks of 16 (sizes 64, 32, 16) of both rows
+    settings = dict(attention_mask=mask, max_new_tokens=9, do_sample=False, cache_implementation="static")
     expected = model.generate(prompts, **settings)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
+
     torch._dynamo.reset()
-    model.forward = torch.compile(model.forward, fullgraph=True, backend="aot_eager")
+    model.forward = torch.compile(model.forward, fullgraph=True, backend=backend)
     try:
         assert torch.equal(model.generate(prompts, **settings), expected)
     finally:
         del model.forward
         torch._dynamo.reset()
+    assert len(graphs) == 3
 
 
 def test_inside_bfloat16_autocast_it_trains_and_the_compressed_cache_generates():

@@ -451,20 +451,22 @@ def check_mlr_cache_arguments(
     require(q.device == v.device, "q.device", f"{v.device} (the device of v)", q.device)
     require(q.is_floating_point(), "q.dtype", "a floating-point dtype", q.dtype)
     require(v.is_floating_point(), "v.dtype", "a floating-point dtype", v.dtype)
+    # The messages are made only on failure (fail): under torch.compile the cache's length may be
+    # symbolic, and formatting it into a message fixes it to its value, a new graph per length.
     B, Hk, end, _ = v.shape
     t = q.shape[2]
-    require(q.shape[0] == B and 1 <= t <= end and q.shape[-1] == sum(ranks), "q",
-            f"shape (B={B}, H, t <= {end}, sum(ranks)={sum(ranks)})", tuple(q.shape))
+    if not (q.shape[0] == B and 1 <= t <= end and q.shape[-1] == sum(ranks)):
+        fail("q", f"shape (B={B}, H, t <= {end}, sum(ranks)={sum(ranks)})", tuple(q.shape))
     require(q.shape[1] % Hk == 0, "q", f"a head count (dim 1) that is a multiple of the {Hk} kv heads", tuple(q.shape))
     require(t == 1 or not one_query, "q", "one new query, shape (B, H, 1, sum(ranks))", tuple(q.shape))
-    require(t == 1 or block_sizes is not None, "block_sizes",
-            f"the per-level block sizes when several queries (t={t}) meet the cache", block_sizes)
-    require(all(isinstance(s, int) and not isinstance(s, bool) for s in key_starts) and key_starts[0] == 0
-            and all(0 <= s <= end - t for s in key_starts), "key_starts",
-            f"0 for level 1 and positions at most {end - t} (the first new query)", list(key_starts))
+    if not (t == 1 or block_sizes is not None):
+        fail("block_sizes", f"the per-level block sizes when several queries (t={t}) meet the cache", block_sizes)
+    if not (all(isinstance(s, int) and not isinstance(s, bool) for s in key_starts) and key_starts[0] == 0
+            and all(0 <= s <= end - t for s in key_starts)):
+        fail("key_starts", f"0 for level 1 and positions at most {end - t} (the first new query)", list(key_starts))
     for level, (k, r, start) in enumerate(zip(keys, ranks, key_starts)):
-        require(tuple(k.shape) == (B, Hk, end - start, r), f"keys[{level}]",
-                f"shape {(B, Hk, end - start, r)}", tuple(k.shape))
+        if tuple(k.shape) != (B, Hk, end - start, r):
+            fail(f"keys[{level}]", f"shape {(B, Hk, end - start, r)}", tuple(k.shape))
     scale = check_scale(scale, "a finite positive number")
     check_bool(depth_normalize, "depth_normalize")
     check_row_starts(row_starts, B, len(ranks), end, one_query, v.device)
