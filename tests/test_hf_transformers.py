@@ -431,26 +431,41 @@ def test_packed_sequences_are_each_scored_alone(model, packing):
 
 
 def test_a_padded_or_packed_training_step_compiles_whole_and_equals_eager():
-    """torch.compile(fullgraph=True) of a "sattn_mlr" model's training step on a padded batch and on
-    a padding-free packed one: one graph (the mask function hands the mask over without reading it
-    on the host, which broke the graph, an error under fullgraph), the logits and gradients of
-    eager."""
+    """torch.compile(fullgraph=True) of a "sattn_mlr" model's training step on padded batches of
+    three lengths and on a padding-free packed one: whole graphs (the mask function read the mask
+    on the host: a graph break, an error under fullgraph), two for the three lengths (the first,
+    then one with the length symbolic; a check's message fixed it: a graph per length), the
+    logits and gradients of eager."""
     model = _llama(sattn_hf.ATTN_IMPLEMENTATION, [4, 4, 4, 4], num_hidden_layers=1).train()  # one layer: quicker to trace
-    mask = torch.ones(2, 20, dtype=torch.long)
-    mask[0, :5] = 0
-    packed = {"position_ids": torch.cat([torch.arange(8), torch.arange(12)])[None]}
-    for idx, batch in ((IDX, {"attention_mask": mask}), (IDX[:1], packed)):
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
+
+    def padded(length):
+        mask = torch.ones(2, length, dtype=torch.long)
+        mask[0, :5] = 0
+        return IDX[:, :length].clone(), {"attention_mask": mask}
+
+    packed = (IDX[:1].clone(), {"position_ids": torch.cat([torch.arange(8), torch.arange(12)])[None]})
+    for batches in ([padded(12), padded(16), padded(20)], [packed]):
         torch._dynamo.reset()
-        results = []
-        for forward in (torch.compile(model, fullgraph=True, backend="aot_eager"), model):
-            model.zero_grad(set_to_none=True)
-            out = forward(idx, labels=idx, use_cache=False, **batch)
-            out.loss.backward()
-            results.append((out.logits.detach(), [p.grad for p in model.parameters()]))
-        (logits, grads), (eager_logits, eager_grads) = results
-        torch.testing.assert_close(logits, eager_logits, atol=1e-5, rtol=0)
-        for a, b in zip(grads, eager_grads):
-            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+        graphs.clear()
+        compiled = torch.compile(model, fullgraph=True, backend=backend)
+        for idx, batch in batches:
+            results = []
+            for forward in (compiled, model):
+                model.zero_grad(set_to_none=True)
+                out = forward(idx, labels=idx, use_cache=False, **batch)
+                out.loss.backward()
+                results.append((out.logits.detach(), [p.grad for p in model.parameters()]))
+            (logits, grads), (eager_logits, eager_grads) = results
+            torch.testing.assert_close(logits, eager_logits, atol=1e-5, rtol=0)
+            for a, b in zip(grads, eager_grads):
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+        assert len(graphs) == min(len(batches), 2)
+    torch._dynamo.reset()
 
 
 def test_a_bad_swap_is_one_line_at_swap_time():

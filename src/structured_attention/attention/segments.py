@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .._checks import require
+from .._checks import fail, require
 
 __all__ = ["CachePadding", "Segments", "build_segments", "left_padding", "position_mask"]
 
@@ -105,8 +105,9 @@ def _check_mask(
     require(isinstance(attention_mask, torch.Tensor), "attention_mask", "a torch.Tensor or None",
             type(attention_mask).__name__)
     assert isinstance(attention_mask, torch.Tensor)
-    require(tuple(attention_mask.shape) == (batch, seq_len), "attention_mask",
-            f"shape (batch={batch}, seq_len={seq_len})", tuple(attention_mask.shape))
+    # messages made on failure alone: formatting a symbolic length fixes it (a graph per length)
+    if tuple(attention_mask.shape) != (batch, seq_len):
+        fail("attention_mask", f"shape (batch={batch}, seq_len={seq_len})", tuple(attention_mask.shape))
     require(attention_mask.dtype == torch.bool or not (attention_mask.is_floating_point() or attention_mask.is_complex()),
             "attention_mask", "a bool or integer tensor (1 or True for real tokens)", attention_mask.dtype)
     require(attention_mask.device == device, "attention_mask", f"a tensor on {device} (the device of the inputs)",
@@ -135,8 +136,8 @@ def _check_document_ids(document_ids: object, batch: int, seq_len: int, device: 
     require(isinstance(document_ids, torch.Tensor), "document_ids", "a torch.Tensor or None",
             type(document_ids).__name__)
     assert isinstance(document_ids, torch.Tensor)
-    require(tuple(document_ids.shape) == (batch, seq_len), "document_ids", f"shape (batch={batch}, seq_len={seq_len})",
-            tuple(document_ids.shape))
+    if tuple(document_ids.shape) != (batch, seq_len):
+        fail("document_ids", f"shape (batch={batch}, seq_len={seq_len})", tuple(document_ids.shape))
     require(document_ids.dtype != torch.bool and not (document_ids.is_floating_point() or document_ids.is_complex()),
             "document_ids", "an integer tensor (not bool)", document_ids.dtype)
     require(document_ids.device == device, "document_ids", f"a tensor on {device} (the device of the inputs)",

@@ -90,9 +90,9 @@ def _check_block_sizes(block_sizes: object, context: int, n_levels: int | None =
     for a, b in zip(sizes, sizes[1:]):
         require(b < a and a % b == 0, "block_sizes",
                 "strictly decreasing sizes, each dividing the previous one (s_{l+1} | s_l)", block_sizes)
-    require(sizes[0] >= context, "block_sizes",
-            f"a first (coarsest) size s_1 >= context={context}, so level 1 covers the whole context",
-            block_sizes)
+    if sizes[0] < context:  # the message made on failure alone: context may be a symbolic length
+        fail("block_sizes", f"a first (coarsest) size s_1 >= context={context}, so level 1 covers the whole context",
+             block_sizes)
     return sizes
 
 
@@ -403,8 +403,8 @@ def check_document_ids(
     require(isinstance(document_ids, torch.Tensor), "document_ids", "a torch.Tensor or None",
             type(document_ids).__name__)
     assert isinstance(document_ids, torch.Tensor)
-    require(tuple(document_ids.shape) == (B, T), "document_ids", f"shape (B={B}, T={T})",
-            tuple(document_ids.shape))
+    if tuple(document_ids.shape) != (B, T):  # the message made on failure alone, as in check_mlr_cache_arguments
+        fail("document_ids", f"shape (B={B}, T={T})", tuple(document_ids.shape))
     require(not document_ids.is_floating_point() and not document_ids.is_complex()
             and document_ids.dtype != torch.bool, "document_ids",
             "an integer dtype (not bool)", document_ids.dtype)
