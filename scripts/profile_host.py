@@ -111,7 +111,7 @@ def main() -> None:
     forwards = {
         "sdpa flash": lambda: _flash(q, k, v),
         "mlr_attention": lambda: mlr_attention(q, k, v, RANKS),
-        "op (compiled)": lambda: tp._forward_op(q, k, v, None, list(RANKS), list(sizes), True, scale, False, tile_list),
+        "op (compiled)": lambda: torch.ops.sattn.mlr_triton_prefix_forward(q, k, v, None, list(RANKS), list(sizes), True, scale, False, tile_list),
         "launch": lambda: tp._forward(q, k, v, None, T, plan, True, scale, False),
     }
     lines = [f"{torch.cuda.get_device_name() if on_gpu else 'CPU (kernels are no-ops)'} | torch {torch.__version__}"

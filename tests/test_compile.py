@@ -112,11 +112,16 @@ def test_opcheck_triton_forward_and_backward(kernel):
     v = _rand(1, 2, 32, 16, dtype=f32).to(dev).requires_grad_()
     # two documents, read as segments inside the ops (every other test passes None, whole rows)
     document_ids = torch.tensor([[0] * 20 + [1] * 12], device=dev)
+    # the ops of packed documents, tagged for inductor's CUDA graphs (they read the ids on the host);
+    # the whole-row ops are the same functions, untagged
+    name = "mlr_triton_varlen" if kernel == "general" else "mlr_triton_prefix_varlen"
+    fwd, bwd = getattr(torch.ops.sattn, f"{name}_forward"), getattr(torch.ops.sattn, f"{name}_backward")
+    assert all(torch.Tag.cudagraph_unsafe in op.default.tags for op in (fwd, bwd))
+    whole = getattr(torch.ops.sattn, name.removesuffix("_varlen") + "_forward")
+    assert torch.Tag.cudagraph_unsafe not in whole.default.tags
     if kernel == "general":
-        fwd, bwd = torch.ops.sattn.mlr_triton_forward, torch.ops.sattn.mlr_triton_backward
         cfg = (document_ids, [16, 8, 8], [32, 12, 6], True, 0.2, False, 16, 16)
     else:
-        fwd, bwd = torch.ops.sattn.mlr_triton_prefix_forward, torch.ops.sattn.mlr_triton_prefix_backward
         cfg = (document_ids, [16, 8, 8], [32, 32, 16], True, 0.2, False, [16] * 6 + [4, 2])
     opcheck(fwd.default, (q, k, v, *cfg))
     out, lse = fwd(q, k, v, *cfg)
@@ -307,10 +312,12 @@ def test_gpt_training_step_compiles_whole(backend):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CUDA graphs)")
-def test_gpt_training_steps_replay_from_cuda_graphs_and_equal_eager():
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+def test_gpt_training_steps_replay_from_cuda_graphs_and_equal_eager(packed):
     """torch.compile(mode="reduce-overhead"), the training loop's run.compile_mode: each step's
     kernels (the Triton kernels' custom ops among them) recorded in CUDA graphs and replayed, with
-    no graph skipped, training as eager does."""
+    no graph skipped, training as eager does. Packed documents too: their ops read the ids on the
+    host, and inductor records the graph around them (VARLEN_TAGS)."""
     pytest.importorskip("triton", reason="triton is not installed")
     from torch._dynamo.utils import counters
 
@@ -323,11 +330,12 @@ def test_gpt_training_steps_replay_from_cuda_graphs_and_equal_eager():
     gen = torch.Generator().manual_seed(1)
     for _ in range(4):  # recorded on the first steps, replayed after the weights change
         idx, targets = (torch.randint(0, 64, (2, 40), generator=gen).cuda() for _ in range(2))
+        documents = {"document_ids": torch.tensor([[0] * 15 + [1] * 25, [0] * 40]).cuda()} if packed else {}
         losses = []
         for m, o, fn in ((model, opt, step_model), (twin, twin_opt, twin)):
             o.zero_grad()
             torch.compiler.cudagraph_mark_step_begin()
-            _, loss = fn(idx, targets)
+            _, loss = fn(idx, targets, **documents)
             loss.backward()
             o.step()
             losses.append(loss.detach().clone())

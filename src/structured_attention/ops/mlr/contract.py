@@ -47,8 +47,10 @@ from ..._checks import (
 
 __all__ = [
     "HALF_DTYPES",
+    "VARLEN_TAGS",
     "attach_backward",
     "compiled_or_eager",
+    "differentiable_ops",
     "eager_autograd",
     "check_attention_inputs",
     "check_bool",
@@ -521,6 +523,28 @@ def attach_backward(forward_op: torch.library.CustomOpDef, backward_op: torch.li
     if eager is None:
         return forward_op
     return compiled_or_eager(forward_op, eager_autograd(*eager))
+
+
+# The tags of ops that read packed documents' ids on the host (a device synchronisation): inductor
+# leaves them out of the CUDA graphs it records (mode="reduce-overhead"; its graph partition splits
+# a graph around them), which could not capture the synchronisation. (PyTorch before 2.8 has no
+# such tag, nor custom ops' tags before 2.6: its ops go untagged.)
+VARLEN_TAGS: tuple[torch.Tag, ...] = tuple(filter(None, [getattr(torch.Tag, "cudagraph_unsafe", None)]))
+
+
+def differentiable_ops(name: str, forward: Callable[..., Any], forward_fake: Callable[..., Any],
+                       backward: Callable[..., Any], backward_fake: Callable[..., Any],
+                       tags: Sequence[torch.Tag] = ()) -> Callable[..., Any]:
+    """``forward`` and ``backward`` (with the conventions of :func:`attach_backward`) as the custom
+    ops ``sattn::<name>_forward`` and ``sattn::<name>_backward`` with their fake implementations
+    and ``tags``; returns :func:`attach_backward`'s function, which runs the functions themselves
+    outside ``torch.compile``."""
+    tagged = {"tags": tuple(tags)} if tags else {}
+    forward_op = torch.library.custom_op(f"sattn::{name}_forward", forward, mutates_args=(), **tagged)
+    forward_op.register_fake(forward_fake)
+    backward_op = torch.library.custom_op(f"sattn::{name}_backward", backward, mutates_args=(), **tagged)
+    backward_op.register_fake(backward_fake)
+    return attach_backward(forward_op, backward_op, eager=(forward, backward))
 
 
 def _save(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: Sequence[Any], output: Any) -> None:

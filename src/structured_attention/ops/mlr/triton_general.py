@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from ..._checks import require
-from .contract import attach_backward, check_mlr_arguments
+from .contract import VARLEN_TAGS, check_mlr_arguments, differentiable_ops
 from .triton_common import (INTERPRETED, blocks_meet, cdiv, dense_rows, device_table, dot, empty_rows, launch,
                             load_segment, pow2, row_dots, segments_of_documents, segments_of_rows)
 from .triton_prefix import PrefixCall, PrefixTiles, miscompiled_on_cuda, mlr_attention_prefix, square_tiles
@@ -476,11 +476,7 @@ def _run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids
     return _forward(q, k, v, segments, max_len, plan, causal, scale, depth_normalize)
 
 
-_forward_op = torch.library.custom_op("sattn::mlr_triton_forward", _run_forward, mutates_args=())
-
-
-@_forward_op.register_fake
-def _(q, k, v, document_ids, ranks, sizes, causal, scale, depth_normalize, block_m, block_n):
+def _forward_fake(q, k, v, document_ids, ranks, sizes, causal, scale, depth_normalize, block_m, block_n):
     B, H, T, _ = q.shape
     return empty_rows(q, v.shape[-1]), q.new_empty(B, H, T, dtype=torch.float32)
 
@@ -494,15 +490,14 @@ def _run_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
     return _backward(q, k, v, o, lse, do, segments, max_len, plan, causal, scale, depth_normalize)
 
 
-_backward_op = torch.library.custom_op("sattn::mlr_triton_backward", _run_backward, mutates_args=())
-
-
-@_backward_op.register_fake
-def _(do, q, k, v, o, lse, document_ids, ranks, sizes, causal, scale, depth_normalize, block_m, block_n):
+def _backward_fake(do, q, k, v, o, lse, document_ids, ranks, sizes, causal, scale, depth_normalize, block_m, block_n):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-_forward_call = attach_backward(_forward_op, _backward_op, eager=(_run_forward, _run_backward))
+_forward_call = differentiable_ops("mlr_triton", _run_forward, _forward_fake, _run_backward, _backward_fake)
+# Packed documents: the same functions as ops of their own, which read the ids on the host
+_varlen_call = differentiable_ops("mlr_triton_varlen", _run_forward, _forward_fake, _run_backward, _backward_fake,
+                                  VARLEN_TAGS)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -592,8 +587,9 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ranks: tuple[i
         return mlr_attention_prefix(q, k, v, ranks, sizes, causal, float(scale), depth_normalize, tiles, document_ids)
 
     q, k, v = dense_rows(q), dense_rows(k), dense_rows(v)  # layers' transposed views: no copy
-    out, _ = _forward_call(q, k, v, document_ids, list(ranks), list(sizes), causal, float(scale), depth_normalize,
-                           block_m, block_n)
+    call = _forward_call if document_ids is None else _varlen_call
+    out, _ = call(q, k, v, document_ids, list(ranks), list(sizes), causal, float(scale), depth_normalize, block_m,
+                  block_n)
     return out
 
 

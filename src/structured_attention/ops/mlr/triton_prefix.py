@@ -55,7 +55,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .contract import attach_backward, eager_autograd
+from .contract import VARLEN_TAGS, differentiable_ops, eager_autograd
 from .triton_common import (INTERPRETED, blocks_meet, cdiv, cuda_properties, dense_rows, device_table, dot, dot_acc,
                             empty_rows, launch, load_segment, pow2, row_dots, segments_of_documents, segments_of_rows)
 
@@ -1058,11 +1058,7 @@ def _run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids
     return _forward(q, k, v, segments, max_len, plan, causal, scale, depth_normalize)
 
 
-_forward_op = torch.library.custom_op("sattn::mlr_triton_prefix_forward", _run_forward, mutates_args=())
-
-
-@_forward_op.register_fake
-def _(q, k, v, document_ids, ranks, sizes, causal, scale, depth_normalize, tiles):
+def _forward_fake(q, k, v, document_ids, ranks, sizes, causal, scale, depth_normalize, tiles):
     B, H, T, _ = q.shape
     return empty_rows(q, v.shape[-1]), q.new_empty(B, H, T, dtype=torch.float32)
 
@@ -1076,15 +1072,14 @@ def _run_backward(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
     return _backward(q, k, v, o, lse, do, segments, max_len, plan, causal, scale, depth_normalize)
 
 
-_backward_op = torch.library.custom_op("sattn::mlr_triton_prefix_backward", _run_backward, mutates_args=())
-
-
-@_backward_op.register_fake
-def _(do, q, k, v, o, lse, document_ids, ranks, sizes, causal, scale, depth_normalize, tiles):
+def _backward_fake(do, q, k, v, o, lse, document_ids, ranks, sizes, causal, scale, depth_normalize, tiles):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-_forward_call = attach_backward(_forward_op, _backward_op, eager=(_run_forward, _run_backward))
+_forward_call = differentiable_ops("mlr_triton_prefix", _run_forward, _forward_fake, _run_backward, _backward_fake)
+# Packed documents: the same functions as ops of their own, which read the ids on the host
+_varlen_call = differentiable_ops("mlr_triton_prefix_varlen", _run_forward, _forward_fake, _run_backward,
+                                  _backward_fake, VARLEN_TAGS)
 
 
 class PrefixCall:
@@ -1121,6 +1116,7 @@ def mlr_attention_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank
     Packed ``document_ids``: each document a segment of the launch, scored as a sequence of its own
     (its positions start at 0, so its tile pairs keep one depth each)."""
     q, k, v = dense_rows(q), dense_rows(k), dense_rows(v)  # layers' transposed views: no copy
-    out, _ = _forward_call(q, k, v, document_ids, list(ranks), list(sizes), causal, float(scale), depth_normalize,
-                           _tiles_list(tiles))
+    call = _forward_call if document_ids is None else _varlen_call
+    out, _ = call(q, k, v, document_ids, list(ranks), list(sizes), causal, float(scale), depth_normalize,
+                  _tiles_list(tiles))
     return out
