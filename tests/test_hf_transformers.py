@@ -468,6 +468,22 @@ def test_a_padded_or_packed_training_step_compiles_whole_and_equals_eager():
     torch._dynamo.reset()
 
 
+def test_forward_and_generation_run_under_inference_mode_as_under_no_grad():
+    """Serving code runs models under torch.inference_mode(), whose tensors have no version
+    counter: a padded forward and generation give what they give under no_grad (reading the
+    mask's version to keep what was read from it raised a RuntimeError), packed documents too."""
+    model = _llama(sattn_hf.ATTN_IMPLEMENTATION, [8, 4, 4])
+    mask = torch.tensor([[0] * 4 + [1] * 16, [1] * 20])
+    positions = {"position_ids": torch.cat([torch.arange(8), torch.arange(12)])[None]}
+    results = []
+    for context in (torch.no_grad, torch.inference_mode):
+        with context():
+            results.append((model(IDX, attention_mask=mask).logits, model(IDX[:1], **positions).logits,
+                            model.generate(IDX, attention_mask=mask, max_new_tokens=4, do_sample=False)))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
 def test_a_bad_swap_is_one_line_at_swap_time():
     with pytest.raises(ValueError, match=r"^sattn_attention='nope:1': ") as err:
         sattn_hf.swap_attention(_llama("sdpa"), "nope:1")

@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import functools
 import numbers
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -69,6 +68,7 @@ import torch
 
 from .._autocast import autocast_inputs
 from .._checks import require
+from .._memo import TensorMemo
 from ..attention.segments import Segments, build_segments, left_padding
 from ..ops.mlr import mlr_attention, mlr_prefill
 from ..ops.mlr.contract import mlr_block_sizes
@@ -205,27 +205,9 @@ def _padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int 
     return attention_mask
 
 
-class _PerForward:
-    """A value derived from one tensor (or None) and other arguments, kept until another tensor,
-    another version of it or other arguments ask: every layer of a forward passes the same tensors
-    (``position_ids``, the padding mask), so what is read from them on the host, a wait for the
-    device, is read once per forward instead of once per layer."""
-
-    def __init__(self) -> None:
-        self._held: tuple[Any, int, tuple, Any] | None = None  # (a weak reference or None, version, rest, value)
-
-    def get(self, tensor: torch.Tensor | None, rest: tuple, make: Callable[[], Any]) -> Any:
-        version = -1 if tensor is None else tensor._version
-        held = self._held
-        if held is not None and held[1:3] == (version, rest) and (held[0] is None if tensor is None
-                                                                  else held[0]() is tensor):
-            return held[3]
-        value = make()
-        self._held = (None if tensor is None else weakref.ref(tensor), version, rest, value)
-        return value
-
-
-_filled_memo, _row_starts_memo, _segments_memo = _PerForward(), _PerForward(), _PerForward()
+# every layer of a forward passes the same tensors (position_ids, the padding mask): what is read
+# from them on the host is read once per forward
+_filled_memo, _row_starts_memo, _segments_memo = TensorMemo(), TensorMemo(), TensorMemo()
 
 
 def _filled_slots(position_ids: torch.Tensor | None, keys: int) -> int:

@@ -44,6 +44,7 @@ from ..._checks import (
     fail,
     require,
 )
+from ..._memo import TensorMemo
 
 __all__ = [
     "HALF_DTYPES",
@@ -320,11 +321,10 @@ def check_mlr_arguments(
     return ranks, sizes, float(scale)
 
 
-# The last ids read on the host and what was made of them: (ids, version, {(device, dtype): (table,
-# longest)}). A model's layers take one ids tensor (and their backward the same one), so the ids
-# are read once per step, not once per layer and pass: each read waits for the device's queued work.
-_SegmentTables = dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, int]]
-_documents_read: tuple[torch.Tensor, int, _SegmentTables] | None = None
+# What was made of the last ids read on the host: {(device, dtype): (table, longest)}. A model's
+# layers take one ids tensor (and their backward the same one), so the ids are read once per step,
+# not once per layer and pass: each read waits for the device's queued work.
+_documents_read = TensorMemo()
 
 
 def document_segments(document_ids: torch.Tensor, device: torch.device | None = None,
@@ -338,32 +338,25 @@ def document_segments(document_ids: torch.Tensor, device: torch.device | None = 
     Ids that decrease along a row raise the ``ValueError`` of :func:`check_document_ids` (a compiled
     call, whose graph leaves that check out, meets it here).
     """
-    global _documents_read
-    device = torch.device("cpu") if device is None else torch.device(device)
-    # an inference tensor has no version counter: read every time
-    version = None if document_ids.is_inference() else document_ids._version
-    read = _documents_read
-    if version is not None and read is not None and read[0] is document_ids and read[1] == version:
-        made = read[2]
-    else:
-        made: _SegmentTables = {}
-        ids = document_ids.cpu()
-        _check_document_order(ids)
-        B, T = ids.shape
-        new = torch.ones(B, T, dtype=torch.bool)
-        new[:, 1:] = ids[:, 1:] != ids[:, :-1]
-        rows, starts = new.nonzero(as_tuple=True)
-        ends = torch.where(torch.cat([rows[1:] != rows[:-1], torch.tensor([True])]), T,
-                           torch.cat([starts[1:], starts.new_tensor([T])]))
-        table = torch.stack([rows, starts, ends - starts], dim=1)
-        made[torch.device("cpu"), torch.int64] = table, int(table[:, 2].max()) if len(table) else 0
-        if version is not None:
-            _documents_read = document_ids, version, made
-    key = (device, dtype)
+    made = _documents_read.get(document_ids, (), lambda: _segment_tables(document_ids))
+    key = (torch.device("cpu") if device is None else torch.device(device), dtype)
     if key not in made:
         table, longest = made[torch.device("cpu"), torch.int64]
-        made[key] = table.to(device=device, dtype=dtype), longest
+        made[key] = table.to(device=key[0], dtype=dtype), longest
     return made[key]
+
+
+def _segment_tables(document_ids: torch.Tensor) -> dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, int]]:
+    ids = document_ids.cpu()
+    _check_document_order(ids)
+    B, T = ids.shape
+    new = torch.ones(B, T, dtype=torch.bool)
+    new[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    rows, starts = new.nonzero(as_tuple=True)
+    ends = torch.where(torch.cat([rows[1:] != rows[:-1], torch.tensor([True])]), T,
+                       torch.cat([starts[1:], starts.new_tensor([T])]))
+    table = torch.stack([rows, starts, ends - starts], dim=1)
+    return {(torch.device("cpu"), torch.int64): (table, int(table[:, 2].max()) if len(table) else 0)}
 
 
 def _check_document_order(ids: torch.Tensor) -> None:
