@@ -30,9 +30,9 @@ projections, rotary embeddings, GQA, caches and ``generate()`` stay as they are.
   together (``_ADJACENT_PAIRS``: Cohere, GLM...) keep the dimensions as they lie; a rotary
   embedding over part of the head (Phi, GPT-NeoX) takes one level.
 - **Masks.** ``register()`` also registers the mask function, which hands the attention function
-  the ``(batch, keys)`` padding mask (``None`` without padding, outside ``torch.compile``); left or right padding is scored
-  as the package's layers do: each row's real tokens attend only among themselves and their MLR
-  blocks count from the row's first real token. (Without the mask function transformers would
+  the ``(batch, keys)`` padding mask (``None`` without padding, outside ``torch.compile``); left
+  or right padding is scored as the package's layers do: each row's real tokens attend only among
+  themselves and their MLR blocks count from the row's first real token. (Without the mask function transformers would
   build no mask this implementation reads, and padding would be attended silently.) Without a
   mask, packed sequences (a padding-free batch, as ``DataCollatorWithFlattening`` makes) are read
   from ``cu_seq_lens_q`` or from ``position_ids`` that restart, as flash attention reads them, and
@@ -224,16 +224,19 @@ def _row_starts(attention_mask: torch.Tensor | None, batch: int, keys: int, firs
     mask, checking that it is left-padded and copying the answer to the device each wait for the
     device, which per layer would hold back every layer's kernels)."""
 
-    def make() -> torch.Tensor:
-        offsets = left_padding(attention_mask, batch, keys, device) if attention_mask is not None else [0] * batch
-        return torch.tensor([[o + (first - o) // s * s for s in sizes] for o in offsets], device=device)
-
-    if torch.compiler.is_compiling():  # the same on the device: a compiled step reads nothing on the host
-        offsets = torch.zeros(batch, 1, dtype=torch.long, device=device) if attention_mask is None else \
-            keys - attention_mask.long().sum(dim=1, keepdim=True)
+    def starts(offsets: torch.Tensor) -> torch.Tensor:  # offsets (B, 1): each row's left padding
         block = torch.tensor(sizes, device=device)
         return offsets + (first - offsets) // block * block
-    return _row_starts_memo.get(attention_mask, (batch, keys, first, sizes, device), make)
+
+    if torch.compiler.is_compiling():  # from the mask on the device (taken as left padding, unchecked)
+        return starts(torch.zeros(batch, 1, dtype=torch.long, device=device) if attention_mask is None
+                      else keys - attention_mask.long().sum(dim=1, keepdim=True))
+
+    def read() -> torch.Tensor:  # eagerly: the mask read and checked on the host
+        offsets = [0] * batch if attention_mask is None else left_padding(attention_mask, batch, keys, device)
+        return starts(torch.tensor(offsets, device=device)[:, None])
+
+    return _row_starts_memo.get(attention_mask, (batch, keys, first, sizes, device), read)
 
 
 def _segments(attention_mask: torch.Tensor | None, position_ids: object, cu_seq_lens: object, batch: int,
