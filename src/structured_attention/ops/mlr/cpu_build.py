@@ -2,11 +2,11 @@
 
 The kernel is compiled with ``torch.utils.cpp_extension`` (a C++17 compiler and ninja are needed)
 for the instruction set ``torch.backends.cpu.get_cpu_capability()`` reports, so the vectorised code
-matches the machine. The build takes about a minute and says so in one line on stderr before it
+matches the machine. The build takes under a minute and says so in one line on stderr before it
 starts. It goes to a folder of its own (:func:`build_directory`) under ``$TORCH_EXTENSIONS_DIR``
-(by default ``~/.cache/torch_extensions``), keyed by the torch and Python versions, the install
-and a hash of the source and flags: each virtual environment builds once and keeps its build, and
-a new version of the source never loads an old binary. Later processes import that build directly.
+(by default ``~/.cache/torch_extensions``), keyed by the torch and Python versions, the install and
+a hash of the source and flags: each virtual environment builds once and keeps its build, and a new
+version of the source never loads an old binary. Later processes import that build directly.
 
 Concurrent first uses build once: the builder holds an OS lock (``build.lock``, holding its PID
 and host) that the system drops when the process dies, so a build killed midway is simply redone
@@ -58,7 +58,7 @@ _BUILT = "built"  # written once a build passed its self-check; holds the librar
 _LOCK = "build.lock"
 _TORCH_LOCK = "lock"  # torch.utils.cpp_extension's FileBaton, which a killed build leaves behind
 # Where no OS lock can be had (Windows, a file system without locks), a torch lock file older than
-# this is taken for a dead build's: the build takes about a minute.
+# this is taken for a dead build's: the build takes under a minute.
 _STALE_AFTER_S = 15 * 60
 _SKIP = "SATTN_CPU_KERNEL=0 skips it"
 _FALLBACK = "MLR attention uses the slower blocked PyTorch path"
@@ -153,7 +153,7 @@ def _load_or_build() -> ModuleType:
         if module is not None:
             return module
         isa, cflags, ldflags = _flags()
-        print(f"structured_attention: building the C++ MLR attention kernel ({isa}) in {directory}, about a minute, "
+        print(f"structured_attention: building the C++ MLR attention kernel ({isa}) in {directory}, under a minute, "
               f"once per install; {_SKIP}", file=sys.stderr, flush=True)
         module = _compile(f"{_NAME}_{isa.lower()}", directory, cflags, ldflags)
         _self_check(module)

@@ -24,13 +24,18 @@
 // Matmuls of float use oneDNN's batch-reduce GEMM (at::native::cpublas::brgemm), the ukernel
 // PyTorch's own CPU flash attention uses; double (for tests) uses plain loops.
 
-#include <ATen/ATen.h>
+// The headers this file uses, not <torch/extension.h> (all of ATen and the C++ frontend): parsing
+// those was half of the first-use build.
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
-#include <ATen/record_function.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/native/CPUBlas.h>
-#include <torch/extension.h>
+#include <ATen/ops/empty.h>
+#include <ATen/record_function.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <cmath>
