@@ -255,12 +255,33 @@ def _forward_backward(layer, x):
     return out, grads
 
 
+# One spec per attention kind (MLR with rotary and qk_norm): these take batches of several lengths
+ONE_PER_KIND = ["mha", "swa:window=8", "global_swa:window=8", "bilinear_btt", "bilinear_mlr",
+                "mlr:8|4|2|2:rotary=true:qk_norm=true"]
+
+
 @pytest.mark.parametrize("spec", SPECS)
 def test_every_layer_compiles_whole_forward_and_backward(spec):
-    layer, x = _layer_and_input(spec)
-    eager = _forward_backward(layer, x)
-    compiled = _forward_backward(torch.compile(layer, fullgraph=True, backend="aot_eager"), x)
-    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+    """Every spec at one length. One spec per kind at three: two graphs, the first length's and
+    then one with the length symbolic, as torch.compile's automatic dynamic shapes make them, and
+    for a sliding window one more once the batch outgrows its 64-row query tile (one tile, then
+    several). SDPA refused a symbolic is_causal (an error at the second length), and the window's
+    tile, min(64, T), fixed the length below 64 (a graph per length, and a failed view in the
+    symbolic one)."""
+    torch.manual_seed(0)
+    layer = build_attention(spec, d_model=32, n_heads=2, max_seq_len=128)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
+
+    compiled = torch.compile(layer, fullgraph=True, backend=backend)
+    lengths = (12, 16, 72) if spec in ONE_PER_KIND else (48,)
+    for length in lengths:
+        x = torch.randn(2, length, 32, requires_grad=True)
+        torch.testing.assert_close(_forward_backward(compiled, x), _forward_backward(layer, x), rtol=1e-5, atol=1e-5)
+    assert len(graphs) == (1 if len(lengths) == 1 else 3 if "swa" in spec else 2)
 
 
 def test_mlr_layer_compiles_with_inductor():

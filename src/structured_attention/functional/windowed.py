@@ -68,7 +68,6 @@ def _tiled_window(
     dropout_p: float, tile: int, document_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     b, h, t, _ = q.shape
-    tile = min(tile, t)
     n_tiles = -(-t // tile)
     left, right = window, (0 if causal else window)
     span = tile + left + right
