@@ -221,6 +221,8 @@ def test_training_flops_follow_the_curriculum():
     # points 5, 5, 5, 7, 7, 7, 9 ... -> prompts of 9, 13, 17 tokens
     expect = 16 * (3 * 9 * per_pos(9) + 3 * 13 * per_pos(13) + 4 * 17 * per_pos(17))
     assert training_flops(model, cfg, 10) == pytest.approx(expect)
+    assert training_flops(model, cfg, 4) == pytest.approx(16 * (3 * 9 * per_pos(9) + 13 * per_pos(13)))  # mid-stage
+    assert training_flops(model, cfg, 0) == 0
     backbone = model.backbone.forward_flops_per_position(17)
     assert model.forward_flops_per_token(17) == pytest.approx(4 * 16 + backbone + 16 * 9 / 17)
     budget = training_flops(model, cfg, 40)

@@ -200,9 +200,16 @@ def error_curves(
 
 def training_flops(model: TrainableModel, config: ICLConfig, steps: int) -> float:
     """Training FLOPs of ``steps`` optimizer steps on one process under the curriculum, each at its
-    prompt length (:meth:`ICLTask.step_cost`, what the training loop counts), added up in order."""
-    task = ICLTask(config)
-    return sum(task.step_cost(step, model)[1] for step in range(steps))
+    prompt length (:meth:`ICLTask.step_cost`, what the training loop counts): a stage of the
+    curriculum at a time, its steps all costing the same (a sweep's budget matching asks for
+    hundreds of thousands of steps, dozens of times)."""
+    task, curriculum = ICLTask(config), config.task.curriculum
+    total, start = 0.0, 0
+    while start < steps:
+        end = steps if start >= curriculum.full_at else min(steps, start + curriculum.every)
+        total += (end - start) * task.step_cost(start, model)[1]
+        start = end
+    return total
 
 
 class ICLTask(Task):
