@@ -62,13 +62,13 @@ def test_the_wheel_declares_the_mit_license(wheel):
     assert "MIT License" in license_text and "Copyright (c) 2026 the structured-attention developers" in license_text
 
 
-# About 1.5-2 minutes on the 2-core machine (the kernel build is most of it), so CI runs it and a
+# About 1.5 minutes on the 2-core machine (the kernel build is most of it), so CI runs it and a
 # local run does not unless asked; SATTN_TEST_WHEEL=0 leaves it out of CI too.
 _WHEEL_CHECK = os.environ.get("SATTN_TEST_WHEEL", "1" if os.environ.get("CI") == "true" else "0") == "1"
 
 
 @pytest.mark.skipif(not _WHEEL_CHECK, reason="builds a wheel, installs it with torch in a fresh venv and builds the "
-                                             "kernel there (about 2 minutes on 2 cores): runs under CI=true or "
+                                             "kernel there (about 1.5 minutes on 2 cores): runs under CI=true or "
                                              "SATTN_TEST_WHEEL=1")
 def test_a_wheel_in_a_clean_environment_builds_and_uses_the_kernel(tmp_path):
     if shutil.which("bash") is None:
