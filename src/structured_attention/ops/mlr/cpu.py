@@ -17,12 +17,12 @@ import torch
 from ..._checks import require
 from .cpu_build import BLOCK_K, BLOCK_Q, available, load
 from .contract import (
-    attach_backward,
     check_mlr_arguments,
     check_mlr_cache_arguments,
     check_dim_order,
     compiled_or_eager,
     compute_dtype,
+    differentiable_ops,
     document_segments,
 )
 
@@ -42,9 +42,6 @@ def _run_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_ids
                                 causal, depth_normalize, BLOCK_Q, BLOCK_K))
 
 
-_forward_op = torch.library.custom_op("sattn::mlr_cpu_forward", _run_forward, mutates_args=())
-
-
 def _kernel_input(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x`` as the kernel reads it: in ``dtype``, any strides but a contiguous last dim (views such
     as a projection's heads or a cache's spare capacity are read in place when they can be)."""
@@ -58,8 +55,7 @@ def _heads_view(x: torch.Tensor, dim: int) -> torch.Tensor:
     return x.new_empty(B, T, H, dim).transpose(1, 2)
 
 
-@_forward_op.register_fake
-def _(q, k, v, document_ids, sizes, offsets, order, scale, causal, depth_normalize):
+def _forward_fake(q, k, v, document_ids, sizes, offsets, order, scale, causal, depth_normalize):
     return _heads_view(q, v.shape[-1]), q.new_empty(q.shape[:3])
 
 
@@ -73,21 +69,17 @@ def _run_backward(gout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     return dq, _group_sum(dk, k.shape[1]), _group_sum(dv, k.shape[1])
 
 
-_backward_op = torch.library.custom_op("sattn::mlr_cpu_backward", _run_backward, mutates_args=())
-
-
 def _group_sum(x: torch.Tensor, heads: int) -> torch.Tensor:
     """The kernel's key or value gradient per query head summed over each key head's group (GQA)."""
     return x if x.shape[1] == heads else x.unflatten(1, (heads, x.shape[1] // heads)).sum(2)
 
 
-@_backward_op.register_fake
-def _(gout, q, k, v, out, lse, document_ids, sizes, offsets, order, scale, causal, depth_normalize):
+def _backward_fake(gout, q, k, v, out, lse, document_ids, sizes, offsets, order, scale, causal, depth_normalize):
     return (_heads_view(q, q.shape[-1]), _group_sum(_heads_view(q, k.shape[-1]), k.shape[1]),
             _group_sum(_heads_view(q, v.shape[-1]), k.shape[1]))
 
 
-_forward_call = attach_backward(_forward_op, _backward_op, eager=(_run_forward, _run_backward))
+_forward_call = differentiable_ops("mlr_cpu", _run_forward, _forward_fake, _run_backward, _backward_fake)
 
 
 def _run_decode(q: torch.Tensor, keys: list[torch.Tensor], key_starts: list[int], v: torch.Tensor, scale: float,
