@@ -283,8 +283,8 @@ def test_a_models_layers_read_the_document_ids_once(monkeypatch: pytest.MonkeyPa
     from structured_attention.ops.mlr import contract
 
     reads = []
-    check = contract._check_document_order
-    monkeypatch.setattr(contract, "_check_document_order", lambda ids: reads.append(ids) or check(ids))
+    read = contract._segment_tables
+    monkeypatch.setattr(contract, "_segment_tables", lambda ids: reads.append(ids) or read(ids))
     model = _gpt("mlr:8|4|4", "rotary", torch.float32)
     idx = torch.randint(0, 40, (2, 12), generator=torch.Generator().manual_seed(7)).to(DEVICE)
     ids = torch.tensor([[0] * 5 + [1] * 7, [0] * 3 + [1] * 9], device=DEVICE)

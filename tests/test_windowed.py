@@ -99,7 +99,7 @@ _Q, _K, _V = torch.randn(2, 4, 10, 6), torch.randn(2, 2, 10, 6), torch.randn(2, 
     (lambda: sliding_window_attention(_Q, _K, _V, 3, causal="no"), "^causal: expected a bool"),
     (lambda: sliding_window_attention(_Q, _K, _V, 3, scale=-1.0), "^scale: expected a finite positive number"),
     (lambda: sliding_window_attention(_Q, _K, _V, 3, document_ids=torch.rand(2, 10)),
-     "^document_ids: expected an integer dtype"),
+     "^document_ids: expected an integer tensor"),
     # errors from deep inside: a reshape, a batched product, a division by zero, a bool subtraction
     (lambda: sliding_window_attention(_Q, _K[:1], _V[:1], 3), "^k: expected shape"),
     (lambda: sliding_window_attention(_Q, _K[..., :4], _V, 3), "^k: expected shape"),

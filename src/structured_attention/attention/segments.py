@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .._checks import fail, require
+from ..ops.mlr.contract import check_document_ids, check_document_order
 
 __all__ = ["CachePadding", "Segments", "build_segments", "left_padding", "position_mask"]
 
@@ -132,25 +133,6 @@ def _check_mask(
     return attention_mask.bool()
 
 
-def _check_document_ids(document_ids: object, batch: int, seq_len: int, device: torch.device) -> torch.Tensor:
-    require(isinstance(document_ids, torch.Tensor), "document_ids", "a torch.Tensor or None",
-            type(document_ids).__name__)
-    assert isinstance(document_ids, torch.Tensor)
-    if tuple(document_ids.shape) != (batch, seq_len):
-        fail("document_ids", f"shape (batch={batch}, seq_len={seq_len})", tuple(document_ids.shape))
-    require(document_ids.dtype != torch.bool and not (document_ids.is_floating_point() or document_ids.is_complex()),
-            "document_ids", "an integer tensor (not bool)", document_ids.dtype)
-    require(document_ids.device == device, "document_ids", f"a tensor on {device} (the device of the inputs)",
-            document_ids.device)
-    if _checking() and seq_len > 1:
-        down = document_ids[:, 1:] < document_ids[:, :-1]
-        if bool(down.any()):
-            row, col = (int(x) for x in down.nonzero()[0])
-            raise ValueError(f"document_ids: expected ids non-decreasing along the sequence in every row (each "
-                             f"document one contiguous run), got a decrease in row {row} at position {col + 1}")
-    return document_ids
-
-
 def build_segments(
     attention_mask: torch.Tensor | None,
     document_ids: torch.Tensor | None,
@@ -162,7 +144,9 @@ def build_segments(
     seq_len)`` batch and return its segments, or ``None`` when the whole row is one real sequence
     (the plain, unmasked computation)."""
     real = None if attention_mask is None else _check_mask(attention_mask, batch, seq_len, device)
-    ids = None if document_ids is None else _check_document_ids(document_ids, batch, seq_len, device)
+    ids = check_document_ids(document_ids, batch, seq_len, device, order=False)
+    if ids is not None and _checking():
+        check_document_order(ids)  # the order alone: the kernels read the ids derived below, not these
     if real is None and ids is None:
         return None
     new = torch.zeros(batch, seq_len, dtype=torch.bool, device=device)

@@ -348,7 +348,7 @@ def document_segments(document_ids: torch.Tensor, device: torch.device | None = 
 
 def _segment_tables(document_ids: torch.Tensor) -> dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, int]]:
     ids = document_ids.cpu()
-    _check_document_order(ids)
+    check_document_order(ids)
     B, T = ids.shape
     new = torch.ones(B, T, dtype=torch.bool)
     new[:, 1:] = ids[:, 1:] != ids[:, :-1]
@@ -359,7 +359,9 @@ def _segment_tables(document_ids: torch.Tensor) -> dict[tuple[torch.device, torc
     return {(torch.device("cpu"), torch.int64): (table, int(table[:, 2].max()) if len(table) else 0)}
 
 
-def _check_document_order(ids: torch.Tensor) -> None:
+def check_document_order(ids: torch.Tensor) -> None:
+    """One-line ``ValueError`` unless the ids ``(B, T)`` are non-decreasing along ``T`` in every row
+    (a device synchronisation when they live on an accelerator)."""
     if ids.shape[1] > 1:
         steps = ids[:, 1:] < ids[:, :-1]
         if bool(steps.any()):
@@ -402,10 +404,10 @@ def check_document_ids(
         fail("document_ids", f"shape (B={B}, T={T})", tuple(document_ids.shape))
     require(not document_ids.is_floating_point() and not document_ids.is_complex()
             and document_ids.dtype != torch.bool, "document_ids",
-            "an integer dtype (not bool)", document_ids.dtype)
+            "an integer tensor (not bool)", document_ids.dtype)
     if device is not None:
         require(document_ids.device == torch.device(device), "document_ids",
-                f"a tensor on {device} (the device of q)", document_ids.device)
+                f"a tensor on {device} (the device of the inputs)", document_ids.device)
     if order and T > 1 and not torch.compiler.is_compiling():
         document_segments(document_ids)  # reads them on the host once for the kernels too
     return document_ids
