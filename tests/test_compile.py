@@ -284,13 +284,6 @@ def test_every_layer_compiles_whole_forward_and_backward(spec):
     assert len(graphs) == (1 if len(lengths) == 1 else 3 if "swa" in spec else 2)
 
 
-def test_mlr_layer_compiles_with_inductor():
-    layer, x = _layer_and_input("mlr:8|4|2|2")
-    eager = _forward_backward(layer, x)
-    compiled = _forward_backward(torch.compile(layer, fullgraph=True), x)
-    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-5)
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("spec", ["mlr:8|4|2|2", "mlr:8|4|2|2:n_kv_heads=1"])
 def test_mlr_layer_compiles_whole_on_cuda(spec):
@@ -391,7 +384,9 @@ def test_one_token_decoding_step_compiles_whole(spec):
 def test_gpt_decoding_step_compiles_whole_with_inductor():
     model = _gpt("mlr:8|4|2|2").eval()
     idx = torch.randint(0, 64, (1, 30), generator=torch.Generator().manual_seed(4))
-    first, last = 23, 25  # two steps, the second starting new blocks of 4 and 8
+    # one step, starting new blocks of 4 and 8 (each position is a graph of its own, each costing
+    # inductor's C++ build; the other positions: test_one_token_decoding_step_compiles_whole)
+    first, last = 24, 25
     with torch.no_grad():
         full, _ = model(idx)
         caches = model.new_caches(1)

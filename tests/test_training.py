@@ -118,7 +118,9 @@ def test_compile_mode_reaches_torch_compile_and_every_optimizer_step_is_a_new_cu
 def test_compiled_training_with_gradient_accumulation_equals_eager_training(tmp_path, device):
     """run.compile with compile_mode="reduce-overhead": on CUDA each step's kernels replayed from
     CUDA graphs (the accumulated gradients kept across a step's micro-batches), on the CPU
-    inductor's code; either way the run trains as the eager run does."""
+    inductor's code; either way the run trains as the eager run does. On the CPU this is the
+    suite's test of the C++ kernel's forward and backward ops in inductor's code (whole graphs of
+    every layer kind: tests/test_compile.py, with aot_eager)."""
     results = []
     for compile_mode in (None, "reduce-overhead"):
         run = dict(steps=3, grad_accum=2, device=device, autocast="none", eval_every=0, sample_tokens=0)
