@@ -35,19 +35,24 @@ def _fresh_dynamo():
 def test_static_decoding_matches_each_row_alone(name):
     """Left-padded rows decode through static buffers; each row's outputs equal its own
     full forward without padding or cache."""
+    _check_static_decoding_against_rows_alone(name, CTX)
+
+
+def _check_static_decoding_against_rows_alone(name: str, length: int) -> None:
+    """Decode up to ``length`` tokens of the context (the cache's buffers are the context's)."""
     layer = make(SPECS[name])
-    x = torch.randn(2, CTX, D, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(2, length, D, generator=torch.Generator().manual_seed(1))
     pad = 7
-    mask = torch.ones(2, CTX, dtype=torch.long)
+    mask = torch.ones(2, length, dtype=torch.long)
     mask[1, :pad] = 0
     cache = layer.new_cache(batch_size=2, static=True)
     with torch.no_grad():
         outs = [layer(x[:, :PROMPT], cache, attention_mask=mask[:, :PROMPT])]
         buffers = {name: (t.shape, t.data_ptr()) for name, t in cache.buffers.items()}
-        outs += [layer(x[:, i:i + 1], cache) for i in range(PROMPT, CTX)]
+        outs += [layer(x[:, i:i + 1], cache) for i in range(PROMPT, length)]
         alone = [layer(x[:1]), layer(x[1:, pad:])]
     out = torch.cat(outs, dim=1)
-    assert cache.prefilled and cache.slot.item() == CTX
+    assert cache.prefilled and cache.slot.item() == length
     assert {name: (t.shape, t.data_ptr()) for name, t in cache.buffers.items()} == buffers  # never reallocated
     torch.testing.assert_close(out[:1], alone[0], rtol=0, atol=1e-5)
     torch.testing.assert_close(out[1:, pad:], alone[1], rtol=0, atol=1e-5)
@@ -173,9 +178,9 @@ def test_static_and_growing_caches_decode_to_the_same_bits_in_the_cpu_kernel(spe
 
 def test_static_mlr_step_in_the_triton_kernel_matches_each_row_alone(monkeypatch):
     """The static MLR step through the Triton decoding kernel (what runs on CUDA; here under
-    Triton's interpreter, which is slow: one case, with GQA, padding and block crossings; depth
-    normalisation and splits past the slot are in test_mlr_decode): rings read in place, the slot
-    and each row's block starts read on the device, against each row run alone."""
+    Triton's interpreter, which is slow: one case, with GQA, padding and block crossings, 19 steps
+    to slot 32; depth normalisation and splits past the slot are in test_mlr_decode): rings read in
+    place, the slot and each row's block starts read on the device, against each row run alone."""
     pytest.importorskip("triton", reason="triton is not installed")
     from structured_attention.ops.mlr import static
     from structured_attention.ops.mlr.triton_common import INTERPRETED
@@ -184,7 +189,7 @@ def test_static_mlr_step_in_the_triton_kernel_matches_each_row_alone(monkeypatch
         pytest.skip("these layers are on the CPU, which Triton runs only interpreted; on CUDA the generation "
                     "tests below take the kernel")
     monkeypatch.setattr(static, "on_triton", lambda v: True)
-    test_static_decoding_matches_each_row_alone("mlr_gqa")
+    _check_static_decoding_against_rows_alone("mlr_gqa", 32)
 
 
 def test_a_copied_static_mlr_cache_reads_the_same_kernel_tables():
