@@ -381,17 +381,20 @@ def test_one_token_decoding_step_compiles_whole(spec):
     torch.testing.assert_close(torch.cat(steps, dim=1), full[:, 20 : DECODE_STEPS[-1] + 1], rtol=1e-5, atol=1e-5)
 
 
-def test_gpt_decoding_step_compiles_whole_with_inductor():
+def test_gpt_decoding_step_compiles_whole():
+    # A GPT's growing caches, whole (fullgraph). Inductor's code for a GPT's decoding step is tested
+    # where users compile it, the static-cache step of generate(compile=True) (test_static_cache.py),
+    # and the C++ decoding op's registration by opcheck above.
     model = _gpt("mlr:8|4|2|2").eval()
     idx = torch.randint(0, 64, (1, 30), generator=torch.Generator().manual_seed(4))
-    # one step, starting new blocks of 4 and 8 (each position is a graph of its own, each costing
-    # inductor's C++ build; the other positions: test_one_token_decoding_step_compiles_whole)
+    # one step, starting new blocks of 4 and 8 (each position is a graph of its own: the layers'
+    # steps at other positions are in test_one_token_decoding_step_compiles_whole)
     first, last = 24, 25
     with torch.no_grad():
         full, _ = model(idx)
         caches = model.new_caches(1)
         model(idx[:, :first], caches=caches)
-        step = torch.compile(lambda token: model(token, caches=caches)[0], fullgraph=True)
+        step = torch.compile(lambda token: model(token, caches=caches)[0], fullgraph=True, backend="aot_eager")
         logits = [step(idx[:, t : t + 1]) for t in range(first, last)]
     torch.testing.assert_close(torch.cat(logits, dim=1), full[:, first:last], rtol=1e-4, atol=1e-4)
 
