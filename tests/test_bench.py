@@ -15,13 +15,15 @@ TINY = ["--seq-lens", "16,32", "--n-heads", "2", "--repeats", "1"]
 
 
 def test_bench_attention_writes_json_and_plot(tmp_path, capsys):
+    # one length: on the CPU each case's peak memory is measured in a fresh process (seconds each);
+    # the table's rows per length are in test_bench_lm_reports_training_tokens_per_second
     args = ["bench", "attention", "--kinds", "mha,mlr:4|4,swa:4", "--d-model", "16", "--decode-steps", "2",
-            "--out", str(tmp_path), *TINY]
+            "--out", str(tmp_path), "--seq-lens", "32", "--n-heads", "2", "--repeats", "1"]
     assert main(args) == 0
     data = json.loads((tmp_path / "attention.json").read_text())
     assert data["environment"]["torch"] and data["environment"]["settings"]["d_model"] == 16
     rows = data["results"]
-    assert {(r["case"], r["seq_len"]) for r in rows} == {(k, t) for k in ("mha", "mlr:4|4", "swa:4") for t in (16, 32)}
+    assert [(r["case"], r["seq_len"]) for r in rows] == [(k, 32) for k in ("mha", "mlr:4|4", "swa:4")]
     for r in rows:
         assert r["forward_ms"] > 0 and r["forward_backward_ms"] > 0 and r["decode_ms_per_token"] > 0
         assert r["decode_cache_len"] == 30 and "peak_memory_mib" in r
