@@ -106,6 +106,27 @@ def test_out_of_memory_is_one_line(tmp_path, capsys, monkeypatch):
     assert _one_line(capsys).startswith("sattn train: error: out of memory")
 
 
+def test_an_eval_batch_whose_logits_cannot_fit_is_one_line(tmp_path, capsys, monkeypatch):
+    """sattn eval bounds a batch by its logits and their log-softmax (8 bytes per sequence position
+    and vocabulary entry), capped by the split's windows, against the memory available."""
+    from structured_attention.training import memory
+
+    assert main(_args(tmp_path, "run", 1)) == 0
+    vocab = load_checkpoint(tmp_path / "run").state["config"]["model"]["vocab_size"]
+    per_row = 8 * 32 * vocab  # run.seq_len 32
+    monkeypatch.setattr(memory, "available_memory", lambda device: 3 * per_row)
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(tmp_path / "run"), "--batch-size", "3", "--max-batches", "1"]) == 0
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(tmp_path / "run"), "--batch-size", "1000000"]) == 2
+    line = _one_line(capsys)
+    assert line.startswith("sattn eval: error: --batch-size: expected at most 3 sequences per batch on this cpu "
+                           "device") and "got 1,000,000" in line, line
+    monkeypatch.setattr(memory, "available_memory", lambda device: 2 * per_row)  # the run's batch of 4
+    assert main(["eval", "--checkpoint", str(tmp_path / "run")]) == 2
+    assert _one_line(capsys).startswith(f"sattn eval: error: run.batch_size of {tmp_path / 'run'}")
+
+
 @pytest.mark.skipif(not hasattr(os, "mkfifo") or not Path("/dev/zero").exists(), reason="POSIX FIFOs and devices")
 @pytest.mark.parametrize("kind", ["fifo", "device"])
 def test_a_fifo_or_device_as_the_corpus_is_refused(tmp_path, capsys, kind):

@@ -97,6 +97,24 @@ def run_train_lm(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_eval_memory(batch_size: int, name: str, n_tokens: int, seq_len: int, vocab_size: int,
+                       device: Any) -> None:
+    """One line naming the batch size when a batch's logits and their log-softmax (float32, both
+    held at once by the loss) cannot fit the memory available, instead of an allocator error or a
+    swap storm; a batch holds at most the split's windows."""
+    from ...training.memory import available_memory, format_bytes
+
+    seq_len = min(seq_len, n_tokens - 1)
+    per_row = 8 * seq_len * vocab_size
+    rows = min(batch_size, (n_tokens - 1) // seq_len)
+    limit = available_memory(device)
+    if rows * per_row > limit:
+        raise ValueError(f"{name}: expected at most {max(limit // per_row, 1):,} sequences per batch on this "
+                         f"{device.type} device (each of {seq_len} tokens with a vocabulary of {vocab_size:,}: "
+                         f"{format_bytes(per_row)} of logits), got {batch_size:,}, whose {rows:,} sequences need "
+                         f"{format_bytes(rows * per_row)} against the {format_bytes(limit)} available")
+
+
 def run_eval(args: argparse.Namespace, ckpt: LoadedCheckpoint) -> int:
     """``sattn eval`` on a language-model checkpoint: validation loss and bits per byte."""
     from ...data import load_corpus
@@ -112,6 +130,8 @@ def run_eval(args: argparse.Namespace, ckpt: LoadedCheckpoint) -> int:
     if len(val) < 2:
         raise ValueError(f"--source: the validation split has {len(val)} tokens; at least 2 are needed")
     batch_size = args.batch_size or config.run.batch_size
+    _check_eval_memory(batch_size, "--batch-size" if args.batch_size else f"run.batch_size of {ckpt.path}",
+                       len(val), config.run.seq_len, model.config.vocab_size, args.device)
     packed = d.pack_documents if args.pack_documents is None else args.pack_documents
     starts = corpus.val_document_starts if packed else None
     loss = evaluate_lm(model, val, batch_size, config.run.seq_len, args.max_batches, args.device, "none",
