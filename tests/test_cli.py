@@ -67,6 +67,19 @@ def _sattn(args: list[str], capsys) -> tuple[int, str, str]:
     return code, captured.out, captured.err
 
 
+@pytest.mark.parametrize("args", [["sweep", "lm", "--widths", "64", "--lrs", "1e-3", "--dry-run"],
+                                  ["sweep", "icl", "--widths", "64", "--dry-run"],
+                                  ["sweep", "ts", "--horizons", "96", "--seeds", "0", "--dry-run"]], ids=["lm", "icl", "ts"])
+def test_a_kind_with_commas_in_a_sweep_is_one_per_layer_pattern_and_says_so(args, capsys):
+    """The sweeps separate kinds with ';' (a kind may be a per-layer pattern, "mha,swa:4"), where
+    bench and describe take commas: a kind with a comma is run as one kind, and stderr says so."""
+    code, out, err = _sattn([*args, "--kinds", "mha,swa:4;mha"], capsys)
+    assert code == 0
+    assert err.strip().splitlines() == ["sattn sweep: warning: --kinds: 'mha,swa:4' is one kind, a per-layer pattern "
+                                        "(the layers take mha, swa:4 in turn); separate kinds with ';'"]
+    assert out.startswith("sweep: 2 runs in ")
+
+
 def test_train_prints_its_config_and_help_lists_every_key(tmp_path, capsys):
     """--print-config prints the config the arguments make (a shipped config by name plus
     overrides) as YAML and trains nothing; --help lists each experiment's keys with defaults."""

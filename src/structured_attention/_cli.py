@@ -9,7 +9,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["markdown_cell", "number_list", "one_line_warnings", "parse_device", "pyplot"]
+__all__ = ["kind_list", "markdown_cell", "number_list", "one_line_warnings", "parse_device", "pyplot"]
 
 
 @contextlib.contextmanager
@@ -69,6 +69,21 @@ def number_list(text: str, flag: str, cast: Callable[[str], Any] = int, *, minim
     if len(set(values)) < len(values):
         raise ValueError(f"{flag}: expected distinct values, got {text!r}")
     return values
+
+
+def kind_list(text: str, command: str) -> list[str]:
+    """The attention specs of a sweep's or the coordinate check's ``--kinds``, separated by ``;``
+    (a spec may hold commas: a per-layer pattern such as ``mha,swa:128``). Each spec with a comma
+    gets one line on stderr saying it is one kind, since ``sattn bench`` and ``describe`` separate
+    their kinds with commas."""
+    kinds = [k.strip() for k in text.split(";") if k.strip()]
+    if not kinds:
+        raise ValueError(f"--kinds: expected attention specs separated by ';', got {text!r}")
+    for kind in kinds:
+        if "," in kind:
+            print(f"sattn {command}: warning: --kinds: {kind!r} is one kind, a per-layer pattern (the layers take "
+                  f"{', '.join(kind.split(','))} in turn); separate kinds with ';'", file=sys.stderr, flush=True)
+    return kinds
 
 
 def markdown_cell(text: str) -> str:

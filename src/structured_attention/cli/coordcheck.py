@@ -30,7 +30,7 @@ from .._files import check_folder, make_folder
 from ..models.gpt import GPT, GPTConfig
 from ..training.config import OptimConfig
 from ..training.optim import build_optimizer
-from .._cli import number_list, one_line_warnings, pyplot
+from .._cli import kind_list, number_list, one_line_warnings, pyplot
 
 DEFAULT_KINDS = "mha;mlr:8|8|8|8;bilinear_btt:1"
 PARAMETRISATIONS = ("sp", "mup")
@@ -116,7 +116,7 @@ def spreads(rows: list[dict[str, Any]]) -> dict[tuple[str, str, str], float]:
 
 
 def run(args: argparse.Namespace) -> int:
-    kinds = [k for k in args.kinds.split(";") if k]
+    kinds = kind_list(args.kinds, "coordcheck")
     widths = number_list(args.widths, "--widths", minimum=1)
     for name in ("head_dim", "base_width", "steps", "seeds"):
         if getattr(args, name) < 1:
@@ -124,8 +124,6 @@ def run(args: argparse.Namespace) -> int:
     bad = [w for w in [*widths, args.base_width] if w % args.head_dim]
     if bad:
         raise ValueError(f"--widths: expected multiples of --head-dim={args.head_dim}, got {bad[0]}")
-    if not kinds:
-        raise ValueError(f"--kinds: expected attention specs separated by ';', got {args.kinds!r}")
     for spec, width in itertools.product(kinds, widths):  # every model, before any trains
         try:
             model_config(spec, width, args.head_dim, "mup", args.base_width).check_attention()

@@ -30,7 +30,7 @@ from typing import Any
 
 from . import ForecastTask, TSConfig
 from ...training.checkpoint import LoadedCheckpoint
-from ..._cli import markdown_cell, number_list, one_line_warnings, pyplot
+from ..._cli import kind_list, markdown_cell, number_list, one_line_warnings, pyplot
 from ..common import add_sweep_parser, add_train_parser, slug, run_sweep as sweep
 
 EXPERIMENT = ForecastTask.experiment  # the name its checkpoints record
@@ -111,9 +111,7 @@ def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
     base = load_ts_config(args.config, args.overrides)
     horizons = number_list(args.horizons, "--horizons")
     seeds = number_list(args.seeds, "--seeds", minimum=0)
-    kinds = [k.strip() for k in args.kinds.split(";") if k.strip()]
-    if not kinds:
-        raise ValueError("--kinds: expected at least one attention spec")
+    kinds = kind_list(args.kinds, "sweep")
     runs = []
     for horizon in horizons:
         for kind in kinds:

@@ -32,7 +32,7 @@ from typing import Any
 
 from . import ICLConfig, ICLTask
 from ...training.checkpoint import LoadedCheckpoint
-from ..._cli import markdown_cell, number_list, one_line_warnings, pyplot
+from ..._cli import kind_list, markdown_cell, number_list, one_line_warnings, pyplot
 from ..common import add_sweep_parser, add_train_parser, best_per_kind_width, slug, run_sweep as sweep
 
 EXPERIMENT = ICLTask.experiment  # the name its checkpoints record
@@ -126,9 +126,7 @@ def run_eval(args: argparse.Namespace, ckpt: LoadedCheckpoint) -> int:
 def parse_kinds(text: str, default_heads: int) -> list[tuple[str, int]]:
     """``"mha@8;bilinear_btt:1"`` -> ``[("mha", 8), ("bilinear_btt:1", default_heads)]``."""
     kinds = []
-    for item in (k.strip() for k in text.split(";")):
-        if not item:
-            continue
+    for item in kind_list(text, "sweep"):
         spec, _, heads = item.partition("@")
         try:
             h = int(heads) if heads else default_heads
@@ -137,8 +135,6 @@ def parse_kinds(text: str, default_heads: int) -> list[tuple[str, int]]:
         if h <= 0 or not spec.strip():
             raise ValueError(f"--kinds: expected SPEC@HEADS with a spec and a positive HEADS, got {item!r}")
         kinds.append((spec.strip(), h))
-    if not kinds:
-        raise ValueError("--kinds: expected at least one attention spec")
     return kinds
 
 

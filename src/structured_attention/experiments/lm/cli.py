@@ -32,7 +32,7 @@ from . import LMConfig, LMTask
 from ...models.gpt import GPT, check_compile_backend
 from ...training.budget import steps_for_flops
 from ...training.checkpoint import LoadedCheckpoint
-from ..._cli import markdown_cell, number_list, one_line_warnings, parse_device, pyplot
+from ..._cli import kind_list, markdown_cell, number_list, one_line_warnings, parse_device, pyplot
 from ..common import add_sweep_parser, add_train_parser, best_per_kind_width, slug, run_sweep as sweep
 
 EXPERIMENT = LMTask.experiment  # the name its checkpoints record
@@ -211,7 +211,7 @@ def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
     from . import load_lm_config
 
     base = load_lm_config(args.config, args.overrides)
-    kinds = [k.strip() for k in args.kinds.split(";") if k.strip()]
+    kinds = kind_list(args.kinds, "sweep")
     widths = number_list(args.widths, "--widths")
     lrs = number_list(args.lrs, "--lrs", float, minimum=1e-12)
     if args.head_dim <= 0:
@@ -219,8 +219,6 @@ def plan(args: argparse.Namespace) -> list[dict[str, Any]]:
     for w in widths:
         if w <= 0 or w % args.head_dim:
             raise ValueError(f"--widths: expected multiples of --head-dim={args.head_dim}, got {w}")
-    if not kinds:
-        raise ValueError("--kinds: expected at least one attention spec")
     if args.base_steps <= 0:
         raise ValueError(f"--base-steps: expected a positive integer, got {args.base_steps}")
     tokens_per_step = base.run.batch_size * base.run.grad_accum * base.run.seq_len
