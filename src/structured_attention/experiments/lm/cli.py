@@ -32,6 +32,7 @@ from . import LMConfig, LMTask
 from ...models.gpt import GPT, check_compile_backend
 from ...training.budget import steps_for_flops
 from ...training.checkpoint import LoadedCheckpoint
+from ...training import memory
 from ..._cli import kind_list, markdown_cell, number_list, one_line_warnings, parse_device, pyplot
 from ..common import add_sweep_parser, add_train_parser, best_per_kind_width, slug, run_sweep as sweep
 
@@ -102,17 +103,15 @@ def _check_eval_memory(batch_size: int, name: str, n_tokens: int, seq_len: int, 
     """One line naming the batch size when a batch's logits and their log-softmax (float32, both
     held at once by the loss) cannot fit the memory available, instead of an allocator error or a
     swap storm; a batch holds at most the split's windows."""
-    from ...training.memory import available_memory, format_bytes
-
     seq_len = min(seq_len, n_tokens - 1)
     per_row = 8 * seq_len * vocab_size
     rows = min(batch_size, (n_tokens - 1) // seq_len)
-    limit = available_memory(device)
+    limit = memory.available_memory(device)
     if rows * per_row > limit:
         raise ValueError(f"{name}: expected at most {max(limit // per_row, 1):,} sequences per batch on this "
                          f"{device.type} device (each of {seq_len} tokens with a vocabulary of {vocab_size:,}: "
-                         f"{format_bytes(per_row)} of logits), got {batch_size:,}, whose {rows:,} sequences need "
-                         f"{format_bytes(rows * per_row)} against the {format_bytes(limit)} available")
+                         f"{memory.format_bytes(per_row)} of logits), got {batch_size:,}, whose {rows:,} sequences need "
+                         f"{memory.format_bytes(rows * per_row)} against the {memory.format_bytes(limit)} available")
 
 
 def run_eval(args: argparse.Namespace, ckpt: LoadedCheckpoint) -> int:
