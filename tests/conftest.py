@@ -1,5 +1,7 @@
 import os
+import warnings
 
+import pytest
 import torch
 
 # Without a GPU, Triton kernels are tested in Triton's interpreter; it must be chosen before
@@ -16,3 +18,19 @@ if _workers > 1:
     _share = max(1, torch.get_num_threads() // _workers)
     torch.set_num_threads(_share)
     os.environ.setdefault("OMP_NUM_THREADS", str(_share))
+
+
+@pytest.fixture
+def no_dynamo_warnings(monkeypatch):
+    """Fails the test if torch.compile warns while tracing it (a user compiling a model reads every
+    such warning, such as Dynamo's of possible silent incorrectness where it traces through an
+    ``lru_cache``). Dynamo warns once per message and process, so its record of the messages it
+    gave is emptied for the test."""
+    import torch._dynamo.utils as dynamo_utils
+
+    monkeypatch.setattr(dynamo_utils, "warn_once_cache", set())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    dynamo = [str(w.message).split("\n")[0] for w in caught if "_dynamo" in w.filename]
+    assert not dynamo, dynamo

@@ -168,7 +168,7 @@ def test_dispatcher_compiles_to_one_custom_op_forward_and_backward(kernel, monke
 
 
 @pytest.mark.parametrize("kernel", ["general", "prefix"])
-def test_triton_calls_compile_to_their_op_and_run_without_it_eagerly(kernel):
+def test_triton_calls_compile_to_their_op_and_run_without_it_eagerly(kernel, no_dynamo_warnings):
     # Eagerly, the Triton kernels' functions run in an autograd.Function (the op's dispatch costs
     # the host tens of microseconds a call), or alone without grad; a compiled graph holds the op.
     # Same results every way.
@@ -261,7 +261,7 @@ ONE_PER_KIND = ["mha", "swa:window=8", "global_swa:window=8", "bilinear_btt", "b
 
 
 @pytest.mark.parametrize("spec", SPECS)
-def test_every_layer_compiles_whole_forward_and_backward(spec):
+def test_every_layer_compiles_whole_forward_and_backward(spec, no_dynamo_warnings):
     """Every spec at one length. One spec per kind at three: two graphs, the first length's and
     then one with the length symbolic, as torch.compile's automatic dynamic shapes make them, and
     for a sliding window one more once the batch outgrows its 64-row query tile (one tile, then

@@ -244,7 +244,7 @@ def test_transformers_static_cache_generates_what_no_cache_does():
                            model.generate(prompts, use_cache=False, **settings))
 
 
-def test_compiled_static_cache_generation_traces_three_graphs_and_generates_what_eager_does():
+def test_compiled_static_cache_generation_traces_three_graphs_and_generates_what_eager_does(no_dynamo_warnings):
     """transformers compiles the forward of static-cache generation (on a GPU by itself, with
     fullgraph=True if asked): a padded batch's prompt, first step and every later step run as three
     whole graphs, the last with the cache's length symbolic, across the ends of MLR blocks (the
@@ -430,7 +430,7 @@ def test_packed_sequences_are_each_scored_alone(model, packing):
                 m(packed[:, :1], **{CACHE: out.past_key_values})
 
 
-def test_a_padded_or_packed_training_step_compiles_whole_and_equals_eager():
+def test_a_padded_or_packed_training_step_compiles_whole_and_equals_eager(no_dynamo_warnings):
     """torch.compile(fullgraph=True) of a "sattn_mlr" model's training step on padded batches of
     three lengths and on a padding-free packed one: whole graphs (the mask function read the mask
     on the host: a graph break, an error under fullgraph), two for the three lengths (the first,

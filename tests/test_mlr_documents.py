@@ -235,7 +235,7 @@ def test_triton_kernels_take_documents(case, tile, kernels, causal, depth_normal
 
 
 @pytest.mark.parametrize("case,tile,kernels", [("custom-sizes", 16, "general"), ("prefix-tiles", 16, "prefix")])
-def test_triton_kernels_compile_whole_with_documents(case, tile, kernels):
+def test_triton_kernels_compile_whole_with_documents(case, tile, kernels, no_dynamo_warnings):
     """A packed batch through the Triton kernels compiles to one graph (``fullgraph``: the ops read
     their segment table from the ids themselves) and equals the documents run alone, forward and
     backward."""

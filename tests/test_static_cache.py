@@ -226,7 +226,7 @@ def _ragged_prompts() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("attention", GENERATION_KINDS)
-def test_compiled_static_generation_gives_the_tokens_of_eager_generation(attention):
+def test_compiled_static_generation_gives_the_tokens_of_eager_generation(attention, no_dynamo_warnings):
     """Greedy tokens of a ragged batch: growing caches (eager), static caches (eager) and the
     compiled one-token step (aot_eager: traced forward, no code generation) agree."""
     model = _gpt(attention)

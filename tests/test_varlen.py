@@ -294,7 +294,7 @@ def test_a_models_layers_read_the_document_ids_once(monkeypatch: pytest.MonkeyPa
         assert len(reads) == step + 1  # one read a step (the model's ids are a new tensor each step)
 
 
-def test_compiled_model_takes_a_padded_batch() -> None:
+def test_compiled_model_takes_a_padded_batch(no_dynamo_warnings) -> None:
     """torch.compile of a GPT fed a padded or packed batch equals eager, forward and backward. The
     kernels' ops (C++ and Triton) read their segments from the document ids inside, so the graph is
     whole (fullgraph); only the blocked path, where the C++ kernel cannot be built, reads them

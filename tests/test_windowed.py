@@ -111,3 +111,18 @@ _Q, _K, _V = torch.randn(2, 4, 10, 6), torch.randn(2, 2, 10, 6), torch.randn(2, 
 def test_bad_arguments_are_one_line_naming_the_parameter(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+@pytest.mark.parametrize("documents", [False, True])
+def test_flex_path_compiles_whole_without_a_warning(documents, no_dynamo_warnings):
+    # On CUDA the layers take the FlexAttention band, which a compiled model traces; its block mask
+    # is made once per length eagerly, and traced under torch.compile (no warning to the user).
+    torch.manual_seed(2)
+    q, k, v = torch.randn(1, 2, 128, 16), torch.randn(1, 2, 128, 16), torch.randn(1, 2, 128, 16)
+    ids = torch.tensor([[0] * 50 + [1] * 78]) if documents else None
+    compiled = torch.compile(_flex_window, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        out = compiled(q, k, v, 20, True, 0.25, ids)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # eager FlexAttention's own notice that it is not compiled
+            torch.testing.assert_close(out, _flex_window(q, k, v, 20, True, 0.25, ids), rtol=1e-5, atol=1e-5)

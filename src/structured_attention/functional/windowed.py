@@ -9,7 +9,6 @@ keys (``+ window`` more when bidirectional) around it, so memory grows as ``T * 
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Callable
 
@@ -18,6 +17,7 @@ import torch.nn.functional as F
 
 from .._autocast import autocast_inputs
 from .._checks import require
+from .._compiler import memoized
 from ..ops.mlr.contract import check_attention_inputs, check_bool, check_document_ids, check_scale
 from .sdpa import scaled_dot_product_attention
 
@@ -99,7 +99,7 @@ def _tiled_window(
     return out.view(b, n_tiles, h, tile, -1).transpose(1, 2).reshape(b, h, n_tiles * tile, -1)[:, :, :t]
 
 
-@functools.lru_cache(maxsize=32)
+@memoized(maxsize=32)
 def _window_block_mask(t: int, window: int, causal: bool, device: str) -> object:
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -125,7 +125,7 @@ def _document_window_block_mask(document_ids: torch.Tensor, window: int, causal:
     return create_block_mask(in_band, ids.shape[0], None, t, t, device=str(ids.device))
 
 
-@functools.lru_cache(maxsize=1)
+@memoized(maxsize=1)
 def _compiled_flex() -> Callable[..., torch.Tensor]:
     from torch.nn.attention.flex_attention import flex_attention
 

@@ -68,6 +68,7 @@ import torch
 
 from .._autocast import autocast_inputs
 from .._checks import require
+from .._compiler import memoized
 from .._memo import TensorMemo
 from ..attention.segments import Segments, build_segments, left_padding
 from ..ops.mlr import mlr_attention, mlr_prefill
@@ -151,7 +152,7 @@ def _score_order(config: Any, head_dim: int) -> tuple[int, ...] | None:
     return None if getattr(config, "model_type", None) in _ADJACENT_PAIRS else level_permutation(head_dim)
 
 
-@functools.lru_cache(maxsize=None)
+@memoized(maxsize=None)
 def level_permutation(head_dim: int) -> tuple[int, ...]:
     """The head dimensions in the order the scores see them, rotary pair after rotary pair
     ``(i, i + head_dim/2)``: each level's ``r_l`` dimensions are whole pairs (see the module

@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 
 from ..._checks import require
+from ..._compiler import memoized
 from .contract import VARLEN_TAGS, check_mlr_arguments, differentiable_ops
 from .triton_common import (INTERPRETED, blocks_meet, cdiv, dense_rows, device_table, dot, empty_rows, launch,
                             load_segment, pow2, row_dots, segments_of_documents, segments_of_rows)
@@ -593,7 +594,7 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ranks: tuple[i
     return out
 
 
-@functools.lru_cache(maxsize=256)
+@memoized(maxsize=256)
 def _prefix_tiles(sizes: tuple[int, ...], dtype: torch.dtype, device_type: str, block_m: int, block_n: int,
                   explicit: bool) -> PrefixTiles | None:
     """The prefix-rank kernels' tiles for a call, or None for the general kernels (chosen once per
