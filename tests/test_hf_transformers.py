@@ -386,7 +386,7 @@ def test_a_swapped_model_trains_with_transformers_default_cache(spec):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
     for grad_enabled in (True, False):
         with torch.set_grad_enabled(grad_enabled), pytest.raises(ValueError, match=r"^cache: expected a cache filled under"):
-            model(IDX[:, :2], past_key_values=out.past_key_values)
+            model(IDX[:, :2], **{CACHE: out.past_key_values})
 
 
 @pytest.mark.parametrize("packing", ["position_ids", "cu_seq_lens"])
