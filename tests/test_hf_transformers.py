@@ -210,12 +210,69 @@ def test_the_compressed_cache_generates_exactly_and_holds_what_mlr_reads():
     no_cache = model.generate(prompts, attention_mask=mask, max_new_tokens=40, do_sample=False, use_cache=False)
     assert torch.equal(out, no_cache)
     tokens, batch, kv_heads, layers = 49, 2, 2, 2
-    floats = tokens * 8 + min(tokens, 32) * 4 + min(tokens, 16) * 4 + tokens * 16
-    assert cache.memory_bytes() == layers * batch * kv_heads * floats * 4
+    assert cache.memory_bytes() == layers * batch * kv_heads * _cache_floats(tokens) * 4
     assert cache.memory_bytes() < layers * batch * kv_heads * tokens * (16 + 16) * 4  # transformers' cache
     beams = dict(attention_mask=mask, max_new_tokens=20, num_beams=3, do_sample=False)  # the cache reordered
     assert torch.equal(model.generate(prompts, **beams, **{CACHE: sattn_hf.MLRCache(model.config)}),
                        model.generate(prompts, **beams, use_cache=False))
+
+
+def _cache_floats(tokens: int) -> int:
+    """What MLRCache keeps per head of the [8, 4, 4] model (block sizes 64, 32, 16) holding ``tokens``."""
+    return tokens * 8 + min(tokens, 32) * 4 + min(tokens, 16) * 4 + tokens * 16
+
+
+@pytest.mark.skipif(not hasattr(transformers.cache_utils.Cache, "activate_past_recording"),
+                    reason="transformers before 5.14 has no past recording for a cache to be cropped by")
+def test_the_compressed_cache_takes_assisted_and_prompt_lookup_decoding(monkeypatch):
+    """Drafts that the model rejects are cropped off the cache (generate() records the finer levels'
+    keys until then): assisted and prompt-lookup greedy decoding through MLRCache give the tokens of
+    greedy decoding without a cache, across every level's block ends, and a crop leaves the cache
+    holding what plain generation does."""
+    model = _llama(sattn_hf.ATTN_IMPLEMENTATION, [8, 4, 4])
+    torch.manual_seed(3)
+    assistant = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=64)).eval()
+    # drafts of six tokens whatever the assistant's confidence, so that rejected ones are long
+    assistant.generation_config.update(num_assistant_tokens=6, num_assistant_tokens_schedule="constant",
+                                       assistant_confidence_threshold=0.0)
+    prompt = IDX[:1, :10].repeat(1, 2)  # repeated, so prompt lookup finds drafts
+    crops = []
+    layer_class = sattn_hf._cache_classes()[0]
+    crop = layer_class.crop
+    monkeypatch.setattr(layer_class, "crop", lambda self, n: crops.append(n) or crop(self, n))
+    want = model.generate(prompt, max_new_tokens=40, do_sample=False, use_cache=False)
+    for drafts in (dict(assistant_model=assistant), dict(prompt_lookup_num_tokens=3)):
+        cache, crops[:] = sattn_hf.MLRCache(model.config), []
+        assert torch.equal(model.generate(prompt, max_new_tokens=40, do_sample=False, **drafts, **{CACHE: cache}), want)
+        assert min(crops) <= -2  # rejected drafts of several tokens, some across a block's end
+        cache.crop(0)  # what a crop leaves: each finer level's last s_l tokens (the last step may add more)
+        assert cache.memory_bytes() == 2 * 2 * _cache_floats(cache.get_seq_length()) * 4
+
+
+def test_a_crop_without_past_recording_takes_back_what_the_levels_kept():
+    """Without past recording the finest level keeps its last 16 tokens' keys: a crop that the next
+    queries' blocks can still read gives the logits of the sequence run whole; one farther back is
+    refused in one line. After activate_past_recording() the tokens added since can be taken back."""
+    model = _llama(sattn_hf.ATTN_IMPLEMENTATION, [8, 4, 4])
+    cache = sattn_hf.MLRCache(model.config)
+    ids = torch.randint(0, 64, (1, 24), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        whole = model(ids).logits
+        model(ids[:, :19], **{CACHE: cache})  # level 3 keeps tokens 3..18: a query at 18 reads from 16
+        with pytest.raises(ValueError, match=r"^crop: expected at most 1 tokens taken back from this MLRCache "
+                                             r"\(level 3 keeps the keys of the last 16 tokens; .*\), got 3$"):
+            cache.crop(-3)
+        cache.crop(-1)
+        torch.testing.assert_close(model(ids[:, 18:19], **{CACHE: cache}).logits[0, -1], whole[0, 18],
+                                   atol=1e-5, rtol=0)
+        cache.activate_past_recording()
+        model(ids[:, 19:23], **{CACHE: cache})
+        cache.crop(-4)  # back to 19 tokens: level 3 holds the last 16 again
+        assert cache.get_seq_length() == 19 and cache.memory_bytes() == 2 * 2 * _cache_floats(19) * 4
+        torch.testing.assert_close(model(ids[:, 19:23], **{CACHE: cache}).logits[0], whole[0, 19:23],
+                                   atol=1e-5, rtol=0)
 
 
 def test_a_decoding_step_reads_the_padding_once_for_all_layers(monkeypatch):

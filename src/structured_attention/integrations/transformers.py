@@ -47,7 +47,8 @@ projections, rotary embeddings, GQA, caches and ``generate()`` stay as they are.
   full; ``memory_bytes()`` says how much that is. Like transformers' quantized caches it hands the
   attention function full-length keys each step, rebuilt with zeros where a level was dropped:
   a query never reads a level before its current block there, so the result is exact. It is
-  refused for a model not running ``"sattn_mlr"``, which would read those zeros.
+  refused for a model not running ``"sattn_mlr"``, which would read those zeros. Assisted and
+  prompt-lookup decoding crop it: ``generate()`` has it record the finer levels' keys until then.
 - **Kinds with their own projections** (``bilinear_btt``, ``bilinear_mlr``, ``swa``,
   ``global_swa``, ``mlr`` with its per-level norms and scales): ``swap_attention(model,
   "bilinear_btt:1")`` puts the package's layer (fresh weights) in each decoder layer's place and
@@ -352,6 +353,7 @@ def _cache_classes() -> tuple[type, type]:
         """One layer's compressed MLR cache (see the module docstring)."""
 
         is_sliding = False
+        is_croppable = True
 
         def __init__(self, level_dims: list[torch.Tensor], block_sizes: Sequence[int]) -> None:
             super().__init__()
@@ -359,6 +361,12 @@ def _cache_classes() -> tuple[type, type]:
             self.levels: list[torch.Tensor] = []
             self.level_starts: list[int] = []
             self.length = 0
+            # set by generate() before assisted, prompt-lookup or deferred-stop decoding: the finer
+            # levels keep every key until the next crop(), which may then take back any number of tokens
+            self.record_past = False
+
+        def activate_past_recording(self, **kwargs: Any) -> None:
+            self.record_past = True
 
         def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
             self.device = key_states.device
@@ -378,7 +386,7 @@ def _cache_classes() -> tuple[type, type]:
             for i, (dims, first) in enumerate(zip(self.level_dims, self.level_starts)):
                 keys[:, :, first:start, dims] = self.levels[i]
                 # keep the last s_l tokens: the current block of every row, whatever its padding
-                keep = 0 if i == 0 else max(first, end - self.block_sizes[i])
+                keep = first if i == 0 or self.record_past else max(first, end - self.block_sizes[i])
                 level = torch.cat([self.levels[i], key_states[..., dims]], dim=2)
                 self.levels[i], self.level_starts[i] = level[:, :, keep - first:], keep
             self.values = torch.cat([self.values, value_states], dim=2)
@@ -401,6 +409,27 @@ def _cache_classes() -> tuple[type, type]:
         def reset(self) -> None:
             self.levels, self.level_starts, self.values, self.length = [], [], None, 0
             self.is_initialized = False
+
+        def crop(self, tokens_to_remove: int) -> None:
+            """Take back the last ``-tokens_to_remove`` tokens (a positive value is the length to keep,
+            as transformers before 5.x passed it); the finer levels then keep their last ``s_l`` tokens
+            again. The next queries read level ``l`` from the start of their block, at most
+            ``s_l - 1`` tokens back, so without past recording a level that dropped those keys refuses."""
+            if not self.is_initialized:
+                return
+            length = min(self.length, tokens_to_remove if tokens_to_remove > 0 else self.length + tokens_to_remove)
+            require(length >= 0, "crop", f"at most the {self.length} cached tokens taken back", -tokens_to_remove)
+            for i, (first, size) in enumerate(zip(self.level_starts, self.block_sizes)):  # all checked, then cut
+                require(first <= max(length - size + 1, 0), "crop", (
+                    f"at most {self.length - first - size + 1} tokens taken back from this MLRCache (level {i + 1} "
+                    f"keeps the keys of the last {size} tokens; after activate_past_recording(), as generate()'s "
+                    "assisted and prompt-lookup decoding call it, it keeps them all until the next crop)"),
+                    self.length - length)
+            for i, (first, size) in enumerate(zip(self.level_starts, self.block_sizes)):
+                keep = first if i == 0 else max(first, length - size)
+                self.levels[i], self.level_starts[i] = self.levels[i][:, :, keep - first:length - first], keep
+            self.values = self.values[:, :, :length]
+            self.length = length
 
         def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
             if self.length:
