@@ -303,11 +303,14 @@ def _gpt(spec):
     return GPT(GPTConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, max_seq_len=64, attention=spec))
 
 
-def test_gpt_training_step_compiles_whole():
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["plain", "activation-checkpointing"])
+def test_gpt_training_step_compiles_whole(checkpointed):
     # Whole (fullgraph) is Dynamo's trace, the same under every backend; inductor's code for a GPT's
-    # training step is tested by the training loop (tests/test_training.py, run.compile=true).
+    # training step is tested by the training loop (tests/test_training.py, run.compile=true). With
+    # activation checkpointing the compiled model's blocks are computed again in its backward.
     model = _gpt("mlr:8|4|2|2")
     twin = copy.deepcopy(model)
+    model.backbone.activation_checkpointing = checkpointed
     step_model = torch.compile(model, fullgraph=True, backend="aot_eager")
     opt, twin_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, twin))
     gen = torch.Generator().manual_seed(1)

@@ -95,6 +95,13 @@ def test_fit_trains_a_non_language_task(tmp_path):
     assert [r["step"] for r in rows if "val_loss" in r] == [5, 10, 15, 20, 25, 30, 35, 40]
 
 
+def test_activation_checkpointing_of_a_model_without_a_transformer_backbone_is_one_line(tmp_path):
+    with pytest.raises(ValueError, match=r"^run\.activation_checkpointing: expected false for a model without a "
+                                         r"Transformer backbone .*, got True$"):
+        fit(toy(tmp_path, "run.activation_checkpointing=true"))
+    assert not (tmp_path / "ckpt").exists()
+
+
 def test_patience_stops_early_and_keeps_the_best(tmp_path):
     # A learning rate this large makes the validation loss go up after the first evaluations.
     result = fit(toy(tmp_path, "optim.lr=2.5", "run.patience=2", "run.keep_best=true"))

@@ -136,6 +136,73 @@ def test_compiled_training_with_gradient_accumulation_equals_eager_training(tmp_
         torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-4)
 
 
+def test_activation_checkpointing_computes_the_same_gradients_from_fewer_saved_activations():
+    """Each block computed again in the backward pass, with dropout's masks drawn again from the
+    same RNG state: the loss and gradients of the run without it, bit for bit, on padded and packed
+    batches, for every kind of attention path; the backward keeps a tenth of the bytes (each block's
+    input, not its activations: counted with saved_tensors_hooks)."""
+    x = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(0))
+    batches = dict(attention_mask=torch.tensor([[0] * 7 + [1] * 33, [1] * 40]),
+                   document_ids=torch.tensor([[0] * 15 + [1] * 25] * 2))
+    for spec in ("mlr:8|8|8|8", "mha:n_kv_heads=2", "swa:8", "bilinear_btt:1"):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(attention=spec, max_seq_len=64, n_layers=3, dropout=0.1)).train()
+        for name, extra in batches.items():
+            runs = []
+            for checkpointed in (False, True):
+                model.backbone.activation_checkpointing = checkpointed
+                model.zero_grad()
+                torch.manual_seed(1)
+                saved = []
+                with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.nbytes) or t, lambda t: t):
+                    _, loss = model(x, x, **{name: extra})
+                loss.backward()
+                runs.append((loss.detach(), [p.grad.clone() for p in model.parameters()], sum(saved)))
+            (loss, grads, kept), (loss_ac, grads_ac, kept_ac) = runs
+            assert torch.equal(loss_ac, loss), (spec, name)
+            assert all(torch.equal(a, b) for a, b in zip(grads_ac, grads)), (spec, name)
+            assert kept_ac < kept / 8, (spec, name, kept, kept_ac)
+
+
+def test_a_run_with_activation_checkpointing_trains_as_one_without(tmp_path):
+    """run.activation_checkpointing reaches the backbone, and the losses and weights are those of
+    the run without it; the memory bound counts what the backward then keeps."""
+    from structured_attention.training import memory
+
+    results = []
+    for checkpointed in (False, True):
+        folder = tmp_path / str(checkpointed)
+        folder.mkdir()
+        run = dict(steps=3, eval_every=0, sample_tokens=0, activation_checkpointing=str(checkpointed).lower())
+        results.append(train_lm(load_lm_config(None, tiny_overrides(folder, **run) + ["model.attention=mlr:8|4|2|2",
+                                                                                        "model.dropout=0.1"])))
+    plain, checkpointed = results
+    assert checkpointed.model.backbone.activation_checkpointing and not plain.model.backbone.activation_checkpointing
+    assert checkpointed.losses == plain.losses
+    for p, q in zip(checkpointed.model.parameters(), plain.model.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+    backbone = plain.model.config
+    assert backbone.saved_floats_per_position(True) == 2 * 32 + 32 + 128 < backbone.saved_floats_per_position() == 2 * 160
+    with pytest.raises(ValueError, match=r"run\.activation_checkpointing=true: the activations kept"):
+        memory.check_training_memory(_TaskOfBackbone(backbone, positions=10**9), 1, "1GB", torch.device("cpu"), True)
+
+
+class _TaskOfBackbone:
+    """What the memory check reads of a task."""
+
+    def __init__(self, backbone, positions):
+        self.backbone, self.positions = backbone, positions
+
+    def backbone_config(self):
+        return self.backbone
+
+    def tokens_per_batch(self):
+        return self.positions
+
+    def build_model(self):
+        return GPT(self.backbone)
+
+
 def test_config_json_records_the_requested_and_the_resolved_config(tmp_path):
     """The config flows one way: the run records what the user gave and, apart, what it ran with
     (the vocabulary derived from the corpus, a char vocabulary here); the checkpoint holds the latter."""

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from .._checks import require
 from ..attention import (Attention, AttentionConfig, KVCache, StaticKVCache, build_attention, config_from_spec,
@@ -134,10 +135,14 @@ class TransformerConfig:
         positions = self.max_seq_len * self.d_model if self.positions == "learned" else 0
         return self.n_layers * 2 * self.d_model * hidden + positions
 
-    def saved_floats_per_position(self) -> int:
+    def saved_floats_per_position(self, activation_checkpointing: bool = False) -> int:
         """A lower bound on the floats the backward pass keeps per position: each block's input
-        and its MLP's hidden layer."""
-        return self.n_layers * (self.d_model + int(self.mlp_ratio * self.d_model))
+        and its MLP's hidden layer; with ``activation_checkpointing``, each block's input and one
+        block's hidden layer, recomputed in its turn."""
+        hidden = int(self.mlp_ratio * self.d_model)
+        if activation_checkpointing:
+            return self.n_layers * self.d_model + self.d_model + hidden
+        return self.n_layers * (self.d_model + hidden)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -185,7 +190,14 @@ class Block(nn.Module):
 
 class Transformer(nn.Module):
     """Learned positions (if configured), the blocks and a final LayerNorm (unless
-    ``final_norm=False``): ``(B, T, D) -> (B, T, D)``."""
+    ``final_norm=False``): ``(B, T, D) -> (B, T, D)``.
+
+    ``activation_checkpointing = True`` (``run.activation_checkpointing`` in training) keeps only
+    each block's input for the backward pass and computes the block again there: the activations
+    of one block at a time instead of all of them, for one more forward pass of compute. It applies
+    where gradients are recorded and no cache is filled."""
+
+    activation_checkpointing: bool = False
 
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
@@ -242,8 +254,12 @@ class Transformer(nn.Module):
         if self.pos_emb is not None:
             x = x + self.pos_emb(positions)
         x = self.drop(x)
+        recompute = self.activation_checkpointing and not caches and torch.is_grad_enabled()
         for i, block in enumerate(self.blocks):
-            x = block(x, caches[i] if caches else None, None if caches else segments)
+            if recompute:  # dropout draws the same masks again: checkpoint restores the RNG state
+                x = checkpoint(block, x, None, segments, use_reentrant=False)
+            else:
+                x = block(x, caches[i] if caches else None, None if caches else segments)
         x = self.ln_f(x)
         if segments is None or (caches and not caches[0].padding.padded(start)):
             return x

@@ -92,6 +92,9 @@ class RunConfig:
     seed: int = 0
     out_dir: str = "runs/run"
     compile: bool = False
+    # keep only each block's input for the backward pass and compute the block again there: the
+    # activations of one block at a time, for about one more forward pass (Transformer backbones)
+    activation_checkpointing: bool = False
     # torch.compile's mode with compile=true: "default"; "reduce-overhead" records each step's
     # kernels in CUDA graphs and replays them (no host work between kernels; CUDA only, the CPU
     # compiles as "default"); "max-autotune", "max-autotune-no-cudagraphs" also tune inductor's kernels

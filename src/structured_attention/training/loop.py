@@ -57,6 +57,7 @@ from torch import nn
 from .._checks import require
 from .._files import claim, made_folder, release
 from ..models.protocol import TrainableModel
+from ..models.transformer import Transformer
 from .checkpoint import (
     check_compatible,
     checkpoint_verifies,
@@ -581,13 +582,20 @@ class _Training:
             task.prepare(info)
         if task.describe():
             self.say(task.describe())
-        check_training_memory(task, self.run.batch_size, self.run.max_memory, self.device)
+        check_training_memory(task, self.run.batch_size, self.run.max_memory, self.device,
+                              self.run.activation_checkpointing)
         self.config = config_to_dict(task.config)
 
         self.raw_model = task.build_model().to(self.device)
         require(isinstance(self.raw_model, TrainableModel), "build_model()",
                 "a model with parameter_fans() and training_flops_per_token(seq_len) (models.TrainableModel)",
                 type(self.raw_model).__name__)
+        if self.run.activation_checkpointing:
+            backbones = [m for m in self.raw_model.modules() if isinstance(m, Transformer)]
+            require(bool(backbones), "run.activation_checkpointing", "false for a model without a Transformer "
+                    "backbone (it is the backbone's blocks that are computed again)", True)
+            for backbone in backbones:
+                backbone.activation_checkpointing = True
         self.flops_per_token = task.flops_per_token(self.raw_model)
         self.aliases = tied_aliases(self.raw_model)
         self.model = wrap_model(self.raw_model, info, self.run.fsdp)

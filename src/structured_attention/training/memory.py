@@ -66,7 +66,8 @@ def format_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
-def check_training_memory(task: Any, batch_size: int, max_memory: str, device: torch.device) -> None:
+def check_training_memory(task: Any, batch_size: int, max_memory: str, device: torch.device,
+                          activation_checkpointing: bool = False) -> None:
     """Raise a one-line ``ValueError`` when ``task``'s model and micro-batch cannot fit.
 
     ``task`` gives ``backbone_config()`` (a ``TransformerConfig``: ``parameter_lower_bound()``,
@@ -80,7 +81,7 @@ def check_training_memory(task: Any, batch_size: int, max_memory: str, device: t
     if backbone is None:
         return
     positions = task.tokens_per_batch()
-    activations = 4 * positions * backbone.saved_floats_per_position()
+    activations = 4 * positions * backbone.saved_floats_per_position(activation_checkpointing)
     weights = 16 * backbone.parameter_lower_bound()
     if activations + weights <= limit:  # plausible sizes: count the real model's parameters
         with torch.device("meta"):
@@ -91,7 +92,8 @@ def check_training_memory(task: Any, batch_size: int, max_memory: str, device: t
     terms = [
         (weights, f"{sizes}, model.max_seq_len={backbone.max_seq_len}, model.attention={backbone.attention!r}: "
                   f"the weights, gradients and AdamW state"),
-        (activations, f"run.batch_size={batch_size} ({positions:,} positions per micro-batch) with {sizes}: "
+        (activations, f"run.batch_size={batch_size} ({positions:,} positions per micro-batch) with {sizes}"
+                      f"{', run.activation_checkpointing=true' if activation_checkpointing else ''}: "
                       f"the activations kept for the backward pass"),
     ]
     total = sum(size for size, _ in terms)
