@@ -190,12 +190,12 @@ def _check_levels(ranks: Any, block_sizes: Any, context: Any, head_dim: int
     return tuple(ranks), sizes
 
 
-def _padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
-                 mask_function: Callable | None = None, attention_mask: torch.Tensor | None = None,
-                 **kwargs: Any) -> torch.Tensor | None:
-    """The mask function of ``"sattn_mlr"`` (transformers' ``AttentionMaskInterface`` contract): the
-    2-D padding mask sliced to the keys, what the segments of this implementation are built from,
-    or None when nothing is padded, as flash attention's mask function gives. Under
+def _padding_mask(batch_size: int, kv_length: int, attention_mask: torch.Tensor | None = None,
+                  **kwargs: Any) -> torch.Tensor | None:
+    """The mask function of ``"sattn_mlr"`` (transformers' ``AttentionMaskInterface`` contract,
+    whose arguments come by name; the queries' length, the offsets and the mask pattern are not
+    read): the 2-D padding mask sliced to the keys, what the segments of this implementation are
+    built from, or None when nothing is padded, as flash attention's mask function gives. Under
     ``torch.compile`` the mask is handed over even where nothing is padded: telling would read it
     on the host, a data-dependent branch that breaks the graph (flash attention's does), and the
     segments of a mask with no padding give the unmasked result."""
@@ -393,10 +393,8 @@ def _cache_classes() -> tuple[type, type]:
             self.length = end
             return keys, self.values
 
-        def get_mask_sizes(self, query_length: int | torch.Tensor) -> tuple[int, int]:
-            # before transformers 5.4 the argument was the queries' cache_position tensor
-            queries = query_length.shape[0] if isinstance(query_length, torch.Tensor) else query_length
-            return self.length + queries, 0
+        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+            return self.length + query_length, 0
 
         def get_seq_length(self) -> int:
             return self.length
