@@ -190,12 +190,12 @@ def _check_levels(ranks: Any, block_sizes: Any, context: Any, head_dim: int
     return tuple(ranks), sizes
 
 
-def _padding_mask(batch_size: int, kv_length: int, attention_mask: torch.Tensor | None = None,
-                  **kwargs: Any) -> torch.Tensor | None:
+def _padding_mask(kv_length: int, attention_mask: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor | None:
     """The mask function of ``"sattn_mlr"`` (transformers' ``AttentionMaskInterface`` contract,
-    whose arguments come by name; the queries' length, the offsets and the mask pattern are not
-    read): the 2-D padding mask sliced to the keys, what the segments of this implementation are
-    built from, or None when nothing is padded, as flash attention's mask function gives. Under
+    whose arguments come by name; the batch size, the queries' length, the offsets and the mask
+    pattern are not read): the 2-D padding mask sliced to the keys, what the segments of this
+    implementation are built from, or None when nothing is padded, as flash attention's mask
+    function gives. Under
     ``torch.compile`` the mask is handed over even where nothing is padded: telling would read it
     on the host, a data-dependent branch that breaks the graph (flash attention's does), and the
     segments of a mask with no padding give the unmasked result."""
@@ -410,7 +410,7 @@ def _cache_classes() -> tuple[type, type]:
 
         def crop(self, tokens_to_remove: int) -> None:
             """Take back the last ``-tokens_to_remove`` tokens (a positive value is the length to keep,
-            as transformers before 5.x passed it); the finer levels then keep their last ``s_l`` tokens
+            as transformers before 5.14 passes it); the finer levels then keep their last ``s_l`` tokens
             again. The next queries read level ``l`` from the start of their block, at most
             ``s_l - 1`` tokens back, so without past recording a level that dropped those keys refuses."""
             if not self.is_initialized:
