@@ -257,11 +257,13 @@ def test_a_built_kernel_loads_in_a_new_process_without_a_word(built):
     assert proc.stderr == ""
 
 
-@pytest.mark.parametrize("context", ["torch.autocast('cpu', dtype=torch.bfloat16)", "torch.device('meta')"])
-def test_a_first_load_inside_autocast_or_a_default_device_keeps_the_kernel(built, context):
-    """The kernel's self-check computes in float32 on the CPU whatever the context of the first MLR
-    call: inside a training step's CPU autocast (or under a default device) it failed, and the
-    kernel was built again and then left unused for the whole process, with a warning."""
+@pytest.mark.parametrize("context", ["torch.autocast('cpu', dtype=torch.bfloat16)", "torch.device('meta')",
+                                     "torch._subclasses.fake_tensor.FakeTensorMode()"])
+def test_a_first_load_inside_autocast_a_default_device_or_a_trace_keeps_the_kernel(built, context):
+    """The kernel's self-check computes real float32 tensors on the CPU whatever the context of the
+    first MLR call: inside a training step's CPU autocast, under a default device or in the fake
+    tensors torch.export traces with it failed, and the kernel was built again and then left unused
+    for the whole process, with a warning (an exported program then held the blocked path)."""
     code = ("import torch\nfrom structured_attention.ops.mlr import cpu_build\n"
             f"with {context}:\n    assert cpu_build.load() is not None")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)

@@ -149,16 +149,16 @@ def build_segments(
         check_document_order(ids)  # the order alone: the kernels read the ids derived below, not these
     if real is None and ids is None:
         return None
+    # whether each token starts a segment after the first (differences rather than slices [1:], whose
+    # length torch.export cannot tell from 1 where seq_len is dynamic)
     new = torch.zeros(batch, seq_len, dtype=torch.bool, device=device)
-    if ids is not None:
-        new[:, 1:] |= ids[:, 1:] != ids[:, :-1]
-    if real is not None:
-        new[:, 1:] |= real[:, 1:] != real[:, :-1]
+    for marks in (ids, None if real is None else real.long()):
+        if marks is not None:
+            new |= marks.diff(dim=1, prepend=marks[:, :1]) != 0
     if _checking() and not bool(new.any()) and (real is None or bool(real.all())):
         return None
     pos = torch.arange(seq_len, device=device).expand(batch, seq_len)
-    first = new.clone()
-    first[:, 0] = True
+    first = new | (pos == 0)
     start = torch.where(first, pos, torch.zeros_like(pos)).cummax(dim=1).values
     leading = None
     if ids is None and real is not None:  # one sequence per row (the mask's real tokens are contiguous)

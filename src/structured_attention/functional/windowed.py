@@ -68,35 +68,45 @@ def _tiled_window(
     dropout_p: float, tile: int, document_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     b, h, t, _ = q.shape
-    n_tiles = -(-t // tile)
+    # While torch.export traces (t symbolic where a length is dynamic): two tiles beyond t // tile, the
+    # query tiles by unfold and the real rows by index, shape relations it proves for every t (at
+    # least two tiles, some padding), where ceil-division, a view's split and a slice's end are guards
+    # on t that fail the export. Otherwise ceil-division, the view and the slice: eagerly the traced
+    # form is ~25% slower forward and backward at T = 1024 (2-core CPU; its extra tiles, its unfold's
+    # and index's backward). torch.compile keeps the eager form (Dynamo shows a symbolic t as an int)
+    # and traces one graph more once a batch outgrows a tile.
+    symbolic = isinstance(t, torch.SymInt) or torch.compiler.is_exporting()
+    n_tiles = t // tile + 2 if symbolic else -(-t // tile)
     left, right = window, (0 if causal else window)
     span = tile + left + right
     pad = n_tiles * tile - t
 
-    def key_tiles(x: torch.Tensor) -> torch.Tensor:
-        # (B, Hk, T, E) -> (B, n_tiles, Hk, span, E): the keys around each query tile.
-        x = F.pad(x, (0, 0, left, pad + right)).unfold(2, span, tile)
+    def tiles(x: torch.Tensor, before: int = 0, after: int = 0, size: int = tile) -> torch.Tensor:
+        # (B, H, T, E) -> (B, n_tiles, H, size, E): each tile's rows, ``before`` and ``after`` it too
+        x = F.pad(x, (0, 0, before, pad + after)).unfold(2, size, tile)
         return x.permute(0, 2, 1, 4, 3)
 
     def flat(x: torch.Tensor) -> torch.Tensor:  # tiles join the batch: 4-D inputs keep SDPA's fused kernel
-        return x.reshape(b * n_tiles, *x.shape[2:])
+        return x.flatten(0, 1)
 
-    q_tiles = F.pad(q, (0, 0, 0, pad)).view(b, h, n_tiles, tile, -1).transpose(1, 2)
-    i = torch.arange(n_tiles * tile, device=q.device).view(n_tiles, tile, 1)
-    j = (torch.arange(n_tiles, device=q.device) * tile - left).view(n_tiles, 1, 1) + torch.arange(span, device=q.device)
+    tile_start = torch.arange(n_tiles, device=q.device)[:, None, None] * tile
+    i = tile_start + torch.arange(tile, device=q.device).view(tile, 1)
+    j = tile_start - left + torch.arange(span, device=q.device)
     allowed = (j >= 0) & (j < t) & (i - j <= left) & (j - i <= right)
     if document_ids is not None:  # (B, n_tiles, tile, span): the same document too
-        ids = document_ids.long()
-        q_ids = F.pad(ids, (0, pad)).view(b, n_tiles, tile, 1)
-        k_ids = F.pad(ids, (left, pad + right)).unfold(1, span, tile).unsqueeze(2)  # (B, n_tiles, 1, span)
-        allowed = allowed & (q_ids == k_ids)
+        ids = document_ids.long().unsqueeze(1).unsqueeze(-1)  # (B, 1, T, 1), tiled as the keys are
+        q_ids = tiles(ids)[:, :, 0]
+        k_ids = tiles(ids, left, right, span)[:, :, 0]
+        allowed = allowed & (q_ids == k_ids.transpose(-1, -2))
     allowed = allowed | (i >= t)  # padding queries (discarded) see everything, so no row is empty
     mask = allowed.unsqueeze(-3).expand(b, n_tiles, 1, tile, span)
+    q_tiles = tiles(q) if symbolic else F.pad(q, (0, 0, 0, pad)).unflatten(2, (n_tiles, tile)).transpose(1, 2)
     out = scaled_dot_product_attention(
-        flat(q_tiles), flat(key_tiles(k)), flat(key_tiles(v)), attn_mask=flat(mask), dropout_p=dropout_p,
-        scale=scale, enable_gqa=k.shape[1] != h,
+        flat(q_tiles), flat(tiles(k, left, right, span)), flat(tiles(v, left, right, span)),
+        attn_mask=flat(mask), dropout_p=dropout_p, scale=scale, enable_gqa=k.shape[1] != h,
     )
-    return out.view(b, n_tiles, h, tile, -1).transpose(1, 2).reshape(b, h, n_tiles * tile, -1)[:, :, :t]
+    out = out.unflatten(0, (b, n_tiles)).transpose(1, 2).flatten(2, 3)  # (B, H, n_tiles * tile, Dv)
+    return out.index_select(2, torch.arange(t, device=q.device)) if symbolic else out[:, :, :t]
 
 
 @memoized(maxsize=32)

@@ -273,10 +273,12 @@ def _self_check(module: ModuleType) -> None:
     """One tiny forward against plain softmax attention (one level: MLR is then ordinary causal
     attention): a kernel that cannot run here (the GEMM library refusing this CPU) or computes
     wrongly is never used. It runs in float32 on the CPU whatever the caller's context: the first
-    MLR call may come inside ``torch.autocast`` or under a default device, where a check computed
-    as the context says failed, and the kernel was built again and then left unused for the whole
-    process."""
-    with torch.autocast("cpu", enabled=False), torch.no_grad():
+    MLR call may come inside ``torch.autocast``, under a default device or while ``torch.export``
+    traces (its fake tensors hold no data), where a check computed as the context says failed, and
+    the kernel was built again and then left unused for the whole process."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes(), torch.autocast("cpu", enabled=False), torch.no_grad():
         g = torch.Generator().manual_seed(0)
         q, k, v = (torch.randn(1, 2, 24, 4, generator=g, dtype=torch.float32, device="cpu") for _ in range(3))
         causal = torch.ones(24, 24, dtype=torch.bool, device="cpu").triu(1)
