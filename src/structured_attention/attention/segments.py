@@ -152,9 +152,10 @@ def build_segments(
     # whether each token starts a segment after the first (differences rather than slices [1:], whose
     # length torch.export cannot tell from 1 where seq_len is dynamic)
     new = torch.zeros(batch, seq_len, dtype=torch.bool, device=device)
-    for marks in (ids, None if real is None else real.long()):
-        if marks is not None:
-            new |= marks.diff(dim=1, prepend=marks[:, :1]) != 0
+    if ids is not None:
+        new |= ids.diff(dim=1, prepend=ids[:, :1]) != 0
+    if real is not None:
+        new |= real.diff(dim=1, prepend=real[:, :1])  # a bool tensor's diff: where it changes
     if _checking() and not bool(new.any()) and (real is None or bool(real.all())):
         return None
     pos = torch.arange(seq_len, device=device).expand(batch, seq_len)
