@@ -90,7 +90,7 @@ def test_bench_generate_times_every_kind_and_mode_and_reports_its_cache(tmp_path
             "--warmup", "0", "--out", str(tmp_path)]
     assert main(args) == 0
     rows = json.loads((tmp_path / "generate.json").read_text())["results"]
-    modes = ["", "+static", "+compiled"] + (["+graph"] if torch.cuda.is_available() else [])  # graph: CUDA's
+    modes = ["", "+static", "+compiled", "+exported"] + (["+graph"] if torch.cuda.is_available() else [])  # graph: CUDA's
     assert [(r["case"], r["batch"]) for r in rows] == [
         (kind + mode, batch) for batch in (1, 2) for kind in ("mha", "mlr:4|2|2") for mode in modes]
     for r in rows:

@@ -1,6 +1,8 @@
 """torch.export of a GPT of every attention kind, with the batch and the length dynamic: the exported
 program, run at lengths on both sides of the sliding window's 64-row tile and with padded and packed
-batches, gives the logits of the model run eagerly, and saved and loaded again it still does."""
+batches, gives the logits of the model run eagerly, and saved and loaded again it still does. And
+of its one-token decoding step on static caches (DecodingStep), which continues the caches as eager
+steps do."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import pytest
 import torch
 from torch.export import Dim, export
 
+from structured_attention.models.decoding import DecodingStep
 from structured_attention.models.gpt import GPT, GPTConfig
 
 # One spec per kind; the window and the MLR blocks smaller than the lengths below, so that a batch
@@ -73,3 +76,74 @@ def test_an_exported_program_saved_and_loaded_runs_the_packages_ops(tmp_path):
     idx, ids = _inputs("packed", 3, 150)
     with torch.no_grad():
         torch.testing.assert_close(loaded.module()(idx, ids), wrapped(idx, ids), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_an_exported_decoding_step_continues_a_padded_prompt_as_eager_steps_do(spec):
+    """60 greedy steps after left-padded prompts (past the window and across MLR blocks): the
+    program's logits are those of eager steps on caches the same prompts filled, and it wrote into
+    the caches themselves."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=50, d_model=64, n_heads=4, n_layers=2, max_seq_len=96, attention=spec)).eval()
+    prompt = torch.randint(0, 50, (3, 20))
+    mask = torch.ones(3, 20, dtype=torch.bool)
+    mask[0, :5] = False
+    mask[1, :12] = False
+    caches, eager = model.new_caches(3, static=True), model.new_caches(3, static=True)
+    with torch.no_grad():
+        logits = model(prompt, caches=caches, attention_mask=mask)[0]
+        model(prompt, caches=eager, attention_mask=mask)
+        program = export(DecodingStep(model, caches), (prompt[:, -1:],))
+        step = program.module()
+        token = logits[:, -1:].argmax(-1)
+        for _ in range(60):
+            got = step(token)
+            torch.testing.assert_close(got, model(token, caches=eager)[0], rtol=1e-5, atol=1e-5)
+            token = got[:, -1:].argmax(-1)
+    for cache, reference in zip(caches, eager):
+        torch.testing.assert_close(cache.tensors(), reference.tensors(), rtol=1e-6, atol=1e-6)
+
+
+def test_a_saved_decoding_step_reads_its_prompt_token_by_token_and_starts_again(tmp_path):
+    """From empty caches, saved and loaded again: fed a sequence token by token, the program gives
+    the model's logits of the whole sequence; with its slots set to 0, those of another one."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=50, d_model=64, n_heads=4, n_layers=3, max_seq_len=64,
+                          attention="mlr:8|4|4,swa:16,mha")).eval()
+    token = torch.zeros(2, 1, dtype=torch.long)
+    with torch.no_grad():
+        program = export(DecodingStep(model, model.new_caches(2, static=True)), (token,))
+    torch.export.save(program, tmp_path / "step.pt2")
+    step = torch.export.load(tmp_path / "step.pt2").module()
+    assert any(str(node.target).startswith("sattn.") for node in program.graph.nodes)
+    for length in (40, 64):
+        sequence = torch.randint(0, 50, (2, length))
+        with torch.no_grad():
+            got = torch.cat([step(sequence[:, i:i + 1]) for i in range(length)], dim=1)
+            torch.testing.assert_close(got, model(sequence)[0], rtol=1e-5, atol=1e-5)
+        for name, buffer in step.named_buffers():
+            if name.endswith(".slot"):
+                buffer.zero_()
+
+
+def test_a_compiled_decoding_step_reads_its_prompt_token_by_token():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=50, d_model=64, n_heads=4, n_layers=2, max_seq_len=64,
+                          attention="mlr:8|4|4,swa:16")).eval()
+    step = torch.compile(DecodingStep(model, model.new_caches(2, static=True)), backend="aot_eager", fullgraph=True)
+    sequence = torch.randint(0, 50, (2, 40))
+    with torch.no_grad():
+        got = torch.cat([step(sequence[:, i:i + 1]) for i in range(40)], dim=1)
+        torch.testing.assert_close(got, model(sequence)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_a_decoding_step_takes_static_caches_of_the_model():
+    model = GPT(GPTConfig(vocab_size=50, d_model=32, n_heads=2, n_layers=2, max_seq_len=32, attention="mlr:8|8"))
+    with pytest.raises(ValueError, match=r"^caches: expected a list of 2 static caches"):
+        DecodingStep(model, model.new_caches(1))
+    with pytest.raises(ValueError, match=r"^caches: expected a list of 2 static caches"):
+        DecodingStep(model, model.new_caches(1, static=True)[:1])
+    caches = model.new_caches(1, static=True)
+    model.blocks[0].attn.fill_static(caches[0])
+    with pytest.raises(ValueError, match=r"^caches: expected all prefilled by one prompt or none"):
+        DecodingStep(model, caches)

@@ -203,6 +203,15 @@ class StaticKVCache:
         for tensor in (*buffers.values(), self.slot, self.offsets):
             torch._dynamo.mark_static_address(tensor)
 
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor a step reads or writes, by name: the static buffers, ``slot`` and ``offsets``."""
+        return {**self.buffers, "slot": self.slot, "offsets": self.offsets}
+
+    def bind(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Read and write ``tensors`` (named as :meth:`tensors` names them) instead of this cache's own."""
+        self.buffers = {name: tensors[name] for name in self.buffers}
+        self.slot, self.offsets = tensors["slot"], tensors["offsets"]
+
     def copy_(self, other: StaticKVCache) -> StaticKVCache:
         """Take ``other``'s content (a prefilled static cache of the same layer and batch) in place:
         a step compiled or graph-captured on this cache replays on the new content, where a new

@@ -9,6 +9,8 @@ prefilled caches, in each mode (every mode once per round, in an order rotated f
 - ``compiled``: static caches, the one-token step compiled once (``torch.compile``, ``fullgraph``;
   ``--backend``, ``--compile-mode reduce-overhead`` for CUDA graphs) and replayed, what
   ``GPT.generate(cache="static", compile=True)`` does;
+- ``exported``: static caches, the one-token step exported once (``torch.export`` of
+  :class:`~structured_attention.models.decoding.DecodingStep`) and its program's module called;
 - ``graph`` (CUDA only): static caches, the step compiled by ``--backend`` in torch.compile's
   default mode and the choice of the token captured together in one CUDA graph and replayed, one
   call of the host per token, what ``GPT.generate(cache="static", compile=True, cuda_graph=True)``
@@ -35,14 +37,14 @@ import torch
 
 from .._files import check_folder, make_folder
 from ..models import GPT, GPTConfig
-from ..models.decoding import CapturedDecoding
+from ..models.decoding import CapturedDecoding, DecodingStep
 from ..models.gpt import COMPILE_MODES, check_compile_backend
 from .._cli import number_list, parse_device, pyplot
 from .common import (add_timing_options, bench_environment, check_bench_memory, check_positive_options, records_table,
                      time_ms)
 
 GENERATE_KINDS = "mha,mlr:8|8|8|8|8|8|8|8"
-MODES = ("eager", "static", "compiled", "graph")
+MODES = ("eager", "static", "compiled", "exported", "graph")
 
 
 def add_parser(what: argparse._SubParsersAction) -> None:
@@ -135,6 +137,10 @@ def _measure_kind(model: GPT, kind: str, batch: int, cache_len: int, modes: list
     # them: a graph captured on their tensors then replays instead of being recorded again.
     prompt_static = [block.attn.static_cache(c) for block, c in zip(model.blocks, copy.deepcopy(prefilled))]
     static = {mode: copy.deepcopy(prompt_static) for mode in modes if mode != "eager"}
+
+    if "exported" in modes:  # the program's buffers are the mode's caches, which fresh() refills in place
+        exported = torch.export.export(DecodingStep(model, static["exported"]), (first,)).module()
+        steps["exported"] = lambda token, caches: exported(token)
 
     def fresh(mode: str) -> list[Any]:
         if mode == "eager":

@@ -1,4 +1,4 @@
-"""Choosing the next token, and decoding steps captured in one CUDA graph.
+"""Choosing the next token, decoding steps captured in one CUDA graph, and a decoding step as a module.
 
 :class:`CapturedDecoding` records a model's one-token step on static caches, together with the
 choice of the next token, in one CUDA graph, and replays it for every token: a token then costs the
@@ -7,17 +7,28 @@ as well, but every call still runs dynamo's guards, the compiled function's wrap
 tree's checks of its inputs in Python, and the choice of the token runs eagerly beside it. Where the
 host is slower than the GPU's step (small batches, or a step that reads few bytes, as MLR's
 compressed cache does) that host work, not the GPU, sets the time per token.
+
+:class:`DecodingStep` is the same one-token step as an ``nn.Module`` whose buffers are the static
+caches' tensors, which is what ``torch.export`` needs to export it: a cache is a Python object the
+trace does not see into, so its tensors, read through it, would be traced as constants and its
+writes done once, at export time, instead of at every call.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from .._checks import require
+from ..attention import StaticKVCache
 
-__all__ = ["CapturedDecoding", "next_token"]
+if TYPE_CHECKING:
+    from .gpt import GPT
+
+__all__ = ["CapturedDecoding", "DecodingStep", "next_token"]
 
 
 def next_token(logits: torch.Tensor, temperature: float, top_k: int | None,
@@ -104,3 +115,55 @@ class CapturedDecoding:
         with torch.cuda.graph(graph):
             self._advance()  # recorded, not run: the next call's step
         return graph
+
+
+class _CacheTensors(nn.Module):
+    """One static cache's tensors as buffers (not persistent: a cache's content is not a weight)."""
+
+    def __init__(self, cache: StaticKVCache) -> None:
+        super().__init__()
+        for name, tensor in cache.tensors().items():
+            self.register_buffer(name, tensor, persistent=False)
+
+
+class DecodingStep(nn.Module):
+    """``model``'s one-token step on the static ``caches`` (``model.new_caches(batch, static=True)``)
+    as a module: ``forward(token (B, 1)) -> logits (B, 1, vocab)`` writes the token into the caches
+    and advances them, as ``model(token, caches=caches)`` does. Its buffers are the caches' tensors
+    (``caches.<layer>.<name>``: each kind's buffers, ``slot`` and ``offsets``), so
+    ``torch.export.export(DecodingStep(model, caches), (token,))`` gives a program whose buffer
+    mutations are the caches' writes; its ``module()`` holds the caches' own tensors, so it
+    continues them, and a program saved and loaded again holds copies of them.
+
+    Caches a prompt filled (``model(prompt, caches=caches, attention_mask=...)``, left-padded rows
+    included) are continued; caches no prompt filled are made empty, at position 0, for a program
+    that reads its prompt token by token (rows of equal length). Setting every ``slot`` buffer to
+    0 starts again: a step reads only the slots up to its own.
+    """
+
+    def __init__(self, model: GPT, caches: list[StaticKVCache]) -> None:
+        super().__init__()
+        blocks = model.blocks
+        require(isinstance(caches, list) and len(caches) == len(blocks)
+                and all(isinstance(c, StaticKVCache) for c in caches), "caches",
+                f"a list of {len(blocks)} static caches (model.new_caches(batch, static=True))",
+                type(caches).__name__ if not isinstance(caches, list) else f"{len(caches)} caches")
+        require(len({c.prefilled for c in caches}) == 1, "caches", "all prefilled by one prompt or none",
+                "a mix")
+        if not caches[0].prefilled:
+            for block, cache in zip(blocks, caches):
+                block.attn.fill_static(cache)
+        self.model = model
+        self.caches = nn.ModuleList(_CacheTensors(c) for c in caches)
+        self._caches = caches
+
+    def forward(self, token: torch.Tensor) -> torch.Tensor:
+        # the caches read this module's buffers, which the export's trace replaces by its own
+        own = [cache.tensors() for cache in self._caches]
+        for cache, tensors in zip(self._caches, self.caches):
+            cache.bind(dict(tensors.named_buffers()))
+        try:
+            return self.model(token, caches=self._caches)[0]
+        finally:
+            for cache, tensors in zip(self._caches, own):
+                cache.bind(tensors)
