@@ -126,6 +126,31 @@ def test_a_saved_decoding_step_reads_its_prompt_token_by_token_and_starts_again(
                 buffer.zero_()
 
 
+def test_an_aotinductor_package_of_the_step_continues_caches_it_takes_as_inputs(tmp_path):
+    """AOTInductor's package of a step that takes the caches' tensors as inputs (inputs=True), after
+    left-padded prompts: the logits of eager steps on caches the same prompts filled."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=50, d_model=64, n_heads=4, n_layers=2, max_seq_len=64,
+                          attention="mlr:8|4|4,swa:16")).eval()
+    prompt = torch.randint(0, 50, (2, 12))
+    mask = torch.ones(2, 12, dtype=torch.bool)
+    mask[1, :7] = False
+    caches, eager = model.new_caches(2, static=True), model.new_caches(2, static=True)
+    with torch.no_grad():
+        logits = model(prompt, caches=caches, attention_mask=mask)[0]
+        model(prompt, caches=eager, attention_mask=mask)
+        step = DecodingStep(model, caches, inputs=True)
+        # contiguous, as the tokens below: a package reads its inputs with the example's strides
+        program = export(step, (prompt[:, -1:].contiguous(), step.tensors()))
+        package = torch._inductor.aoti_load_package(
+            torch._inductor.aoti_compile_and_package(program, package_path=str(tmp_path / "step.pt2")))
+        token = logits[:, -1:].argmax(-1)
+        for _ in range(30):  # past the window and an MLR block
+            got = package(token, step.tensors())
+            torch.testing.assert_close(got, model(token, caches=eager)[0], rtol=1e-5, atol=1e-5)
+            token = got[:, -1:].argmax(-1)
+
+
 def test_a_compiled_decoding_step_reads_its_prompt_token_by_token():
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=50, d_model=64, n_heads=4, n_layers=2, max_seq_len=64,
@@ -147,3 +172,12 @@ def test_a_decoding_step_takes_static_caches_of_the_model():
     model.blocks[0].attn.fill_static(caches[0])
     with pytest.raises(ValueError, match=r"^caches: expected all prefilled by one prompt or none"):
         DecodingStep(model, caches)
+    token = torch.zeros(1, 1, dtype=torch.long)
+    step = DecodingStep(model, model.new_caches(1, static=True))
+    with pytest.raises(ValueError, match=r"^tensors: expected the caches' tensors .* with inputs=True, else None"):
+        step(token, step.tensors())
+    step = DecodingStep(model, model.new_caches(1, static=True), inputs=True)
+    with pytest.raises(ValueError, match=r"^tensors: expected the caches' tensors"):
+        step(token)
+    with pytest.raises(ValueError, match=r"^tensors: expected 2 dicts, one per layer, got 1"):
+        step(token, step.tensors()[:1])

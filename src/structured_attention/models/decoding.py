@@ -135,13 +135,18 @@ class DecodingStep(nn.Module):
     mutations are the caches' writes; its ``module()`` holds the caches' own tensors, so it
     continues them, and a program saved and loaded again holds copies of them.
 
+    With ``inputs=True`` the caches' tensors are the step's inputs instead, ``forward(token,
+    tensors)`` with ``tensors`` :meth:`tensors` (a dict per layer), written in place: what
+    AOTInductor needs, whose packages (torch 2.13) keep no buffer's writes from one call to the
+    next; the package then takes its caches at every call, and its file holds no cache.
+
     Caches a prompt filled (``model(prompt, caches=caches, attention_mask=...)``, left-padded rows
     included) are continued; caches no prompt filled are made empty, at position 0, for a program
-    that reads its prompt token by token (rows of equal length). Setting every ``slot`` buffer to
-    0 starts again: a step reads only the slots up to its own.
+    that reads its prompt token by token (rows of equal length). Setting every ``slot`` to 0 starts
+    again: a step reads only the slots up to its own.
     """
 
-    def __init__(self, model: GPT, caches: list[StaticKVCache]) -> None:
+    def __init__(self, model: GPT, caches: list[StaticKVCache], inputs: bool = False) -> None:
         super().__init__()
         blocks = model.blocks
         require(isinstance(caches, list) and len(caches) == len(blocks)
@@ -153,15 +158,24 @@ class DecodingStep(nn.Module):
         if not caches[0].prefilled:
             for block, cache in zip(blocks, caches):
                 block.attn.fill_static(cache)
-        self.model = model
-        self.caches = nn.ModuleList(_CacheTensors(c) for c in caches)
+        self.model, self.inputs = model, inputs
+        self.caches = None if inputs else nn.ModuleList(_CacheTensors(c) for c in caches)
         self._caches = caches
 
-    def forward(self, token: torch.Tensor) -> torch.Tensor:
-        # the caches read this module's buffers, which the export's trace replaces by its own
-        own = [cache.tensors() for cache in self._caches]
-        for cache, tensors in zip(self._caches, self.caches):
-            cache.bind(dict(tensors.named_buffers()))
+    def tensors(self) -> list[dict[str, torch.Tensor]]:
+        """The caches' tensors by layer and name (what ``forward`` takes with ``inputs=True``)."""
+        return [cache.tensors() for cache in self._caches]
+
+    def forward(self, token: torch.Tensor, tensors: list[dict[str, torch.Tensor]] | None = None) -> torch.Tensor:
+        require((tensors is not None) == self.inputs, "tensors", "the caches' tensors (DecodingStep.tensors()) "
+                "with inputs=True, else None", "None" if tensors is None else "tensors")
+        if tensors is None:  # this module's buffers, which the export's trace replaces by its own
+            tensors = [dict(buffers.named_buffers()) for buffers in self.caches]
+        require(len(tensors) == len(self._caches), "tensors", f"{len(self._caches)} dicts, one per layer",
+                len(tensors))
+        own = self.tensors()
+        for cache, bound in zip(self._caches, tensors):
+            cache.bind(bound)
         try:
             return self.model(token, caches=self._caches)[0]
         finally:
