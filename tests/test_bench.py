@@ -96,11 +96,24 @@ def test_bench_generate_times_every_kind_and_mode_and_reports_its_cache(tmp_path
     for r in rows:
         assert {"case", "batch", "cache_len", "tokens_per_s", "ms_per_token", "cache_bytes"} <= set(r)
         assert r["tokens_per_s"] == pytest.approx(r["batch"] * 1e3 / r["ms_per_token"])
+        assert r["tokens_match_first_mode"]
     # the growing MHA cache holds keys and values of 16 tokens (1 layer, 2 heads of 8 dims, float32)
     assert rows[0]["cache_bytes"] == 16 * 2 * 2 * 8 * 4
     # static buffers are preallocated to the context (16 slots here): MHA holds the same bytes
     assert rows[1]["cache_bytes"] == rows[0]["cache_bytes"]
     assert (tmp_path / "generate.png").is_file()
+
+
+def test_bench_generate_times_an_aotinductor_package_of_the_step(tmp_path):
+    """The aoti mode, not a default one (its build is slow): the package of the step is timed."""
+    args = ["bench", "generate", "--kinds", "mlr:4|2|2", "--d-model", "16", "--n-heads", "2", "--n-layers", "1",
+            "--batches", "2", "--cache-lens", "13", "--new-tokens", "3", "--modes", "static,aoti", "--repeats", "1",
+            "--warmup", "0", "--out", str(tmp_path)]
+    assert main(args) == 0
+    rows = json.loads((tmp_path / "generate.json").read_text())["results"]
+    assert [r["case"] for r in rows] == ["mlr:4|2|2+static", "mlr:4|2|2+aoti"]
+    assert rows[1]["tokens_per_s"] > 0 and rows[1]["cache_bytes"] == rows[0]["cache_bytes"]
+    assert rows[1]["tokens_match_first_mode"]
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,9 @@ prefilled caches, in each mode (every mode once per round, in an order rotated f
   ``GPT.generate(cache="static", compile=True)`` does;
 - ``exported``: static caches, the one-token step exported once (``torch.export`` of
   :class:`~structured_attention.models.decoding.DecodingStep`) and its program's module called;
+- ``aoti`` (not in the default modes: its build takes about a minute a case on a 2-core CPU): the
+  exported step, taking the caches as inputs, compiled by AOTInductor into a package, which is
+  loaded and called;
 - ``graph`` (CUDA only): static caches, the step compiled by ``--backend`` in torch.compile's
   default mode and the choice of the token captured together in one CUDA graph and replayed, one
   call of the host per token, what ``GPT.generate(cache="static", compile=True, cuda_graph=True)``
@@ -18,7 +21,9 @@ prefilled caches, in each mode (every mode once per round, in an order rotated f
 
 Writes ``<out>/generate.json`` (``environment`` and ``results``: one record per case with
 ``case, batch, cache_len, tokens_per_s, ms_per_token, cache_bytes``, the cache's own report of its
-bytes after the run, and more), ``<out>/generate.png`` and a markdown table. ``ms_per_token`` is
+bytes after the run, ``tokens_match_first_mode``: whether the greedy tokens of the mode's last
+round are the first mode's, as they are in float32 on the CPU, and more), ``<out>/generate.png``
+and a markdown table. ``ms_per_token`` is
 the time between two tokens of one sequence, one decoding step of the whole batch (what serving
 calls inter-token latency); ``tokens_per_s`` counts every sequence's tokens, ``batch x 1000 /
 ms_per_token``.
@@ -30,6 +35,7 @@ import argparse
 import copy
 import json
 import statistics
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +50,7 @@ from .common import (add_timing_options, bench_environment, check_bench_memory, 
                      time_ms)
 
 GENERATE_KINDS = "mha,mlr:8|8|8|8|8|8|8|8"
-MODES = ("eager", "static", "compiled", "exported", "graph")
+MODES = ("eager", "static", "compiled", "exported", "aoti", "graph")
 
 
 def add_parser(what: argparse._SubParsersAction) -> None:
@@ -56,8 +62,8 @@ def add_parser(what: argparse._SubParsersAction) -> None:
     p.add_argument("--cache-lens", default="4096", help="comma-separated prompt lengths, the cache before decoding "
                                                         "(default 4096)")
     p.add_argument("--new-tokens", type=int, default=16, help="tokens decoded per timed round (default 16)")
-    p.add_argument("--modes", default=None, help=f"comma-separated among {', '.join(MODES)} (default all; graph "
-                                                 "on CUDA only)")
+    p.add_argument("--modes", default=None, help=f"comma-separated among {', '.join(MODES)} (default all but aoti; "
+                                                 "graph on CUDA only)")
     p.add_argument("--backend", default="inductor", help="torch.compile backend of the compiled mode (default inductor)")
     p.add_argument("--compile-mode", choices=COMPILE_MODES, default="default",
                    help="torch.compile mode of the compiled mode: default, or reduce-overhead (CUDA graphs), ...")
@@ -75,7 +81,7 @@ def _check(args: argparse.Namespace) -> tuple[list[int], list[int], list[str]]:
         raise ValueError(f"--warmup: expected a non-negative integer, got {args.warmup}")
     batches, lens = number_list(args.batches, "--batches"), number_list(args.cache_lens, "--cache-lens")
     cuda = torch.device(args.device).type == "cuda"
-    modes = args.modes.split(",") if args.modes is not None else [m for m in MODES if cuda or m != "graph"]
+    modes = args.modes.split(",") if args.modes is not None else [m for m in MODES if m != "aoti" and (cuda or m != "graph")]
     if not modes or any(m not in MODES for m in modes):
         raise ValueError(f"--modes: expected names among {', '.join(MODES)}, got {args.modes!r}")
     if "graph" in modes and not cuda:
@@ -141,6 +147,12 @@ def _measure_kind(model: GPT, kind: str, batch: int, cache_len: int, modes: list
     if "exported" in modes:  # the program's buffers are the mode's caches, which fresh() refills in place
         exported = torch.export.export(DecodingStep(model, static["exported"]), (first,)).module()
         steps["exported"] = lambda token, caches: exported(token)
+    if "aoti" in modes:  # a package reads its inputs with the example's strides: contiguous tokens
+        step = DecodingStep(model, static["aoti"], inputs=True)
+        with tempfile.TemporaryDirectory() as folder:
+            package = torch._inductor.aoti_load_package(torch._inductor.aoti_compile_and_package(
+                torch.export.export(step, (first.contiguous(), step.tensors())), package_path=f"{folder}/step.pt2"))
+        steps["aoti"] = lambda token, caches: package(token.contiguous(), step.tensors())
 
     def fresh(mode: str) -> list[Any]:
         if mode == "eager":
@@ -152,13 +164,15 @@ def _measure_kind(model: GPT, kind: str, batch: int, cache_len: int, modes: list
                                args.new_tokens, device) if "graph" in modes else None
     times: dict[str, list[float]] = {mode: [] for mode in modes}
     held: dict[str, int] = {}
+    generated: dict[str, torch.Tensor] = {}  # each mode's tokens of its latest round
     for run in range(args.warmup + args.repeats):
         # round after round, every mode once, the order rotated: on the Xeon a round's first mode
         # ran its steps about 1.07x faster than its last, whichever it was
         for mode in modes[run % len(modes):] + modes[:run % len(modes)]:
-            caches = fresh(mode)
+            caches, made = fresh(mode), []
 
-            def generate(caches: list[Any] = caches, step: Any = steps[mode], graph: bool = mode == "graph") -> None:
+            def generate(caches: list[Any] = caches, step: Any = steps[mode], graph: bool = mode == "graph",
+                         made: list[torch.Tensor] = made) -> None:
                 if graph:
                     graphed.start(first[:, 0])
                     for _ in range(args.new_tokens):
@@ -167,8 +181,10 @@ def _measure_kind(model: GPT, kind: str, batch: int, cache_len: int, modes: list
                 token = first
                 for _ in range(args.new_tokens):
                     token = step(token, caches)[:, -1].argmax(-1, keepdim=True)
+                    made.append(token)
 
             ms = time_ms(generate, device)
+            generated[mode] = graphed.tokens[:, 1:].clone() if mode == "graph" else torch.cat(made, dim=1)
             held[mode] = _cache_bytes(caches)
             if run >= args.warmup:
                 times[mode].append(ms)
@@ -178,9 +194,11 @@ def _measure_kind(model: GPT, kind: str, batch: int, cache_len: int, modes: list
         case = kind if mode == "eager" else f"{kind}+{mode}"
         records.append({"case": case, "kind": kind, "mode": mode, "batch": batch, "cache_len": cache_len,
                         "tokens_per_s": batch * 1e3 / ms, "ms_per_token": ms, "prefill_ms": prefill_ms,
-                        "cache_bytes": held[mode], "cache_bytes_per_token": held[mode] / (cache_len + args.new_tokens)})
+                        "cache_bytes": held[mode], "cache_bytes_per_token": held[mode] / (cache_len + args.new_tokens),
+                        "tokens_match_first_mode": torch.equal(generated[mode], generated[modes[0]])})
         print(f"  {case:36s} batch {batch:3d} cache {cache_len:6d}: {records[-1]['tokens_per_s']:10.1f} tok/s "
-              f"({ms:.3f} ms/step)", flush=True)
+              f"({ms:.3f} ms/step)" + ("" if records[-1]["tokens_match_first_mode"] else
+                                       f"; other tokens than {modes[0]}'s"), flush=True)
     return records
 
 
