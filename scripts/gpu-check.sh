@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check of the kernels, for a machine with one CUDA GPU: the test suite on the GPU, the
 # tile-setting and decoding timings, and the benchmarks in bfloat16.
-#   scripts/gpu-check.sh [OUT_DIR] [all|suite|tests|tune|decode|layout|tilings|subtile|varlen|generate|captured|ncu|bench|host|graphs|ab] [K/N|TREE]
+#   scripts/gpu-check.sh [OUT_DIR] [all|suite|tests|tune|decode|layout|tilings|subtile|varlen|generate|export|captured|ncu|bench|host|graphs|ab] [K/N|TREE]
 # (default OUT_DIR runs/gpu-check, or $OUT on the lent device machine; default all). Each step is
 # sized for a machine that stops a command after 10 minutes:
 # all: the benchmarks (bench: MLR against flash and cuDNN at head dims 64 and 128 and with one level,
@@ -27,6 +27,9 @@
 # tests on the GPU, then times packed documents against one call per document and mixed-length generation.
 # generate (about 6 minutes) runs the static-cache tests on the GPU and times generation per kind,
 # growing and static caches, eager and CUDA-graph-captured.
+# export (5 minutes at most): the torch.export tests on CUDA (a model of every kind, its decoding
+# step and the step's AOTInductor package, with the Triton kernels and FlexAttention inside the
+# trace), then generation at a 16k cache, batch 16, static eager steps against the package.
 # captured (about 6 minutes, most of it compiling): the tests of decoding steps captured in one CUDA
 # graph with the choice of their token (GPT.generate(cuda_graph=True)), then generation at a 16k
 # cache, MHA and MLR, batch 16 (with each mode's per-step profile) then 1: torch.compile's
@@ -68,9 +71,9 @@ set -uo pipefail
 out=${1:-${OUT:-runs/gpu-check}}
 step=${2:-all}
 case $step in
-    all|suite|tests|tune|decode|layout|tilings|subtile|varlen|generate|captured|ncu|bench|host|graphs|ab) ;;
+    all|suite|tests|tune|decode|layout|tilings|subtile|varlen|generate|export|captured|ncu|bench|host|graphs|ab) ;;
     *) echo "gpu-check.sh: step: expected one of all, suite, tests, tune, decode, layout, tilings, subtile," \
-            "varlen, generate, captured, ncu, bench, host, graphs, ab; got '$step'" >&2; exit 2 ;;
+            "varlen, generate, export, captured, ncu, bench, host, graphs, ab; got '$step'" >&2; exit 2 ;;
 esac
 mkdir -p "$out"
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -252,6 +255,13 @@ if [[ $step == generate ]]; then
         --repeats 5 --out "$out/generate" \
         || status=1
     timeout 70 python3 scripts/profile_generate_step.py --batch 16 --out "$out/generate-profile-b16.txt" || status=1
+fi
+if [[ $step == export ]]; then
+    timeout 120 python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_export.py -k cuda -rfE 2>&1 \
+        | tee "$out/export-tests.log" | tail -n 5 || status=1
+    # the package's build, a case at a time, takes most of this
+    timeout 170 python3 -m structured_attention.cli.main bench generate --device cuda --dtype bfloat16 \
+        --batches 16 --cache-lens 16368 --modes static,aoti --repeats 5 --out "$out/generate-aoti" || status=1
 fi
 if [[ $step == captured ]]; then
     timeout 150 python3 -m pytest -o addopts= -q -p no:cacheprovider tests/test_static_cache.py tests/test_bench.py \

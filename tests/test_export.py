@@ -17,6 +17,9 @@ from structured_attention.models.gpt import GPT, GPTConfig
 # spans several tiles and blocks
 SPECS = ["mha:n_kv_heads=2", "swa:16", "global_swa:4|12", "mlr:8|4|4", "bilinear_mlr:8|4", "bilinear_btt:2"]
 SHAPES = [(1, 2), (2, 63), (4, 64), (3, 129), (2, 200)]
+# CUDA: the Triton kernels and FlexAttention inside a trace (the GPU check runs this file)
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                reason="needs a CUDA device"))]
 
 
 class _Logits(torch.nn.Module):
@@ -45,19 +48,29 @@ def _inputs(batch: str, b: int, t: int) -> tuple[torch.Tensor, torch.Tensor | No
     return idx, None
 
 
+def _on(device: str, *tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    return tuple(None if t is None else t.to(device) for t in tensors)
+
+
+def _tolerance(device: str) -> dict[str, float]:
+    return {"rtol": 1e-5, "atol": 1e-5} if device == "cpu" else {"rtol": 1e-4, "atol": 1e-4}
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("batch", ["plain", "padded", "packed"])
 @pytest.mark.parametrize("spec", SPECS)
-def test_an_exported_gpt_takes_every_batch_and_length(spec, batch):
+def test_an_exported_gpt_takes_every_batch_and_length(spec, batch, device):
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=50, d_model=64, n_heads=4, n_layers=2, max_seq_len=256, attention=spec)).eval()
+    model = GPT(GPTConfig(vocab_size=50, d_model=64, n_heads=4, n_layers=2, max_seq_len=256,
+                          attention=spec)).to(device).eval()
     wrapped = _Logits(model, batch)
-    idx, aux = _inputs(batch, 3, 100)
+    idx, aux = _on(device, *_inputs(batch, 3, 100))
     dims = {0: Dim("batch", min=1, max=8), 1: Dim("seq_len", min=2, max=256)}
     program = export(wrapped, (idx, aux), dynamic_shapes=(dims, dims if aux is not None else None))
     for b, t in SHAPES:
-        idx, aux = _inputs(batch, b, t)
+        idx, aux = _on(device, *_inputs(batch, b, t))
         with torch.no_grad():
-            torch.testing.assert_close(program.module()(idx, aux), wrapped(idx, aux), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(program.module()(idx, aux), wrapped(idx, aux), **_tolerance(device))
 
 
 def test_an_exported_program_saved_and_loaded_runs_the_packages_ops(tmp_path):
@@ -78,15 +91,17 @@ def test_an_exported_program_saved_and_loaded_runs_the_packages_ops(tmp_path):
         torch.testing.assert_close(loaded.module()(idx, ids), wrapped(idx, ids), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("spec", SPECS)
-def test_an_exported_decoding_step_continues_a_padded_prompt_as_eager_steps_do(spec):
+def test_an_exported_decoding_step_continues_a_padded_prompt_as_eager_steps_do(spec, device):
     """60 greedy steps after left-padded prompts (past the window and across MLR blocks): the
     program's logits are those of eager steps on caches the same prompts filled, and it wrote into
     the caches themselves."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=50, d_model=64, n_heads=4, n_layers=2, max_seq_len=96, attention=spec)).eval()
-    prompt = torch.randint(0, 50, (3, 20))
-    mask = torch.ones(3, 20, dtype=torch.bool)
+    model = GPT(GPTConfig(vocab_size=50, d_model=64, n_heads=4, n_layers=2, max_seq_len=96,
+                          attention=spec)).to(device).eval()
+    prompt = torch.randint(0, 50, (3, 20), device=device)
+    mask = torch.ones(3, 20, dtype=torch.bool, device=device)
     mask[0, :5] = False
     mask[1, :12] = False
     caches, eager = model.new_caches(3, static=True), model.new_caches(3, static=True)
@@ -98,7 +113,7 @@ def test_an_exported_decoding_step_continues_a_padded_prompt_as_eager_steps_do(s
         token = logits[:, -1:].argmax(-1)
         for _ in range(60):
             got = step(token)
-            torch.testing.assert_close(got, model(token, caches=eager)[0], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(got, model(token, caches=eager)[0], **_tolerance(device))
             token = got[:, -1:].argmax(-1)
     for cache, reference in zip(caches, eager):
         torch.testing.assert_close(cache.tensors(), reference.tensors(), rtol=1e-6, atol=1e-6)
@@ -126,14 +141,15 @@ def test_a_saved_decoding_step_reads_its_prompt_token_by_token_and_starts_again(
                 buffer.zero_()
 
 
-def test_an_aotinductor_package_of_the_step_continues_caches_it_takes_as_inputs(tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_aotinductor_package_of_the_step_continues_caches_it_takes_as_inputs(tmp_path, device):
     """AOTInductor's package of a step that takes the caches' tensors as inputs (inputs=True), after
     left-padded prompts: the logits of eager steps on caches the same prompts filled."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=50, d_model=64, n_heads=4, n_layers=2, max_seq_len=64,
-                          attention="mlr:8|4|4,swa:16")).eval()
-    prompt = torch.randint(0, 50, (2, 12))
-    mask = torch.ones(2, 12, dtype=torch.bool)
+                          attention="mlr:8|4|4,swa:16")).to(device).eval()
+    prompt = torch.randint(0, 50, (2, 12), device=device)
+    mask = torch.ones(2, 12, dtype=torch.bool, device=device)
     mask[1, :7] = False
     caches, eager = model.new_caches(2, static=True), model.new_caches(2, static=True)
     with torch.no_grad():
@@ -147,7 +163,7 @@ def test_an_aotinductor_package_of_the_step_continues_caches_it_takes_as_inputs(
         token = logits[:, -1:].argmax(-1)
         for _ in range(30):  # past the window and an MLR block
             got = package(token, step.tensors())
-            torch.testing.assert_close(got, model(token, caches=eager)[0], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(got, model(token, caches=eager)[0], **_tolerance(device))
             token = got[:, -1:].argmax(-1)
 
 
