@@ -119,23 +119,24 @@ def test_an_exported_decoding_step_continues_a_padded_prompt_as_eager_steps_do(s
         torch.testing.assert_close(cache.tensors(), reference.tensors(), rtol=1e-6, atol=1e-6)
 
 
-def test_a_saved_decoding_step_reads_its_prompt_token_by_token_and_starts_again(tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_saved_decoding_step_reads_its_prompt_token_by_token_and_starts_again(tmp_path, device):
     """From empty caches, saved and loaded again: fed a sequence token by token, the program gives
     the model's logits of the whole sequence; with its slots set to 0, those of another one."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=50, d_model=64, n_heads=4, n_layers=3, max_seq_len=64,
-                          attention="mlr:8|4|4,swa:16,mha")).eval()
-    token = torch.zeros(2, 1, dtype=torch.long)
+                          attention="mlr:8|4|4,swa:16,mha")).to(device).eval()
+    token = torch.zeros(2, 1, dtype=torch.long, device=device)
     with torch.no_grad():
         program = export(DecodingStep(model, model.new_caches(2, static=True)), (token,))
     torch.export.save(program, tmp_path / "step.pt2")
     step = torch.export.load(tmp_path / "step.pt2").module()
     assert any(str(node.target).startswith("sattn.") for node in program.graph.nodes)
     for length in (40, 64):
-        sequence = torch.randint(0, 50, (2, length))
+        sequence = torch.randint(0, 50, (2, length), device=device)
         with torch.no_grad():
             got = torch.cat([step(sequence[:, i:i + 1]) for i in range(length)], dim=1)
-            torch.testing.assert_close(got, model(sequence)[0], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(got, model(sequence)[0], **_tolerance(device))
         for name, buffer in step.named_buffers():
             if name.endswith(".slot"):
                 buffer.zero_()
