@@ -84,12 +84,17 @@ def test_bench_back_to_back_times_n_calls_a_round_and_reports_them_beside_single
     assert "fwd+bwd ms, back to back" in markdown_table(rows)
 
 
-def test_bench_generate_times_every_kind_and_mode_and_reports_its_cache(tmp_path):
-    args = ["bench", "generate", "--kinds", "mha,mlr:4|2|2", "--d-model", "16", "--n-heads", "2", "--n-layers", "1",
-            "--batches", "1,2", "--cache-lens", "13", "--new-tokens", "3", "--backend", "aot_eager", "--repeats", "1",
-            "--warmup", "0", "--out", str(tmp_path)]
+def _bench_generate(out, kinds: str, batches: str, *extra: str) -> list[dict]:
+    """``sattn bench generate`` of a tiny model (a 13-token cache, 3 new tokens, one round); its records."""
+    args = ["bench", "generate", "--kinds", kinds, "--d-model", "16", "--n-heads", "2", "--n-layers", "1",
+            "--batches", batches, "--cache-lens", "13", "--new-tokens", "3", "--repeats", "1", "--warmup", "0",
+            "--out", str(out), *extra]
     assert main(args) == 0
-    rows = json.loads((tmp_path / "generate.json").read_text())["results"]
+    return json.loads((out / "generate.json").read_text())["results"]
+
+
+def test_bench_generate_times_every_kind_and_mode_and_reports_its_cache(tmp_path):
+    rows = _bench_generate(tmp_path, "mha,mlr:4|2|2", "1,2", "--backend", "aot_eager")
     modes = ["", "+static", "+compiled", "+exported"] + (["+graph"] if torch.cuda.is_available() else [])  # graph: CUDA's
     assert [(r["case"], r["batch"]) for r in rows] == [
         (kind + mode, batch) for batch in (1, 2) for kind in ("mha", "mlr:4|2|2") for mode in modes]
@@ -106,11 +111,7 @@ def test_bench_generate_times_every_kind_and_mode_and_reports_its_cache(tmp_path
 
 def test_bench_generate_times_an_aotinductor_package_of_the_step(tmp_path):
     """The aoti mode, not a default one (its build is slow): the package of the step is timed."""
-    args = ["bench", "generate", "--kinds", "mlr:4|2|2", "--d-model", "16", "--n-heads", "2", "--n-layers", "1",
-            "--batches", "2", "--cache-lens", "13", "--new-tokens", "3", "--modes", "static,aoti", "--repeats", "1",
-            "--warmup", "0", "--out", str(tmp_path)]
-    assert main(args) == 0
-    rows = json.loads((tmp_path / "generate.json").read_text())["results"]
+    rows = _bench_generate(tmp_path, "mlr:4|2|2", "2", "--modes", "static,aoti")
     assert [r["case"] for r in rows] == ["mlr:4|2|2+static", "mlr:4|2|2+aoti"]
     assert rows[1]["tokens_per_s"] > 0 and rows[1]["cache_bytes"] == rows[0]["cache_bytes"]
     assert rows[1]["tokens_match_first_mode"]

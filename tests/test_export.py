@@ -91,6 +91,20 @@ def test_an_exported_program_saved_and_loaded_runs_the_packages_ops(tmp_path):
         torch.testing.assert_close(loaded.module()(idx, ids), wrapped(idx, ids), rtol=1e-5, atol=1e-5)
 
 
+def _prefilled_twice(model: GPT, prompt: torch.Tensor, padding: list[int]) -> tuple[torch.Tensor, list, list]:
+    """Two sets of static caches filled by the same left-padded prompts (``padding[b]`` tokens of
+    row ``b``): one for the step under test, one for the eager steps it is compared with; and the
+    prompts' logits."""
+    mask = torch.ones(prompt.shape, dtype=torch.bool, device=prompt.device)
+    for row, pad in enumerate(padding):
+        mask[row, :pad] = False
+    caches, eager = model.new_caches(prompt.shape[0], static=True), model.new_caches(prompt.shape[0], static=True)
+    with torch.no_grad():
+        logits = model(prompt, caches=caches, attention_mask=mask)[0]
+        model(prompt, caches=eager, attention_mask=mask)
+    return logits, caches, eager
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("spec", SPECS)
 def test_an_exported_decoding_step_continues_a_padded_prompt_as_eager_steps_do(spec, device):
@@ -101,13 +115,8 @@ def test_an_exported_decoding_step_continues_a_padded_prompt_as_eager_steps_do(s
     model = GPT(GPTConfig(vocab_size=50, d_model=64, n_heads=4, n_layers=2, max_seq_len=96,
                           attention=spec)).to(device).eval()
     prompt = torch.randint(0, 50, (3, 20), device=device)
-    mask = torch.ones(3, 20, dtype=torch.bool, device=device)
-    mask[0, :5] = False
-    mask[1, :12] = False
-    caches, eager = model.new_caches(3, static=True), model.new_caches(3, static=True)
+    logits, caches, eager = _prefilled_twice(model, prompt, [5, 12, 0])
     with torch.no_grad():
-        logits = model(prompt, caches=caches, attention_mask=mask)[0]
-        model(prompt, caches=eager, attention_mask=mask)
         program = export(DecodingStep(model, caches), (prompt[:, -1:],))
         step = program.module()
         token = logits[:, -1:].argmax(-1)
@@ -150,12 +159,8 @@ def test_an_aotinductor_package_of_the_step_continues_caches_it_takes_as_inputs(
     model = GPT(GPTConfig(vocab_size=50, d_model=64, n_heads=4, n_layers=2, max_seq_len=64,
                           attention="mlr:8|4|4,swa:16")).to(device).eval()
     prompt = torch.randint(0, 50, (2, 12), device=device)
-    mask = torch.ones(2, 12, dtype=torch.bool, device=device)
-    mask[1, :7] = False
-    caches, eager = model.new_caches(2, static=True), model.new_caches(2, static=True)
+    logits, caches, eager = _prefilled_twice(model, prompt, [0, 7])
     with torch.no_grad():
-        logits = model(prompt, caches=caches, attention_mask=mask)[0]
-        model(prompt, caches=eager, attention_mask=mask)
         step = DecodingStep(model, caches, inputs=True)
         # contiguous, as the tokens below: a package reads its inputs with the example's strides
         program = export(step, (prompt[:, -1:].contiguous(), step.tensors()))
